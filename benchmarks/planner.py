@@ -1,0 +1,169 @@
+"""Planner benchmark: PT and efficiency of every planner on every ``peers/`` file and on generated geo-distributed
+swarms of 64, 256 and 1,024 devices, the planners' wall time, and the §4.4 stage-count comparison.
+
+    python benchmarks/planner.py [--quick]
+
+writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from p2ptrain.planner import PLANNERS, PlanningError, Swarm, make_plan, model_spec  # noqa: E402
+from p2ptrain.planner.cost import Workload, evaluate  # noqa: E402
+from p2ptrain.planner.generate import geo_swarm  # noqa: E402
+from p2ptrain.planner.swarmfile import load_swarm  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+GEO_MODEL = {"name": "llama-33b", "precision": "fp16", "offload": "optimizer"}
+GEO_BATCH = {"tokens": 2048 * 2048, "microbatches": 256}
+
+
+def run_planners(swarm: Swarm, name: str, model, tokens: int, microbatches: int, samples: int) -> dict:
+    row: dict = {"swarm": name, "devices": len(swarm.devices), "reliable": int(swarm.reliable.sum()),
+                 "model": model.name, "planners": {}}
+    for planner in PLANNERS:
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=planner,
+                             random_samples=samples)
+            result = {"pt": plan.predicted.batch_time_s, "efficiency": plan.predicted.efficiency,
+                      "stages": len(plan.stages), "idle": len(plan.idle)}
+        except PlanningError:
+            result = {"pt": float("inf"), "efficiency": 0.0, "stages": 0, "idle": len(swarm.devices)}
+        result["wall_s"] = time.perf_counter() - start
+        result["cpu_s"] = time.process_time() - cpu
+        row["planners"][planner] = result
+        print(f"  {name:22s} {planner:8s} PT {result['pt']:10.4g} s  eff {result['efficiency']:.3f}  "
+              f"K {result['stages']:2d}  {result['wall_s']:6.2f} s wall {result['cpu_s']:6.2f} s cpu", flush=True)
+    p = row["planners"]
+    row["refined_vs_random"] = p["refined"]["pt"] / p["random"]["pt"]
+    row["refined_vs_dtfm"] = p["refined"]["pt"] / p["dtfm"]["pt"]
+    row["must_show_1"] = bool(row["refined_vs_random"] <= 0.9 and p["refined"]["pt"] <= p["dtfm"]["pt"])
+    return row
+
+
+def stage_comparison(path: Path, tokens: int) -> list[dict]:
+    """§4.4: the planner's own choice beside plans forced to 2, 3 and 4 stages, with the terms that set PT."""
+    swarm = load_swarm(path)
+    assert swarm.model is not None and swarm.microbatches
+    wl = Workload(model=swarm.model, batch_tokens=tokens, microbatches=swarm.microbatches)
+    net = swarm.network()
+    rows = []
+    for planner, stages in (("refined", None), ("paper", None), ("refined", 2), ("refined", 3), ("refined", 4),
+                            ("paper", 2), ("paper", 3), ("paper", 4)):
+        plan = make_plan(swarm, swarm.model, batch_tokens=tokens, microbatches=swarm.microbatches,
+                         planner=planner, stages=stages)
+        ev = evaluate(net, wl, plan.layouts(swarm.ids))
+        d = wl.microbatches
+        compute = [d * wl.microbatch_tokens * (s.layers[1] - s.layers[0]) * wl.model.flops_per_token_per_layer /
+                   sum(net.flops[swarm.index(w)] for w in s.workers) for s in plan.stages]
+        rows.append({
+            "tokens": tokens, "planner": planner, "forced": stages, "stages": len(plan.stages), "pt": ev.batch_time_s,
+            "efficiency": ev.efficiency, "max_stage": max(ev.stage_times_s), "max_averaging": max(ev.averaging_s),
+            "max_compute": max(compute), "layers": [s.layers[1] - s.layers[0] for s in plan.stages],
+            "members": [f"{len(s.fs)}+{len(s.bs)}+{len(s.clients)}" for s in plan.stages], "idle": len(plan.idle),
+        })
+    return rows
+
+
+def markdown(rows: list[dict], comparison: list[dict], command: str, samples: int) -> str:
+    out = ["# Planner benchmark", "", f"Command: `{command}`", "",
+           f"PT: predicted time per global batch (DESIGN §3 cost model), seconds; eff = LB/PT. random = best of "
+           f"{samples} random valid plans. ok = refined PT <= 0.9 x random and <= DT-FM.", "",
+           "| swarm | devices (reliable) | " + " | ".join(f"{p} PT (eff)" for p in PLANNERS) +
+           " | refined/random | refined/dtfm | ok |",
+           "|---|---|" + "---|" * (len(PLANNERS) + 3)]
+    for r in rows:
+        cells = [f"{r['planners'][p]['pt']:.4g} ({r['planners'][p]['efficiency']:.2f})" for p in PLANNERS]
+        out.append(f"| {r['swarm']} | {r['devices']} ({r['reliable']}) | " + " | ".join(cells) +
+                   f" | {r['refined_vs_random']:.2f} | {r['refined_vs_dtfm']:.2f} | "
+                   f"{'yes' if r['must_show_1'] else 'NO'} |")
+    out += ["", "## Planner wall time (s)", "",
+            "Wall / CPU seconds (the machine has 2 cores and may be shared; CPU time is the steadier figure).", "",
+            "| swarm | devices | " + " | ".join(PLANNERS) + " |", "|---|---|" + "---|" * len(PLANNERS)]
+    for r in rows:
+        out.append(f"| {r['swarm']} | {r['devices']} | " +
+                   " | ".join(f"{r['planners'][p]['wall_s']:.2f} / {r['planners'][p]['cpu_s']:.2f}"
+                              for p in PLANNERS) + " |")
+    out += ["", "## §4.4 real-world testbed: stage count", "",
+            "Batch tokens: the file's 524,288, then smaller batches, where averaging (which does not shrink with "
+            "the batch) starts to bind.", "",
+            "| batch tokens | planner | stages forced | K | PT s | eff | max d·(C+C+DT) s | max AR s | "
+            "max compute s | layers | FS+BS+clients | idle |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in comparison:
+        out.append(f"| {c['tokens']} | {c['planner']} | {c['forced'] or '-'} | {c['stages']} | {c['pt']:.5g} | "
+                   f"{c['efficiency']:.3f}"
+                   f" | {c['max_stage']:.5g} | {c['max_averaging']:.5g} | {c['max_compute']:.5g} | "
+                   f"{c['layers']} | {' '.join(c['members'])} | {c['idle']} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    x = np.arange(len(rows))
+    width = 0.8 / len(PLANNERS)
+    for i, p in enumerate(PLANNERS):
+        ratio = [r["planners"][p]["pt"] / r["planners"]["random"]["pt"] for r in rows]
+        left.bar(x + i * width, ratio, width, label=p)
+    left.axhline(0.9, color="black", linestyle="--", linewidth=0.8)
+    left.set_yscale("log")
+    left.set_xticks(x + width * (len(PLANNERS) - 1) / 2, [r["swarm"] for r in rows], rotation=60, ha="right",
+                    fontsize=7)
+    left.set_ylabel("PT / best-of-random PT (log)")
+    left.legend(fontsize=8)
+    for p in PLANNERS:
+        right.scatter([r["devices"] for r in rows], [r["planners"][p]["wall_s"] for r in rows], label=p, s=14)
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_xlabel("devices")
+    right.set_ylabel("planner wall time (s)")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="200 random samples, no 1,024-device swarm")
+    args = parser.parse_args()
+    samples = 200 if args.quick else 2000
+    rows = []
+    for path in sorted((ROOT / "peers").glob("*.toml")):
+        swarm = load_swarm(path)
+        assert swarm.model is not None and swarm.batch_tokens and swarm.microbatches, path
+        rows.append(run_planners(swarm, path.stem, swarm.model, swarm.batch_tokens, swarm.microbatches, samples))
+    model = model_spec(GEO_MODEL["name"], precision=GEO_MODEL["precision"], offload=GEO_MODEL["offload"])
+    sizes = [(64, 0), (64, 1), (64, 2), (256, 0), (256, 1)] + ([] if args.quick else [(1024, 0)])
+    for n, seed in sizes:
+        rows.append(run_planners(geo_swarm(n, seed), f"geo-{n}-seed{seed}", model, GEO_BATCH["tokens"],
+                                 GEO_BATCH["microbatches"], samples))
+    comparison = [c for tokens in (524288, 262144, 131072)
+                  for c in stage_comparison(ROOT / "peers" / "paper-sec44.toml", tokens)]
+    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/planner.py", *sys.argv[1:]])
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    text = markdown(rows, comparison, command, samples)
+    (RESULTS / "planner.md").write_text(text)
+    (RESULTS / "planner.json").write_text(json.dumps({"command": command, "geo_model": GEO_MODEL,
+                                                      "geo_batch": GEO_BATCH, "rows": rows,
+                                                      "sec44": comparison}, indent=1) + "\n")
+    plot(rows, RESULTS / "planner.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Training text and byte-level tokenization.
+
+With no `--data PATH`, runs train on `embedded_corpus()`: English-like text the project generates itself
+from a small world of places, people and things, so nothing is downloaded. The text repeats a fixed set of
+facts in varied sentences and fills in grammatical sentences around them, which gives a byte-level model
+plenty to learn quickly (spelling, word order, the facts) while staying far from trivial.
+
+`TextSource.microbatch(epoch, index, rows)` depends only on (seed, epoch, index, rows): every process that
+asks for the same batch gets the same tokens, which the runtime relies on (the stage-0 FS and the
+single-process reference read the same rows).
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: 256 ids, no unknowns, no merges."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        # a window may cut a multi-byte character; replace it rather than fail
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def load_text(path: str) -> str:
+    """Read a UTF-8 text file; the error names the path the user gave."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"data file {path!r} does not exist or is not a file")
+    return file.read_text(encoding="utf-8", errors="replace")
+
+
+class TextSource:
+    """Fixed-length training windows drawn deterministically from one text."""
+
+    def __init__(self, *, text: str | None = None, path: str | None = None, seq_len: int, seed: int):
+        if text is not None and path is not None:
+            raise ValueError("give text or path, not both")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        if path is not None:
+            origin, text = f"data file {path!r}", load_text(path)
+        elif text is not None:
+            origin = "the given text"
+        else:
+            origin, text = "the embedded corpus", embedded_corpus()
+        data = text.encode("utf-8")  # ByteTokenizer's ids, kept as bytes: a large file stays 1 byte per token
+        if len(data) < seq_len + 1:
+            raise ValueError(f"{origin} has {len(data)} bytes, too short for one sequence of {seq_len} + 1 tokens")
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.seq_len = seq_len
+        self.seed = seed
+        self.origin = origin
+
+    def microbatch(self, epoch: int, index: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels), both int64 [rows, seq_len]; labels[:, t] is the token after input_ids[:, t]."""
+        if min(epoch, index) < 0 or rows < 1:
+            raise ValueError(f"need epoch >= 0, index >= 0, rows >= 1; got {epoch}, {index}, {rows}")
+        # numpy seeds from the whole (seed, epoch, index) tuple, so neighbouring batches are unrelated
+        rng = np.random.default_rng([self.seed, epoch, index])
+        starts = torch.from_numpy(rng.integers(0, len(self.tokens) - self.seq_len, size=rows))
+        windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+# The generated world. Words are plain English; the mix of fixed facts and free sentences is what matters.
+_NAMES = (
+    "Anna", "Boris", "Clara", "David", "Elena", "Felix", "Greta", "Hugo", "Irene", "Jonas", "Karin", "Leo",
+    "Maria", "Nico", "Olga", "Paul", "Rosa", "Simon", "Tara", "Victor", "Wanda", "Yuri", "Zoe", "Omar",
+)
+_PLACES = (
+    "town", "village", "harbor", "market", "mill", "bridge", "castle", "forest", "valley", "farm", "school",
+    "library", "church", "station", "garden", "tower", "lake", "hill", "bakery", "inn", "square", "port",
+)
+_PLACE_ADJS = ("old", "new", "small", "quiet", "busy", "green", "stone", "white", "high", "low", "far", "near")
+_DIRECTIONS = ("north", "south", "east", "west")
+_JOBS = (
+    "baker", "farmer", "teacher", "doctor", "sailor", "miller", "smith", "painter", "writer", "guard", "cook",
+    "weaver", "carpenter", "fisher", "singer", "builder", "tailor", "potter", "merchant", "gardener", "nurse",
+    "shepherd", "judge", "priest",
+)
+_THINGS = (
+    "apples", "bread", "books", "boats", "bells", "candles", "cheese", "coats", "fish", "flowers", "horses",
+    "lamps", "letters", "maps", "nets", "pots", "rope", "salt", "sheep", "stones", "tools", "wine", "wool",
+    "baskets", "blankets", "boots", "buttons", "cakes", "chairs", "clocks", "cups", "eggs", "hats", "keys",
+    "knives", "nails", "pears", "plums", "shoes", "spoons", "tables", "onions", "honey", "milk", "beans",
+)
+_COLORS = ("red", "blue", "green", "yellow", "black", "white", "brown", "gray")
+_ANIMALS = (
+    "dog", "cat", "horse", "goat", "bird", "fox", "owl", "cow", "duck", "mouse", "rabbit", "pig", "hen",
+    "donkey", "frog", "bear",
+)
+_ADJS = (
+    "little", "big", "tired", "happy", "quiet", "loud", "young", "clever", "kind", "slow", "quick", "brave",
+    "hungry", "careful", "lazy", "proud", "gentle", "curious", "sleepy", "angry", "calm", "friendly", "shy",
+    "wild", "fat", "thin", "strong", "silly", "polite", "honest",
+)
+_INTRANSITIVE = (
+    "sleeps", "sings", "waits", "runs", "walks", "rests", "works", "laughs", "reads", "plays", "dances",
+    "cries", "jumps", "swims", "sits", "listens", "dreams", "hides", "shouts", "smiles",
+)
+_TRANSITIVE = (
+    "sees", "finds", "helps", "follows", "watches", "meets", "calls", "visits", "greets", "thanks", "teaches",
+    "warns", "pays", "trusts", "answers", "invites", "remembers", "forgets",
+)
+_CARRY = (
+    "sells", "buys", "carries", "makes", "keeps", "brings", "counts", "mends", "paints", "wants", "orders",
+    "packs", "hides", "gives away", "washes", "loads",
+)
+_TIMES = (
+    "in the morning", "at noon", "in the evening", "at night", "every day", "on Monday", "on Tuesday",
+    "on Friday", "on Sunday", "after the rain", "before dinner", "after lunch", "in the spring",
+    "in the summer", "in the autumn", "in the winter", "once a week", "twice a month", "at dawn", "at dusk",
+)
+_WEATHER = ("rain", "snow", "wind", "fog", "a storm", "thunder", "hail", "a rainbow")
+_CONNECT = ("and then", "but", "so", "because", "while")
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
+
+
+class _World:
+    """A fixed set of facts (who lives where, does what, likes which color; where places lie)."""
+
+    def __init__(self, rng: random.Random):
+        self.place_name = {p: f"the {rng.choice(_PLACE_ADJS)} {p}" for p in _PLACES}
+        self.place_dir = {p: (rng.choice(_DIRECTIONS), rng.choice(_PLACES)) for p in _PLACES}
+        self.home = {n: rng.choice(_PLACES) for n in _NAMES}
+        self.job = {n: rng.choice(_JOBS) for n in _NAMES}
+        self.color = {n: rng.choice(_COLORS) for n in _NAMES}
+        self.pet = {n: rng.choice(_ANIMALS) for n in _NAMES}
+        self.trade = {j: rng.sample(_THINGS, 2) for j in _JOBS}
+
+    def fact(self, rng: random.Random) -> str:
+        n = rng.choice(_NAMES)
+        p = rng.choice(_PLACES)
+        kind = rng.randrange(7)
+        if kind == 0:
+            return f"{n} lives in {self.place_name[self.home[n]]}."
+        if kind == 1:
+            return f"{n} is {_a(self.job[n])}."
+        if kind == 2:
+            return f"the favorite color of {n} is {self.color[n]}."
+        if kind == 3:
+            return f"{n} has {_a(self.pet[n])}."
+        if kind == 4:
+            d, q = self.place_dir[p]
+            return f"{self.place_name[p]} lies {d} of {self.place_name[q]}."
+        if kind == 5:
+            j = self.job[n]
+            return f"{n} the {j} {rng.choice(_CARRY)} {rng.choice(self.trade[j])} at {self.place_name[self.home[n]]}."
+        return f"the {self.pet[n]} of {n} {rng.choice(_INTRANSITIVE)} near {self.place_name[self.home[n]]}."
+
+    def sentence(self, rng: random.Random) -> str:
+        n, m = rng.sample(_NAMES, 2)
+        kind = rng.randrange(6)
+        if kind == 0:
+            return f"the {rng.choice(_ADJS)} {rng.choice(_ANIMALS)} {rng.choice(_INTRANSITIVE)} {rng.choice(_TIMES)}."
+        if kind == 1:
+            return f"{n} {rng.choice(_TRANSITIVE)} {m} at {self.place_name[rng.choice(_PLACES)]} {rng.choice(_TIMES)}."
+        if kind == 2:
+            return f"{n} {rng.choice(_CARRY)} {rng.randint(2, 12)} {rng.choice(_THINGS)} for {m}."
+        if kind == 3:
+            return f"there is {rng.choice(_WEATHER)} over {self.place_name[rng.choice(_PLACES)]} {rng.choice(_TIMES)}."
+        if kind == 4:
+            first = f"{n} {rng.choice(_INTRANSITIVE)}"
+            second = f"{m} {rng.choice(_TRANSITIVE)} the {rng.choice(_ADJS)} {rng.choice(_ANIMALS)}"
+            return f"{first} {rng.choice(_CONNECT)} {second}."
+        return f"{n} asks {m} where {self.place_name[rng.choice(_PLACES)]} is."
+
+
+def embedded_corpus(*, seed: int = 0, size_bytes: int = 400_000) -> str:
+    """Deterministic generated English of about `size_bytes` bytes (ASCII, so bytes == characters)."""
+    rng = random.Random(seed)
+    world = _World(rng)
+    paragraphs: list[str] = []
+    total = 0
+    while total < size_bytes:
+        # about half of all sentences state a fact of the world, so the facts recur many times
+        sentences = [world.fact(rng) if rng.random() < 0.5 else world.sentence(rng) for _ in range(rng.randint(3, 7))]
+        paragraph = " ".join(s[0].upper() + s[1:] for s in sentences)
+        paragraphs.append(paragraph)
+        total += len(paragraph) + 1
+    return "\n".join(paragraphs)[:size_bytes]

@@ -1,0 +1,37 @@
+"""Signed, schema-checked soft-state records of a run in hivemind's DHT (DESIGN §4)."""
+from p2ptrain.dht.announcer import Announcer
+from p2ptrain.dht.keys import (
+    MAX_STAGES,
+    make_validators,
+    metrics_key,
+    owned_subkey,
+    peers_key,
+    plan_key,
+    split_subkey,
+    stage_key,
+)
+from p2ptrain.dht.readers import get_metrics, get_peers, get_plan, get_stage_members
+from p2ptrain.dht.records import MAX_EPOCHS_KEPT, EpochMetrics, Link, Membership, Metrics, PeerInfo, PlanRecord
+
+__all__ = [
+    "MAX_EPOCHS_KEPT",
+    "MAX_STAGES",
+    "Announcer",
+    "EpochMetrics",
+    "Link",
+    "Membership",
+    "Metrics",
+    "PeerInfo",
+    "PlanRecord",
+    "get_metrics",
+    "get_peers",
+    "get_plan",
+    "get_stage_members",
+    "make_validators",
+    "metrics_key",
+    "owned_subkey",
+    "peers_key",
+    "plan_key",
+    "split_subkey",
+    "stage_key",
+]

@@ -1,0 +1,90 @@
+"""Reading the run's records back out of the DHT.
+
+`dht.get(key, latest=True)` returns ValueWithExpiration(value={subkey: ValueWithExpiration(value, expiration)})
+for a key written with subkeys, or None. hivemind has already dropped entries whose signature or schema
+failed on DHTs built with `make_validators`; the readers check again (a peer's DHT may lack the validators)
+and skip, with a warning, anything malformed or claiming a peer id its subkey does not carry.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+from p2ptrain.dht.keys import metrics_key, peers_key, plan_key, split_subkey, stage_key
+from p2ptrain.dht.records import Membership, Metrics, PeerInfo, PlanRecord
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R", PeerInfo, Membership, Metrics)
+
+
+def get_peers(dht: hivemind.DHT, run_id: str) -> list[PeerInfo]:
+    return _per_peer(dht, peers_key(run_id), PeerInfo.from_value)
+
+
+def get_stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> list[Membership]:
+    return _per_peer(dht, stage_key(run_id, stage), Membership.from_value)
+
+
+def get_metrics(dht: hivemind.DHT, run_id: str) -> list[Metrics]:
+    return _per_peer(dht, metrics_key(run_id), Metrics.from_value)
+
+
+def get_plan(dht: hivemind.DHT, run_id: str, planner_public_key: bytes | None) -> PlanRecord | None:
+    """The newest plan (highest version, then latest created) written under `planner_public_key`.
+
+    `planner_public_key` is the planner's RSASignatureValidator.local_public_key; entries under any other
+    key are ignored with a warning. None trusts every writer (single-operator runs and tools only).
+    """
+    best: PlanRecord | None = None
+    for subkey, value in _live_entries(dht, plan_key(run_id)):
+        if planner_public_key is not None and subkey != planner_public_key:
+            logger.warning("ignoring a plan for run %s written by a key that is not the planner's", run_id)
+            continue
+        try:
+            record = PlanRecord.from_value(value)
+        except (TypeError, ValueError) as e:
+            logger.warning("skipping a malformed plan for run %s: %s", run_id, e)
+            continue
+        if best is None or (record.version, record.created) > (best.version, best.created):
+            best = record
+    return best
+
+
+def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R]) -> list[R]:
+    records = []
+    for subkey, value in _live_entries(dht, key):
+        try:
+            peer_id, _owner = split_subkey(subkey)
+            record = parse(value)
+        except (TypeError, ValueError) as e:
+            logger.warning("skipping a malformed entry of %s: %s", key, e)
+            continue
+        if record.peer_id != peer_id:
+            # the owner key authenticates the writer; the peer id in the subkey pins which peer it speaks for
+            logger.warning("skipping an entry of %s for peer %s stored under peer %s", key, record.peer_id, peer_id)
+            continue
+        records.append(record)
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+def _live_entries(dht: hivemind.DHT, key: str) -> Iterator[tuple[bytes, Any]]:
+    """(subkey, value) of the unexpired, non-tombstone entries under `key`."""
+    found = dht.get(key, latest=True)
+    if found is None:
+        return
+    if not isinstance(found.value, dict):
+        logger.warning("skipping %s: expected entries under subkeys, got a %s", key, type(found.value).__name__)
+        return
+    now = get_dht_time()
+    for subkey, entry in found.value.items():
+        if not isinstance(subkey, bytes):
+            logger.warning("skipping an entry of %s under a non-bytes subkey %r", key, subkey)
+            continue
+        if entry.expiration_time < now or entry.value is None:  # expired, or withdrawn by its owner
+            continue
+        yield subkey, entry.value

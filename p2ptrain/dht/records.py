@@ -1,0 +1,248 @@
+"""The records peers publish in the DHT: dataclasses for the code, strict pydantic (v1) models for the wire.
+
+hivemind's SchemaValidator runs pydantic v1 and rejects any value that pydantic would have to convert
+(an int where a float is declared, a tuple for a list), so every dataclass normalizes its fields on
+construction and `to_value` checks the result against the same model before anything is sent: a record
+that would be dropped by the DHT fails here instead, with pydantic's message.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Literal, Optional
+
+import pydantic.v1 as pydantic
+
+PeerRole = Literal["server", "client", "bootstrap"]
+ServerRole = Literal["fs", "bs"]
+StageRole = Literal["fs", "bs", "worker"]
+PeerState = Literal["joining", "online", "offline"]
+
+# per_epoch is a window, not a history: a DHT value travels in one RPC and must stay small
+MAX_EPOCHS_KEPT = 256
+
+_NonNegFloat = pydantic.confloat(strict=True, ge=0.0)
+_NonNegInt = pydantic.conint(strict=True, ge=0)
+
+
+class _Strict(pydantic.BaseModel):
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class LinkModel(_Strict):
+    latency_s: _NonNegFloat
+    bandwidth_bps: _NonNegFloat
+
+
+class PeerInfoModel(_Strict):
+    peer_id: pydantic.StrictStr
+    role: PeerRole
+    server_role: Optional[ServerRole]
+    stage: Optional[_NonNegInt]
+    reliable: pydantic.StrictBool
+    computes: pydantic.StrictBool
+    compute: _NonNegFloat
+    memory: _NonNegInt
+    maddrs: List[pydantic.StrictStr]
+    state: PeerState
+    started: pydantic.StrictFloat
+    links: Dict[pydantic.StrictStr, LinkModel]
+
+
+class MembershipModel(_Strict):
+    peer_id: pydantic.StrictStr
+    role: StageRole
+    compute: _NonNegFloat
+    load: _NonNegFloat
+
+
+class EpochMetricsModel(_Strict):
+    epoch: _NonNegInt
+    rows_in_batch: _NonNegInt
+    rows_averaged: _NonNegInt
+    tasks_redone: _NonNegInt
+    loss: Optional[pydantic.StrictFloat]
+    tokens: _NonNegInt
+    seconds: _NonNegFloat
+
+
+class MetricsModel(_Strict):
+    peer_id: pydantic.StrictStr
+    stage: Optional[_NonNegInt]
+    role: pydantic.StrictStr
+    epoch: _NonNegInt
+    loss: Optional[pydantic.StrictFloat]
+    tokens_per_s: _NonNegFloat
+    rows_in_batch: _NonNegInt
+    rows_averaged: _NonNegInt
+    tasks_redone: _NonNegInt
+    updated: pydantic.StrictFloat
+    epochs_planned: Optional[_NonNegInt]
+    finished: pydantic.StrictBool
+    per_epoch: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
+    worker_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
+    source_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
+
+
+class PlanModel(_Strict):
+    plan: Dict[pydantic.StrictStr, Any]
+    version: _NonNegInt
+    created: pydantic.StrictFloat
+
+
+def check_value(model: type[pydantic.BaseModel], value: dict[str, Any]) -> None:
+    """Raise ValueError unless `value` passes `model` the way hivemind's SchemaValidator requires."""
+    try:
+        parsed = model.parse_obj(value).dict()
+    except pydantic.ValidationError as e:
+        raise ValueError(f"{model.__name__}: {e}") from e
+    if parsed != value:
+        raise ValueError(f"{model.__name__}: {value} needs type conversions ({parsed}); the DHT would reject it")
+
+
+def _opt_float(x: float | None) -> float | None:
+    return None if x is None else float(x)
+
+
+@dataclass(kw_only=True)
+class Link:
+    """A measured link from the announcing peer to another peer."""
+
+    latency_s: float
+    bandwidth_bps: float  # bytes per second
+
+    def __post_init__(self) -> None:
+        self.latency_s, self.bandwidth_bps = float(self.latency_s), float(self.bandwidth_bps)
+
+
+@dataclass(kw_only=True)
+class PeerInfo:
+    """Who a peer is and what it offers; key `{run_id}_peers`."""
+
+    peer_id: str
+    role: PeerRole
+    server_role: ServerRole | None = None
+    stage: int | None = None
+    reliable: bool
+    computes: bool = True  # False for a parameter server that only serves its stage, without computing layers
+    compute: float  # measured FLOP/s
+    memory: int = 0  # bytes available for layers; 0 when unknown
+    maddrs: list[str] = field(default_factory=list)
+    state: PeerState = "joining"
+    started: float
+    links: dict[str, Link] = field(default_factory=dict)  # peer id -> measured link to it
+
+    def __post_init__(self) -> None:
+        self.compute, self.started = float(self.compute), float(self.started)
+        self.maddrs = [str(m) for m in self.maddrs]  # accepts Multiaddr objects
+        self.links = {str(k): v if isinstance(v, Link) else Link(**v) for k, v in self.links.items()}
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        check_value(PeerInfoModel, value)
+        return value
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any]) -> PeerInfo:
+        check_value(PeerInfoModel, value)
+        return cls(**value)
+
+
+@dataclass(kw_only=True)
+class Membership:
+    """A peer's place in one stage; key `{run_id}_stage{k}`."""
+
+    peer_id: str
+    role: StageRole
+    compute: float  # FLOP/s the FS uses to size this worker's tasks
+    load: float = 0.0  # fraction of the peer's time busy, for rebalancing
+
+    def __post_init__(self) -> None:
+        self.compute, self.load = float(self.compute), float(self.load)
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        check_value(MembershipModel, value)
+        return value
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any]) -> Membership:
+        check_value(MembershipModel, value)
+        return cls(**value)
+
+
+@dataclass(kw_only=True)
+class EpochMetrics:
+    """What one peer saw of one closed epoch (DESIGN §5 counts)."""
+
+    epoch: int
+    rows_in_batch: int
+    rows_averaged: int
+    tasks_redone: int
+    loss: float | None = None
+    tokens: int = 0
+    seconds: float = 0.0  # wall time of the epoch as this peer saw it
+
+    def __post_init__(self) -> None:
+        self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)
+
+
+@dataclass(kw_only=True)
+class Metrics:
+    """A peer's training progress; key `{run_id}_metrics`. Counters describe the latest epoch `epoch`."""
+
+    peer_id: str
+    stage: int | None
+    role: str  # "fs", "bs", "worker", "client", ...
+    epoch: int
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    rows_in_batch: int = 0
+    rows_averaged: int = 0
+    tasks_redone: int = 0
+    updated: float
+    epochs_planned: int | None = None  # set by the data source only
+    finished: bool = False  # the data source fed all its epochs and they closed
+    per_epoch: list[EpochMetrics] = field(default_factory=list)  # at most MAX_EPOCHS_KEPT, oldest first
+    worker_epochs: list[EpochMetrics] = field(default_factory=list)  # a server that also computes
+    source_epochs: list[EpochMetrics] = field(default_factory=list)  # the data source: tokens and wall time
+
+    def __post_init__(self) -> None:
+        self.loss, self.updated = _opt_float(self.loss), float(self.updated)
+        self.tokens_per_s = float(self.tokens_per_s)
+        self.per_epoch, self.worker_epochs, self.source_epochs = (
+            [e if isinstance(e, EpochMetrics) else EpochMetrics(**e) for e in epochs]
+            for epochs in (self.per_epoch, self.worker_epochs, self.source_epochs)
+        )
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        check_value(MetricsModel, value)
+        return value
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any]) -> Metrics:
+        check_value(MetricsModel, value)
+        return cls(**value)
+
+
+@dataclass(kw_only=True)
+class PlanRecord:
+    """The planner's plan; key `{run_id}_plan`, subkey = the planner's public key only."""
+
+    plan: dict[str, Any]  # msgpack-friendly (the planner's JSON form)
+    version: int
+    created: float
+
+    def __post_init__(self) -> None:
+        self.created = float(self.created)
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        check_value(PlanModel, value)
+        return value
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any]) -> PlanRecord:
+        check_value(PlanModel, value)
+        return cls(**value)

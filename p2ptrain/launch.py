@@ -1,0 +1,173 @@
+"""`python -m p2ptrain.launch [peers/local.toml]`: the main job. Starts a whole swarm on this machine, one real
+process per peer on 127.0.0.1 (a bootstrap node, then the FS and BS of every stage and the clients, placed by
+the planner from the swarm file), shows training progress, and stops every process at the end or on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hivemind
+from tqdm import tqdm
+
+from p2ptrain.dht import make_validators
+from p2ptrain.planner import make_plan
+from p2ptrain.planner.presets import model_spec
+from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
+from p2ptrain.status import collect
+
+DEFAULT_PEERS = Path(__file__).resolve().parent.parent / "peers" / "local.toml"
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass
+class Swarm:
+    """The processes of a local swarm; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
+
+    workdir: Path
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    initial_peers: list[str] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "w")
+        process = subprocess.Popen([sys.executable, "-m", "p2ptrain.peer", *args], stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        self.processes[name] = process
+        return process
+
+    def start_bootstrap(self, run_id: str, timeout: float = 60.0) -> list[str]:
+        maddrs = self.workdir / "bootstrap.maddrs"
+        maddrs.unlink(missing_ok=True)  # a file left by an earlier swarm would point at a dead peer
+        self.start("bootstrap", ["--role", "bootstrap", "--run-id", run_id, "--host-maddrs", LOOPBACK,
+                                 "--maddrs-file", str(maddrs)])
+        deadline = time.monotonic() + timeout
+        while not (maddrs.exists() and maddrs.read_text().strip()):
+            if time.monotonic() > deadline or self.processes["bootstrap"].poll() is not None:
+                raise RuntimeError(f"the bootstrap peer did not come up; see {self.workdir / 'bootstrap.log'}")
+            time.sleep(0.1)
+        self.initial_peers = maddrs.read_text().split()
+        return self.initial_peers
+
+    def failed(self) -> list[str]:
+        return [name for name, p in self.processes.items() if p.poll() not in (None, 0)]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def peer_commands(plan: dict, common: list[str]) -> dict[str, list[str]]:
+    """One `p2ptrain.peer` command line per device the plan places; the plan's layer ranges go along."""
+    commands = {}
+    num_stages = len(plan["stages"])
+    for stage, entry in enumerate(plan["stages"]):
+        layers = f"{entry['layers'][0]}:{entry['layers'][1]}"
+        base = [*common, "--num-stages", str(num_stages), "--stage", str(stage), "--layers", layers]
+        for device in entry["fs"]:
+            commands[device] = [*base, "--role", "server", "--server-role", "fs"]
+        for device in entry["bs"]:
+            commands[device] = [*base, "--role", "server", "--server-role", "bs"]
+        for device in entry["clients"]:
+            commands[device] = [*base, "--role", "client"]
+    return commands
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.launch", description=__doc__)
+    parser.add_argument("peers", nargs="?", default=str(DEFAULT_PEERS), help="swarm file (default: peers/local.toml)")
+    parser.add_argument("--epochs", type=int, default=30, help="global batches to train")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (the planner places the devices)")
+    parser.add_argument("--model", default="llama-tiny")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--compression", choices=("none", "fp16", "int8"), default="none")
+    parser.add_argument("--data", help="a local text file (default: the embedded corpus)")
+    parser.add_argument("--run-id", default="p2ptrain-local")
+    parser.add_argument("--workdir", help="where the peers' logs go (default: a temporary directory)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        swarm_file = load_swarm(args.peers)
+    except (SwarmFileError, OSError) as e:
+        parser.error(str(e))
+    tokens, microbatches = swarm_file.batch_tokens or 4096, swarm_file.microbatches or 4
+    rows = tokens // (microbatches * args.seq_len)
+    if rows < 1:
+        parser.error(f"{args.peers}: [batch] tokens = {tokens} is less than one row per microbatch; raise it")
+    plan = make_plan(swarm_file, model_spec(args.model), batch_tokens=tokens, microbatches=microbatches,
+                     planner="refined", stages=args.stages).to_json()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    common = ["--run-id", args.run_id, "--model", args.model, "--seq-len", str(args.seq_len), "--batch-rows",
+              str(rows), "--microbatches", str(microbatches), "--epochs", str(args.epochs), "--compression",
+              args.compression, "--host-maddrs", LOOPBACK, *(["--data", args.data] if args.data else [])]
+    swarm = Swarm(workdir=workdir)
+    interrupted = False
+    try:
+        initial = swarm.start_bootstrap(args.run_id)
+        for device, command in peer_commands(plan, common).items():
+            swarm.start(device, [*command, "--initial-peers", *initial])
+        print(f"swarm of {len(swarm.processes)} processes, logs in {workdir}", file=sys.stderr)
+        for stage, entry in enumerate(plan["stages"]):
+            print(f"  stage {stage} layers {entry['layers']}: FS {entry['fs']} BS {entry['bs']} "
+                  f"clients {entry['clients']}", file=sys.stderr)
+        report = watch(swarm, args, initial)
+    except KeyboardInterrupt:
+        interrupted = True
+        report = None
+    finally:
+        swarm.stop()
+    if interrupted:
+        print("interrupted: all peers stopped", file=sys.stderr)
+        sys.exit(130)
+    losses = [e["loss"] for e in report["epochs"] if e["loss"] is not None]
+    if losses:
+        print(f"trained {len(losses)} epochs: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
+def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
+    """Follow the swarm through the DHT with a progress bar until the data source finishes."""
+    dht = hivemind.DHT(initial_peers=initial, client_mode=True, start=True,
+                       record_validators=make_validators(args.run_id))
+    deadline = time.monotonic() + args.timeout
+    try:
+        with tqdm(total=args.epochs, unit="epoch", desc="training") as bar:
+            while True:
+                failed = swarm.failed()
+                if failed:
+                    raise RuntimeError(f"peers {failed} exited with an error; see their logs in {swarm.workdir}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"training did not finish in {args.timeout:.0f} s; logs in {swarm.workdir}")
+                report = collect(dht, args.run_id)
+                bar.n = report["epoch"] + 1
+                if report["loss"] is not None:
+                    bar.set_postfix(loss=f"{report['loss']:.3f}", tok_s=f"{report['tokens_per_s'] or 0:.0f}")
+                bar.refresh()
+                if report["finished"] and report["epoch"] + 1 >= args.epochs:
+                    return report
+                time.sleep(1.0)
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

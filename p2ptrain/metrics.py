@@ -1,0 +1,80 @@
+"""What each peer publishes about its training progress, refreshed in the DHT every second."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from p2ptrain.client.worker import Worker
+from p2ptrain.config import RunConfig
+from p2ptrain.dht import MAX_EPOCHS_KEPT, Announcer, EpochMetrics, Metrics
+from p2ptrain.server.backward import BackwardServer
+from p2ptrain.server.base import StageServer
+from p2ptrain.server.feeder import DataFeeder
+
+logger = logging.getLogger(__name__)
+
+HISTORY = 64  # epochs kept in a record: enough for status and the launcher, small enough for one DHT value
+assert HISTORY <= MAX_EPOCHS_KEPT
+
+
+def server_epochs(server: StageServer) -> list[EpochMetrics]:
+    records = []
+    for epoch, stats in sorted(server.state.epochs.items()):
+        if stats.finished is None:
+            continue
+        last_stage_bs = isinstance(server, BackwardServer) and server.is_last and stats.tokens > 0
+        records.append(EpochMetrics(
+            epoch=epoch, rows_in_batch=stats.rows, rows_averaged=0,
+            tasks_redone=server.state.pool.redone.get(epoch, 0),
+            loss=stats.loss_sum / stats.tokens if last_stage_bs else None, tokens=stats.tokens,
+            seconds=stats.finished - (stats.started or stats.finished),
+        ))
+    return records[-HISTORY:]
+
+
+def worker_epochs(worker: Worker) -> list[EpochMetrics]:
+    return [
+        EpochMetrics(epoch=r.epoch, rows_in_batch=r.rows, rows_averaged=r.rows if r.averaged else 0, tasks_redone=0,
+                     tokens=r.tokens, seconds=r.seconds)
+        for r in worker.stats.history[-HISTORY:]
+    ]
+
+
+def feeder_epochs(feeder: DataFeeder, config: RunConfig) -> list[EpochMetrics]:
+    tokens = config.rows_per_epoch * config.seq_len
+    return [
+        EpochMetrics(epoch=epoch, rows_in_batch=config.rows_per_epoch, rows_averaged=0, tasks_redone=0, tokens=tokens,
+                     seconds=seconds)
+        for epoch, seconds in sorted(feeder.progress.epoch_seconds.items())[-HISTORY:]
+    ]
+
+
+def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | None, worker: Worker | None,
+                 feeder: DataFeeder | None, config: RunConfig) -> Metrics:
+    """One record per peer: its server's epochs, its worker's, and the data source's if it leads stage 0."""
+    own = server_epochs(server) if server is not None else worker_epochs(worker)
+    last = own[-1] if own else None
+    source = feeder_epochs(feeder, config) if feeder is not None and feeder.is_leader(peer_id) else []
+    return Metrics(
+        peer_id=peer_id, stage=stage, role=role, epoch=last.epoch if last else 0, loss=last.loss if last else None,
+        tokens_per_s=source[-1].tokens / source[-1].seconds if source and source[-1].seconds else 0.0,
+        rows_in_batch=last.rows_in_batch if last else 0, rows_averaged=last.rows_averaged if last else 0,
+        tasks_redone=last.tasks_redone if last else 0, updated=time.time(),
+        epochs_planned=feeder.epochs if source or (feeder and feeder.is_leader(peer_id)) else None,
+        finished=bool(feeder and feeder.is_leader(peer_id) and feeder.progress.finished), per_epoch=own,
+        worker_epochs=worker_epochs(worker) if server is not None and worker is not None else [],
+        source_epochs=source,
+    )
+
+
+async def publish_metrics(*, announcer: Announcer, period_s: float = 1.0, stop: asyncio.Event, **parts) -> None:
+    while not stop.is_set():
+        try:
+            announcer.set_metrics(build_record(**parts))
+        except Exception as e:
+            logger.warning(f"could not publish metrics: {e!r}")
+        try:
+            await asyncio.wait_for(stop.wait(), period_s)
+        except asyncio.TimeoutError:
+            pass

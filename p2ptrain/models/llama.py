@@ -1,0 +1,176 @@
+"""A Llama that splits into pipeline stages: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention.
+
+Stage 0 owns the token embeddings, the last stage the final norm, the LM head and the loss. Every stage is
+built from the same seed, so peers that build the same layers get the same parameters.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+LLAMA_CONFIGS: dict[str, LlamaConfig] = {
+    # trains in seconds on one CPU core; the tests and the main job use it
+    "llama-tiny": LlamaConfig(),
+    # big enough that one stage's microbatch costs tens of milliseconds on a CPU core (benchmarks)
+    "llama-small": LlamaConfig(hidden_size=256, intermediate_size=688, num_layers=8, num_heads=8, num_kv_heads=4),
+    "llama-33b": LlamaConfig(
+        vocab_size=32000, hidden_size=6656, intermediate_size=17920, num_layers=60, num_heads=52,
+        num_kv_heads=52, max_seq_len=2048,
+    ),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotary_tables(config: LlamaConfig, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+    angles = torch.outer(torch.arange(seq_len).float(), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        kv_dim = config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
+        self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        cfg = self.config
+        q = self.q_proj(x).view(batch, seq, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, cfg.hidden_size))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaStage(nn.Module):
+    """Layers [start, end) of a Llama; the embeddings if start == 0, the head and loss if end == num_layers.
+
+    The first stage takes token ids of shape (rows, seq); the others take hidden states (rows, seq, hidden).
+    The last stage returns the summed token loss when given labels, else the logits; the others return hidden
+    states. Summed, not averaged, so that rows split over workers add up to the gradient of the whole batch.
+    """
+
+    def __init__(self, config: LlamaConfig, *, start: int, end: int, seed: int = 0):
+        super().__init__()
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layers [{start}, {end}) are not a non-empty range of 0..{config.num_layers}")
+        self.config, self.start, self.end = config, start, end
+        self.is_first, self.is_last = start == 0, end == config.num_layers
+        # Each part draws from its own seeded stream, so the same layer gets the same weights in any split.
+        if self.is_first:
+            self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+            _init(self.embed, config, seed=seed, stream=0)
+        self.layers = nn.ModuleList()
+        for index in range(start, end):
+            block = Block(config)
+            _init(block, config, seed=seed, stream=1 + index)
+            self.layers.append(block)
+        if self.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            _init(self.lm_head, config, seed=seed, stream=1 + config.num_layers)
+        cos, sin = rotary_tables(config, config.max_seq_len)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(inputs) if self.is_first else inputs
+        seq = x.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        for block in self.layers:
+            x = block(x, cos, sin)
+        if not self.is_last:
+            return x
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
+def _init(module: nn.Module, config: LlamaConfig, *, seed: int, stream: int) -> None:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + stream)
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            continue
+        std = config.init_std
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std /= math.sqrt(2 * config.num_layers)  # GPT-2's scaled residual init
+        with torch.no_grad():
+            param.normal_(0.0, std, generator=generator)

@@ -1,0 +1,258 @@
+"""`python -m p2ptrain.peer`: one peer of a swarm, as a bootstrap node, a stage server (FS or BS) or a client.
+
+    python -m p2ptrain.peer --role bootstrap --host-maddrs /ip4/127.0.0.1/tcp/31337
+    python -m p2ptrain.peer --role server --stage 0 --server-role fs --initial-peers ADDR --epochs 20
+    python -m p2ptrain.peer --role client --stage 1 --initial-peers ADDR
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import hivemind
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+
+from p2ptrain.client.worker import FAULTS, Worker
+from p2ptrain.compression import CODECS
+from p2ptrain.config import RunConfig
+from p2ptrain.data import TextSource
+from p2ptrain.dht import Announcer, Membership, PeerInfo, make_validators
+from p2ptrain.membership import MembershipCache
+from p2ptrain.metrics import publish_metrics
+from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaStage
+from p2ptrain.server.backward import BackwardServer
+from p2ptrain.server.feeder import DataFeeder
+from p2ptrain.server.frontal import FrontalServer
+from p2ptrain.transport import Caller
+
+logger = logging.getLogger("p2ptrain.peer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.peer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", required=True, choices=("bootstrap", "server", "client"))
+    parser.add_argument("--stage", type=int, help="pipeline stage of this server or client, from 0")
+    parser.add_argument("--server-role", choices=("fs", "bs"), help="frontal or backward server (servers only)")
+    parser.add_argument("--compute", action="store_true", help="a server that also computes its stage's layers")
+    parser.add_argument("--layers", help="layers START:END of this stage (default: an even split)")
+    net = parser.add_argument_group("network (as in hivemind)")
+    net.add_argument("--run-id", default="p2ptrain", help="prefix of this swarm's DHT keys")
+    net.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm")
+    net.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
+    net.add_argument("--announce-maddrs", nargs="*", default=None, help="multiaddrs others should dial")
+    net.add_argument("--identity-path", help="file with this peer's private key (created if missing)")
+    net.add_argument("--maddrs-file", help="write this peer's visible multiaddrs here once it is up")
+    recipe = parser.add_argument_group("recipe (the same on every peer)")
+    recipe.add_argument("--model", default="llama-tiny", choices=sorted(LLAMA_CONFIGS))
+    recipe.add_argument("--num-stages", type=int, default=2)
+    recipe.add_argument("--batch-rows", type=int, default=8, help="rows (sequences) per microbatch")
+    recipe.add_argument("--microbatches", type=int, default=4, help="microbatches per global batch (epoch)")
+    recipe.add_argument("--seq-len", type=int, default=64)
+    recipe.add_argument("--seed", type=int, default=0)
+    recipe.add_argument("--lr", type=float, default=3e-3)
+    recipe.add_argument("--compression", choices=CODECS, default="none", help="codec for activations and gradients")
+    recipe.add_argument("--data", help="a local text file to train on (default: the embedded corpus)")
+    run = parser.add_argument_group("training")
+    run.add_argument("--epochs", type=int, default=20, help="global batches the data source feeds")
+    run.add_argument("--max-in-flight", type=int, default=4, help="microbatches in the pipeline at once")
+    run.add_argument("--compute-power", type=float, default=None, help="this worker's FLOP/s (default: measured)")
+    run.add_argument("--lease-timeout", type=float, default=30.0, help="seconds before a task goes back to the pool")
+    run.add_argument("--matchmaking-time", type=float, default=1.0)
+    run.add_argument("--averaging-timeout", type=float, default=30.0)
+    run.add_argument("--threads", type=int, default=1, help="torch threads of this process")
+    run.add_argument("--dump-grads", help="directory where workers save the averaged gradients of each epoch")
+    run.add_argument("--fault", choices=FAULTS, default="none", help="for tests: send corrupted results")
+    run.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.role != "bootstrap" and args.stage is None:
+        parser.error(f"--role {args.role} needs --stage K")
+    if args.role == "server" and args.server_role is None:
+        parser.error("--role server needs --server-role fs or --server-role bs")
+    if args.role != "server" and (args.server_role or args.compute):
+        parser.error("--server-role and --compute are for --role server only")
+    if args.data is not None and not Path(args.data).is_file():
+        parser.error(f"--data {args.data}: no such file")
+    try:
+        args.config = RunConfig(
+            run_id=args.run_id, model=args.model, num_stages=args.num_stages, rows_per_microbatch=args.batch_rows,
+            microbatches=args.microbatches, seq_len=args.seq_len, seed=args.seed, lr=args.lr,
+            compression=args.compression,
+        )
+        if args.stage is not None:
+            args.layer_range = _layer_range(args, args.config)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def _layer_range(args: argparse.Namespace, config: RunConfig) -> tuple[int, int]:
+    if args.layers is None:
+        return config.stage_layers(args.stage)
+    try:
+        start, end = (int(x) for x in args.layers.split(":"))
+    except ValueError:
+        raise ValueError(f"--layers {args.layers!r}: expected START:END, e.g. 0:2") from None
+    if not 0 <= start < end <= config.llama.num_layers:
+        raise ValueError(f"--layers {args.layers}: must lie within 0:{config.llama.num_layers}")
+    return start, end
+
+
+def make_dht(args: argparse.Namespace, *, client_mode: bool) -> hivemind.DHT:
+    identity = args.identity_path
+    if identity is not None and not os.path.exists(identity):
+        Path(identity).parent.mkdir(parents=True, exist_ok=True)
+    dht = hivemind.DHT(
+        initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
+        identity_path=identity, client_mode=client_mode, record_validators=make_validators(args.run_id), start=True,
+    )
+    if args.maddrs_file:
+        addresses = [str(addr) for addr in dht.get_visible_maddrs()]
+        Path(args.maddrs_file).write_text("\n".join(addresses) + "\n")
+    return dht
+
+
+async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
+    config: RunConfig = args.config
+    computes = args.role == "client" or args.compute
+    dht = make_dht(args, client_mode=args.role == "client")
+    peer_id = dht.peer_id.to_base58()
+    # hivemind signs with its process-wide key; hivemind.Optimizer's progress records need the same one
+    announcer = Announcer(dht=dht, run_id=args.run_id, peer_id=peer_id,
+                          owner_key=RSASignatureValidator().local_public_key, period_s=2.0, ttl_s=10.0)
+    tasks: list[asyncio.Task] = []
+    optimizer = None
+    try:
+        announcer.set_peer_info(PeerInfo(
+            peer_id=peer_id, role=args.role, stage=args.stage, server_role=args.server_role,
+            reliable=args.role != "client", computes=computes, compute=float(args.compute_power or 0.0),
+            maddrs=[str(a) for a in dht.get_visible_maddrs()], state="online", started=time.time()))
+        if args.role == "bootstrap":
+            logger.info(f"bootstrap peer {peer_id} at {' '.join(str(a) for a in dht.get_visible_maddrs())}")
+            await stop.wait()
+            return
+        torch.set_num_threads(args.threads)
+        start, end = args.layer_range
+        model = LlamaStage(config.llama, start=start, end=end, seed=config.seed)
+        optimizer = hivemind.Optimizer(
+            dht=dht, run_id=f"{args.run_id}_stage{args.stage}", target_batch_size=config.rows_per_epoch,
+            params=model.parameters(), optimizer=partial(torch.optim.AdamW, lr=config.lr),
+            # hivemind 1.1.12 ignores client_mode=None instead of taking the DHT's: pass it explicitly
+            client_mode=dht.client_mode, auxiliary=not computes, matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
+            tracker_opts=dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.5),
+        )
+        p2p = await dht.replicate_p2p()
+        membership = MembershipCache(dht=dht, run_id=args.run_id, num_stages=config.num_stages)
+        tasks.append(asyncio.create_task(membership.run(stop)))
+        local: dict[str, object] = {}
+        caller = Caller(p2p=p2p, local=local, codec=config.compression, timeout=60.0)
+        server = None
+        if args.role == "server":
+            kind = FrontalServer if args.server_role == "fs" else BackwardServer
+            server = kind(peer_id=peer_id, stage=args.stage, num_stages=config.num_stages, seq_len=config.seq_len,
+                          hidden_size=config.llama.hidden_size, lease_timeout=args.lease_timeout,
+                          codec=config.compression)
+            server.caller = caller
+            local[peer_id] = server
+            await server.add_p2p_handlers(p2p)
+            announcer.set_membership(args.stage, Membership(peer_id=peer_id, role=args.server_role,
+                                                            compute=float(args.compute_power or 0.0)))
+        worker = feeder = None
+        if computes:
+            compute = args.compute_power or measure_compute(model, config)
+            worker = Worker(worker_id=peer_id, stage=args.stage, num_stages=config.num_stages, model=model,
+                            optimizer=optimizer, caller=caller, servers=partial(membership.servers, args.stage),
+                            compute=compute, seq_len=config.seq_len, fault=args.fault,
+                            step_timeout=args.averaging_timeout, dump_dir=args.dump_grads)
+            if args.role == "client":
+                announcer.set_membership(args.stage, Membership(peer_id=peer_id, role="worker", compute=compute))
+            tasks.append(asyncio.create_task(worker.run(stop)))
+        else:
+            tasks.append(asyncio.create_task(asyncio.to_thread(_assist_averaging, optimizer, stop)))
+        if isinstance(server, FrontalServer) and args.stage == 0:
+            source = TextSource(path=args.data, seq_len=config.seq_len, seed=config.seed)
+            feeder = DataFeeder(server=server, source=source, layout=membership.layout, is_leader=membership.leads,
+                                rows_per_microbatch=config.rows_per_microbatch, microbatches=config.microbatches,
+                                epochs=args.epochs, max_in_flight=args.max_in_flight)
+            tasks.append(asyncio.create_task(feeder.run(stop)))
+        tasks.append(asyncio.create_task(publish_metrics(
+            announcer=announcer, peer_id=peer_id, stage=args.stage, role=args.server_role or "worker",
+            server=server, worker=worker, feeder=feeder, config=config, stop=stop)))
+        logger.info(f"{args.role} {peer_id} up: stage {args.stage} layers [{start}, {end})"
+                    + (f" as {args.server_role.upper()}" if server else ""))
+        await _wait_any(stop, tasks)
+    finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        announcer.shutdown()
+        if optimizer is not None:
+            optimizer.shutdown()
+        dht.shutdown()
+
+
+async def _wait_any(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    """Until stopped, or until a task fails (which ends the peer loudly instead of leaving it half alive)."""
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_EXCEPTION)
+    stopper.cancel()
+    for task in done:
+        if task is not stopper and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    if not stop.is_set():
+        await stop.wait()
+
+
+def _assist_averaging(optimizer: hivemind.Optimizer, stop: asyncio.Event) -> None:
+    """A server that does not compute still hosts a share of its stage's all-reduce (paper Fig. 1b)."""
+    while not stop.is_set():
+        optimizer.step()
+        time.sleep(0.05)
+
+
+def measure_compute(model: LlamaStage, config: RunConfig) -> float:
+    """FLOP/s of this process on its stage: time one forward+backward of a microbatch-sized slice."""
+    rows = max(1, min(config.rows_per_microbatch, 4))
+    if model.is_first:
+        inputs = torch.randint(0, config.llama.vocab_size, (rows, config.seq_len))
+    else:
+        inputs = torch.randn(rows, config.seq_len, config.llama.hidden_size, requires_grad=True)
+    params = sum(p.numel() for p in model.parameters())
+    started = time.perf_counter()
+    output = model(inputs)
+    output.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return 6.0 * params * rows * config.seq_len / max(time.perf_counter() - started, 1e-6)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    asyncio.run(_main(args))
+
+
+async def _main(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run_peer(args, stop)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Offline planner: swarm files, the DESIGN §3 cost model, model presets, the paper's planner, its refinement and
+the baselines. ``make_plan`` is the entry point the CLI and the runtime share."""
+from __future__ import annotations
+
+from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
+from p2ptrain.planner.cost import Workload
+from p2ptrain.planner.paper import paper_plan
+from p2ptrain.planner.presets import ModelSpec, llama_spec, model_spec
+from p2ptrain.planner.records import Plan, Prediction, StagePlan, build_plan
+from p2ptrain.planner.refine import better, refined_layouts
+from p2ptrain.planner.search import Engine
+from p2ptrain.planner.swarmfile import Device, Swarm, SwarmFileError, load_swarm
+
+PLANNERS: tuple[str, ...] = ("paper", "refined", "random", "swarm", "dtfm")
+RANDOM_SAMPLES = 2000
+
+__all__ = ["PLANNERS", "Device", "ModelSpec", "Plan", "PlanningError", "Prediction", "StagePlan", "Swarm",
+           "SwarmFileError", "llama_spec", "load_swarm", "make_plan", "model_spec"]
+
+
+class PlanningError(ValueError):
+    """No valid plan exists for this swarm and model (e.g. the servers cannot hold the model)."""
+
+
+def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
+              stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES) -> Plan:
+    """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only).
+
+    Deterministic for a given seed. Raises ``PlanningError`` when no valid plan is found.
+    """
+    if planner not in PLANNERS:
+        raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
+    reliable = swarm.reliable
+    if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
+        raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
+                            f"has {int(reliable.sum())} reliable devices and the model {model.layers} layers")
+    net = swarm.network()
+    engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches), reliable)
+    if planner in ("paper", "refined"):
+        paper = paper_plan(engine, seed=seed, stages=stages)
+        paper_layouts = None if paper is None else [g.layout(l) for g, l in zip(paper.groups, paper.layers)]
+        if planner == "paper":
+            layouts = paper_layouts
+        else:
+            layouts = better(engine, refined_layouts(engine, paper, seed=seed, stages=stages), paper_layouts)
+    elif stages is not None:
+        raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")
+    elif planner == "random":
+        layouts = random_layouts(engine, samples=random_samples, seed=seed)[0]
+    elif planner == "swarm":
+        layouts = swarm_layouts(engine)
+    else:
+        layouts = dtfm_layouts(engine, seed=seed)
+    if layouts is None:
+        raise PlanningError(f"the {planner} planner found no plan whose servers can hold {model.layers} layers of "
+                            f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each")
+    return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner)

@@ -1,0 +1,153 @@
+"""Model presets for the planner: per-layer training FLOPs, activation, parameter and memory bytes.
+
+Every number is computed from a model config, never typed in. Assumptions (DESIGN §3 symbols):
+
+- ``f`` (FLOP per token per layer, forward + backward) = 3 x the forward FLOPs: 2 per weight of every matmul,
+  plus attention scores and the weighted sum (2 x 2 x hidden x attended keys). Backward costs twice the forward.
+  A causal model (Llama) attends on average to (seq + 1) / 2 keys, a bidirectional one (ALBERT) to all seq keys.
+  Norms, rotary tables and softmax are a few per mille of the total and left out.
+- ``t`` (activation bytes per token at a stage boundary) = hidden_size x bytes per element of the compute precision.
+- ``P`` (bytes of one layer's parameters in an averaging round) = parameters x bytes of the compute precision:
+  mixed fp16/bf16 runs average in half precision (hivemind's float16 codec), fp32 and fp64 runs in their own.
+- ``M`` (device bytes one layer needs on a worker while training) = the parameter state that stays on the device
+  plus the layer's checkpointed input for one row (one sequence, the smallest task a worker takes). Workers
+  recompute the forward from the stored input (DESIGN §2), so a layer keeps only its input between passes; the
+  transient working set of the one layer being recomputed is a constant the linear model leaves out.
+  What stays on the device depends on ``offload``:
+    * ``"none"``: weights + gradients + Adam's two moments (+ an fp32 master copy in mixed precision):
+      16 bytes per parameter for fp32 and mixed fp16/bf16, 32 for fp64.
+    * ``"optimizer"`` (ZeRO-Offload): gradients, master weights and Adam live in host memory; the device keeps
+      only the weights in compute precision.
+    * ``"all"`` (ZeRO-Offload of optimizer and parameters, DeepSpeed's ``offload_param``): weights are streamed
+      from host memory layer by layer, so only the checkpointed activations stay per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaConfig
+
+PRECISIONS: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """What the cost model needs to know about a model (DESIGN §3: L, f, t, P, M)."""
+
+    layers: int
+    flops_per_token_per_layer: float
+    activation_bytes_per_token: float
+    param_bytes_per_layer: float
+    memory_bytes_per_layer: float
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
+        for field in ("flops_per_token_per_layer", "activation_bytes_per_token", "param_bytes_per_layer",
+                      "memory_bytes_per_layer"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
+
+    def to_json(self) -> dict[str, float | int | str]:
+        return {"name": self.name, "layers": self.layers, "flops_per_token_per_layer": self.flops_per_token_per_layer,
+                "activation_bytes_per_token": self.activation_bytes_per_token,
+                "param_bytes_per_layer": self.param_bytes_per_layer,
+                "memory_bytes_per_layer": self.memory_bytes_per_layer}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlbertConfig:
+    """ALBERT's encoder (Lan et al. 2019); all layers share one set of parameters."""
+
+    vocab_size: int = 30000
+    embedding_size: int = 128
+    hidden_size: int = 4096
+    intermediate_size: int = 16384
+    num_layers: int = 12
+    num_heads: int = 64
+    max_seq_len: int = 512
+
+
+ALBERT_CONFIGS: dict[str, AlbertConfig] = {"albert-xxlarge": AlbertConfig()}
+
+
+def _state_bytes_per_param(precision: str, offload: str) -> int:
+    width = PRECISIONS[precision]
+    if offload == "all":
+        return 0
+    if offload == "optimizer":
+        return width
+    # weights + grads + Adam m, v; mixed precision adds an fp32 master copy and keeps the moments in fp32
+    return 16 if width == 2 else 4 * width
+
+
+def _check(precision: str, offload: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"unknown offload {offload!r}; use one of {', '.join(OFFLOADS)}")
+
+
+def _spec(*, name: str, layers: int, params: int, hidden: int, seq: int, attended: float, precision: str,
+          offload: str) -> ModelSpec:
+    width = PRECISIONS[precision]
+    forward = 2.0 * params + 4.0 * hidden * attended
+    return ModelSpec(
+        name=name, layers=layers, flops_per_token_per_layer=3.0 * forward,
+        activation_bytes_per_token=float(hidden * width), param_bytes_per_layer=float(params * width),
+        memory_bytes_per_layer=float(params * _state_bytes_per_param(precision, offload) + hidden * seq * width),
+    )
+
+
+def llama_layer_params(config: LlamaConfig) -> int:
+    """Weights of one decoder block: q, k, v, o projections, the SwiGLU MLP and two RMSNorm gains."""
+    kv = config.num_kv_heads * config.head_dim
+    attention = 2 * config.hidden_size * config.hidden_size + 2 * config.hidden_size * kv
+    return attention + 3 * config.hidden_size * config.intermediate_size + 2 * config.hidden_size
+
+
+def llama_spec(config: LlamaConfig, *, precision: str = "fp32", offload: str = "none",
+               name: str = "llama") -> ModelSpec:
+    _check(precision, offload)
+    return _spec(name=name, layers=config.num_layers, params=llama_layer_params(config), hidden=config.hidden_size,
+                 seq=config.max_seq_len, attended=(config.max_seq_len + 1) / 2, precision=precision,
+                 offload=offload)
+
+
+def albert_layer_params(config: AlbertConfig) -> int:
+    """Weights of one encoder block: q, k, v, o with biases, the GELU MLP with biases, two LayerNorms."""
+    h, i = config.hidden_size, config.intermediate_size
+    return 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+
+
+def albert_spec(config: AlbertConfig, *, precision: str = "fp32", offload: str = "none",
+                name: str = "albert") -> ModelSpec:
+    """ALBERT shares one block across all layers; the plan treats every layer as holding its own copy.
+
+    A pipeline cannot share one tensor between devices of different stages: each stage keeps a copy of the block
+    and the copies must be averaged, so P is the whole block's bytes per layer (what an untied ALBERT, i.e. a
+    BERT-xxlarge, would exchange) and M counts the block's state once per layer. Both overstate a stage that
+    applies the block several times (it needs one copy, not L_k), so ALBERT plans are conservative on memory and
+    averaging; FLOPs and activations are exact.
+    """
+    _check(precision, offload)
+    return _spec(name=name, layers=config.num_layers, params=albert_layer_params(config), hidden=config.hidden_size,
+                 seq=config.max_seq_len, attended=float(config.max_seq_len), precision=precision, offload=offload)
+
+
+PRESETS: tuple[str, ...] = (*LLAMA_CONFIGS, *ALBERT_CONFIGS)
+
+
+def model_spec(name: str, *, precision: str = "fp32", offload: str = "none") -> ModelSpec:
+    """The preset ``name`` (one of ``PRESETS``) at the given precision and offload mode."""
+    if name in LLAMA_CONFIGS:
+        return llama_spec(LLAMA_CONFIGS[name], precision=precision, offload=offload, name=name)
+    if name in ALBERT_CONFIGS:
+        return albert_spec(ALBERT_CONFIGS[name], precision=precision, offload=offload, name=name)
+    raise ValueError(f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}")
+
+
+def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    return replace(spec, layers=layers)

@@ -1,0 +1,107 @@
+"""The plan as the runtime and the CLI see it: device ids, half-open layer ranges, the prediction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from p2ptrain.planner.cost import Evaluation, Network, StageLayout, Workload, evaluate
+
+
+@dataclass(frozen=True, kw_only=True)
+class StagePlan:
+    """Layers [start, end) and the stage's members; ``shares`` maps worker id to its fraction of each microbatch's
+    rows (absent: proportional to compute, as DESIGN §3 says)."""
+
+    layers: tuple[int, int]
+    fs: tuple[str, ...]
+    bs: tuple[str, ...]
+    clients: tuple[str, ...]
+    shares: dict[str, float] | None = None
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return self.fs + self.bs + self.clients
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """DESIGN §3 figures; ``stage_times_s[k] = d·(C_k + C_{k+1} + DT_k)``, ``averaging_s[k] = AR_k``."""
+
+    batch_time_s: float
+    lower_bound_s: float
+    efficiency: float
+    stage_times_s: tuple[float, ...]
+    averaging_s: tuple[float, ...]
+
+    @classmethod
+    def of(cls, evaluation: Evaluation) -> "Prediction":
+        return cls(batch_time_s=evaluation.batch_time_s, lower_bound_s=evaluation.lower_bound_s,
+                   efficiency=evaluation.efficiency, stage_times_s=evaluation.stage_times_s,
+                   averaging_s=evaluation.averaging_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    stages: tuple[StagePlan, ...]
+    idle: tuple[str, ...]
+    predicted: Prediction
+    planner: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        stages = []
+        for stage in self.stages:
+            entry: dict[str, Any] = {"layers": list(stage.layers), "fs": list(stage.fs), "bs": list(stage.bs),
+                                     "clients": list(stage.clients)}
+            if stage.shares is not None:
+                entry["shares"] = dict(stage.shares)
+            stages.append(entry)
+        p = self.predicted
+        return {"planner": self.planner, "stages": stages, "idle": list(self.idle),
+                "predicted": {"batch_time_s": p.batch_time_s, "lower_bound_s": p.lower_bound_s,
+                              "efficiency": p.efficiency, "stage_times_s": list(p.stage_times_s),
+                              "averaging_s": list(p.averaging_s)}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Plan":
+        stages = tuple(
+            StagePlan(layers=(int(s["layers"][0]), int(s["layers"][1])), fs=tuple(s["fs"]), bs=tuple(s["bs"]),
+                      clients=tuple(s.get("clients", ())),
+                      shares={k: float(v) for k, v in s["shares"].items()} if s.get("shares") is not None else None)
+            for s in data["stages"])
+        p = data["predicted"]
+        predicted = Prediction(batch_time_s=float(p["batch_time_s"]), lower_bound_s=float(p["lower_bound_s"]),
+                               efficiency=float(p["efficiency"]), stage_times_s=tuple(p["stage_times_s"]),
+                               averaging_s=tuple(p.get("averaging_s", ())))
+        return cls(stages=stages, idle=tuple(data.get("idle", ())), predicted=predicted,
+                   planner=str(data.get("planner", "")))
+
+    def layouts(self, ids: Sequence[str]) -> list[StageLayout]:
+        """The plan by device index, for re-scoring it against a (possibly changed) network."""
+        where = {device: i for i, device in enumerate(ids)}
+        out = []
+        for s in self.stages:
+            shares = None if s.shares is None else np.array([s.shares[w] for w in s.workers])
+            out.append(StageLayout(fs=np.array([where[x] for x in s.fs], dtype=int),
+                                   bs=np.array([where[x] for x in s.bs], dtype=int),
+                                   clients=np.array([where[x] for x in s.clients], dtype=int),
+                                   layers=s.layers[1] - s.layers[0], shares=shares))
+        return out
+
+
+def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence[StageLayout], *,
+               planner: str) -> Plan:
+    """Score index layouts with the cost model and name everything by device id."""
+    evaluation = evaluate(net, wl, layouts)
+    stages, start, placed = [], 0, set()
+    for s in layouts:
+        workers = [ids[i] for i in s.workers]
+        placed.update(workers)
+        shares = None if s.shares is None else {w: float(p) for w, p in zip(workers, s.shares)}
+        stages.append(StagePlan(layers=(start, start + s.layers), fs=tuple(ids[i] for i in s.fs),
+                                bs=tuple(ids[i] for i in s.bs), clients=tuple(ids[i] for i in s.clients),
+                                shares=shares))
+        start += s.layers
+    idle = tuple(device for device in ids if device not in placed)
+    return Plan(stages=tuple(stages), idle=idle, predicted=Prediction.of(evaluation), planner=planner)

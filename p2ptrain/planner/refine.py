@@ -1,0 +1,124 @@
+"""The refined planner: the paper's search, then a search on the full cost model that the paper's lacks.
+
+1. Candidates: the levels of the paper's own clustering hierarchy (not only the one its stopping rule picks),
+   each ordered and split into FS/BS by the paper's rules and scored on its servers alone; the best few get
+   clients admitted greedily (strongest first, into the nearer stage only where that lowers PT, else idle).
+   SWARM's balanced layout and the paper's plan join them as starting points. Layers are always set by time
+   (``search.allocate``).
+2. The best candidates go through a local search that moves single devices (to idle, to a near stage, FS <-> BS)
+   and swaps adjacent stages, re-optimising all layer counts after every move; then stages are split or merged
+   (K±1) and searched again while that helps.
+3. Row shares and layer counts by time (``shares.timed_layouts``).
+The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
+refined plan is never worse than the paper's.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from p2ptrain.planner.cost import StageLayout, evaluate
+from p2ptrain.planner.baselines import swarm_groups
+from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
+from p2ptrain.planner.search import Engine, Group, Score
+from p2ptrain.planner.shares import timed_layouts
+
+
+def complete(engine: Engine, groups: list[Group]) -> tuple[list[Group], Score]:
+    groups = engine.admit_clients(groups, np.flatnonzero(~engine.reliable))
+    return groups, engine.score(groups)
+
+
+def split_stage(engine: Engine, groups: list[Group], k: int, seed: int) -> list[Group] | None:
+    """Stage k's servers bisected spectrally; the halves take the nearer clients and the paper's FS/BS rule."""
+    servers = np.array(groups[k].servers, dtype=int)
+    if len(servers) < 4:
+        return None
+    left, right = spectral_bisection(engine.delay, servers, seed)
+    context = [np.array(g.servers, dtype=int) for g in groups]
+    ordered = context[:k] + [left, right] + context[k + 1:]
+    roles = split_roles(engine, ordered)
+    halves = roles[k:k + 2]
+    clients: list[list[int]] = [[], []]
+    for u in groups[k].clients:
+        near = [float(engine.delay[u, list(h.servers)].mean()) for h in halves]
+        clients[int(np.argmin(near))].append(u)
+    return groups[:k] + [Group.of(h.fs, h.bs, c) for h, c in zip(halves, clients)] + groups[k + 1:]
+
+
+def merge_stages(groups: list[Group], k: int) -> list[Group]:
+    """Stages k and k+1 as one: k's FS and k+1's BS keep their roles, the inner sides become the other role."""
+    a, b = groups[k], groups[k + 1]
+    return groups[:k] + [Group.of(a.fs + b.fs, a.bs + b.bs, a.clients + b.clients)] + groups[k + 2:]
+
+
+def reshape(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, rounds: int,
+            seed: int, fixed_stages: bool) -> tuple[list[Group], Score]:
+    """Local search, then K±1 by splitting or merging stages while a searched result is better."""
+    groups, score = engine.improve(groups, rng=rng, rounds=rounds)
+    while not fixed_stages:
+        options = [split_stage(engine, groups, k, seed) for k in range(len(groups))]
+        options += [merge_stages(groups, k) for k in range(len(groups) - 1)]
+        scored = [(engine.score(o), i) for i, o in enumerate(options) if o is not None]
+        scored = [(s, i) for s, i in scored if np.isfinite(s.pt)]
+        if not scored:
+            break
+        s, i = min(scored, key=lambda item: (item[0].pt, item[0].smooth))
+        trial, trial_score = engine.improve(options[i], rng=rng, rounds=rounds)
+        if not trial_score.better_than(score):
+            break
+        groups, score = trial, trial_score
+    return groups, score
+
+
+def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
+                    rounds: int = 200, starts: int = 3, screen: int = 4) -> list[StageLayout] | None:
+    rng = np.random.default_rng(seed)
+    reliable = np.flatnonzero(engine.reliable)
+    most = min(len(reliable) // 2, engine.layers)
+    if paper is not None and len(paper.levels) >= (stages or most):
+        levels, chosen = paper.levels, paper.chosen
+    else:
+        levels, chosen = divisive_levels(engine, reliable, stages or most, seed, reach=stages is not None), 1
+    if stages is not None:
+        wanted = [stages] if stages <= len(levels) else []
+    else:
+        # every level up to 24 stages, then a geometric sample: the servers-only score screens them cheaply
+        wanted = sorted({*range(1, min(len(levels), 24) + 1), *np.geomspace(24, len(levels), 4).astype(int),
+                         chosen} & set(range(1, len(levels) + 1)))
+    screened = []
+    for k in wanted:
+        groups = split_roles(engine, order_clusters(engine, levels[k - 1], seed))
+        screened.append((engine.score(groups), k, groups))
+    screened.sort(key=lambda c: c[0].pt)
+    candidates = [complete(engine, groups) for _, _, groups in screened[:screen]]
+    balanced = swarm_groups(engine, stages)
+    if balanced is not None:
+        candidates.append((balanced, engine.score(balanced)))
+    if paper is not None:
+        candidates.append((paper.groups, engine.score(paper.groups)))
+    candidates = [c for c in candidates if np.isfinite(c[1].pt)]
+    if not candidates:
+        return None
+    candidates.sort(key=lambda c: (c[1].pt, c[1].smooth))
+    best: tuple[list[Group], Score] | None = None
+    for groups, score in candidates[:starts]:
+        result = reshape(engine, groups, score, rng=rng, rounds=rounds, seed=seed, fixed_stages=stages is not None)
+        if best is None or result[1].better_than(best[1]):
+            best = result
+    assert best is not None
+    plain = engine.layouts(best[0], best[1])
+    timed = timed_layouts(engine, best[0])
+    if timed is not None and evaluate(engine.net, engine.wl, timed).batch_time_s < \
+            evaluate(engine.net, engine.wl, plain).batch_time_s:
+        return timed
+    return plain
+
+
+def better(engine: Engine, *options: Sequence[StageLayout] | None) -> list[StageLayout] | None:
+    """The option with the lowest evaluated PT (the first on ties)."""
+    scored = [(evaluate(engine.net, engine.wl, o).batch_time_s, i) for i, o in enumerate(options) if o is not None]
+    if not scored:
+        return None
+    return list(options[min(scored)[1]])

@@ -1,0 +1,328 @@
+"""The engine the planners share: stage memberships, their cost curves, optimal layer counts, local search.
+
+A stage's batch-time terms are linear in its layer count L_k under the contract's compute-proportional shares:
+``d·(C_k + C_{k+1} + comm_k) + L_k·d·m·f/Σc_k`` and ``AR_k = 2(n-1)·a_max + L_k·2(n-1)/n·P/b_min``, with
+``L_k <= cap_k`` from memory. So for fixed memberships the layer counts that minimise PT are found exactly
+(``allocate``), and a local search only has to move devices. A continuous relaxation of PT breaks ties between
+memberships whose integer PT is equal, so the search can cross plateaus.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from p2ptrain.planner.cost import Network, StageLayout, Workload, compute_shares, link_times
+
+FS, BS, CLIENT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Group:
+    """A stage's members by device index, each role sorted, so equal memberships compare and hash equal."""
+
+    fs: tuple[int, ...]
+    bs: tuple[int, ...]
+    clients: tuple[int, ...] = ()
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # groups are dictionary keys on the search's hot path: hash the member tuples once
+        object.__setattr__(self, "_hash", hash((self.fs, self.bs, self.clients)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @classmethod
+    def of(cls, fs: Iterable[int], bs: Iterable[int], clients: Iterable[int] = ()) -> "Group":
+        return cls(tuple(sorted(int(x) for x in fs)), tuple(sorted(int(x) for x in bs)),
+                   tuple(sorted(int(x) for x in clients)))
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        return self.fs + self.bs + self.clients
+
+    @property
+    def servers(self) -> tuple[int, ...]:
+        return self.fs + self.bs
+
+    @property
+    def valid(self) -> bool:
+        return bool(self.fs) and bool(self.bs)
+
+    def role(self, device: int) -> int:
+        return FS if device in self.fs else BS if device in self.bs else CLIENT
+
+    def without(self, device: int) -> "Group":
+        return Group(tuple(x for x in self.fs if x != device), tuple(x for x in self.bs if x != device),
+                     tuple(x for x in self.clients if x != device))
+
+    def adding(self, device: int, role: int) -> "Group":
+        parts = [list(self.fs), list(self.bs), list(self.clients)]
+        parts[role].append(device)
+        return Group.of(*parts)
+
+    def layout(self, layers: int, shares: np.ndarray | None = None) -> StageLayout:
+        return StageLayout(fs=np.array(self.fs, dtype=int), bs=np.array(self.bs, dtype=int),
+                           clients=np.array(self.clients, dtype=int), layers=layers, shares=shares)
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    comm: float            # max over workers of the link part of T_w, compute-proportional shares
+    speed: float           # Σ c over workers
+    ar_fixed: float        # 2(n-1)·a_max
+    ar_per_layer: float    # 2(n-1)/n · P / b_min
+    cap: int               # layers every worker can hold
+    worst: int             # worker with the largest link time
+    far: tuple[int, ...]   # workers at the ends of the highest-latency and of the lowest-bandwidth link
+    weakest: int           # worker with the least memory
+
+
+@dataclass(frozen=True)
+class Curves:
+    """Per stage: pipeline intercept and slope, averaging intercept and slope (s, s per layer), memory cap."""
+
+    intercept: np.ndarray
+    slope: np.ndarray
+    ar0: np.ndarray
+    ar1: np.ndarray
+    cap: np.ndarray
+
+
+@dataclass(eq=False)
+class Score:
+    pt: float                   # PT with the best integer layer counts
+    layers: tuple[int, ...]
+    curves: Curves | None = None
+    total: int = 0
+
+    @cached_property
+    def smooth(self) -> float:
+        """PT with fractional layer counts: breaks ties between equal integer PTs (computed only for ties)."""
+        return self.pt if self.curves is None else smooth_time(self.pt, self.curves, self.total)
+
+    def better_than(self, other: "Score") -> bool:
+        if self.pt < other.pt * (1 - 1e-9):
+            return True
+        return self.pt <= other.pt * (1 + 1e-12) and self.smooth < other.smooth * (1 - 1e-9)
+
+
+INFEASIBLE = Score(float("inf"), ())
+
+
+def smooth_time(hi: float, c: Curves, total: int) -> float:
+    """Least T at which fractional layer counts (each within [0, cap]) add up to ``total``.
+
+    The sum is piecewise linear in T with breaks where a stage's count leaves 0, reaches its cap, or changes from
+    the pipeline to the averaging line; so evaluate it at every break and interpolate.
+    """
+    ar1 = np.maximum(c.ar1, 1e-300)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cross = (c.intercept * ar1 - c.ar0 * c.slope) / (ar1 - c.slope)
+    breaks = np.concatenate([c.intercept, c.ar0, c.intercept + c.slope * c.cap, c.ar0 + ar1 * c.cap, cross, [hi]])
+    breaks = np.unique(breaks[np.isfinite(breaks) & (breaks >= 0) & (breaks <= hi)])
+    fit = np.minimum((breaks[:, None] - c.intercept) / c.slope, (breaks[:, None] - c.ar0) / ar1)
+    sums = np.clip(fit, 0, c.cap).sum(axis=1)
+    i = int(np.searchsorted(sums, total - 1e-9))
+    if i == 0:
+        return float(breaks[0])
+    if i >= len(breaks):
+        return hi
+    t0, t1, f0, f1 = breaks[i - 1], breaks[i], sums[i - 1], sums[i]
+    return float(t0 + (t1 - t0) * (total - f0) / (f1 - f0))
+
+
+def allocate(h: np.ndarray, total: int) -> tuple[float, np.ndarray]:
+    """Integer layer counts (>= 1 each, summing to ``total``) minimising max_k h[k, L_k - 1].
+
+    ``h[k, l-1]`` is stage k's time with l layers, non-decreasing in l, inf where memory forbids. Exact: PT is the
+    larger of the worst one-layer stage and the total-th smallest entry of h; surplus counts are trimmed from the
+    top.
+    """
+    k = h.shape[0]
+    if k > total or not np.all(np.isfinite(h[:, 0])):
+        return float("inf"), np.zeros(k, dtype=int)
+    flat = h.ravel()
+    t = max(float(h[:, 0].max()), float(np.partition(flat, total - 1)[total - 1]))
+    if not np.isfinite(t):
+        return float("inf"), np.zeros(k, dtype=int)
+    counts = (h <= t).sum(axis=1)
+    excess = int(counts.sum()) - total
+    if excess > 0:
+        rows, cols = np.nonzero(h[:, 1:] <= t)
+        values = h[:, 1:][rows, cols]
+        for row in rows[np.argsort(-values, kind="stable")[:excess]]:
+            counts[row] -= 1
+    return t, counts
+
+
+class Engine:
+    """Caches stage statistics and scores memberships for one network and workload."""
+
+    def __init__(self, net: Network, wl: Workload, reliable: np.ndarray):
+        self.net, self.wl = net, wl
+        self.reliable = np.asarray(reliable, dtype=bool)
+        self.layers = wl.model.layers
+        self._stats: dict[Group, GroupStats] = {}
+        self._boundary: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
+        a = net.latency + wl.message_bytes * net.inv_bandwidth
+        self.delay = (a + a.T) / 2  # the paper's edge label, one way: a + A/b averaged over both directions
+        self.steps = np.arange(1, self.layers + 1, dtype=float)
+
+    def stats(self, group: Group) -> GroupStats:
+        cached = self._stats.get(group)
+        if cached is not None:
+            return cached
+        net, wl = self.net, self.wl
+        workers = np.array(group.workers, dtype=int)
+        links = link_times(net, wl, group.layout(1), compute_shares(net, workers))
+        n = len(workers)
+        sub = np.ix_(workers, workers)
+        lat, inv = net.latency[sub], net.inv_bandwidth[sub]
+        a_max, inv_max = float(lat.max()), float(inv.max())
+        ar_fixed = 2 * (n - 1) * a_max
+        ar_per_layer = 2 * (n - 1) / n * wl.model.param_bytes_per_layer * inv_max
+        i, j = np.unravel_index(int(np.argmax(lat)), lat.shape)
+        u, v = np.unravel_index(int(np.argmax(inv)), inv.shape)
+        memory = net.memory[workers]
+        stats = GroupStats(
+            comm=float(links.max()), speed=float(net.flops[workers].sum()), ar_fixed=ar_fixed,
+            ar_per_layer=ar_per_layer, cap=int(np.floor(memory.min() / wl.model.memory_bytes_per_layer)),
+            worst=int(workers[int(np.argmax(links))]),
+            far=(int(workers[i]), int(workers[j]), int(workers[u]), int(workers[v])),
+            weakest=int(workers[int(np.argmin(memory))]))
+        self._stats[group] = stats
+        return stats
+
+    def boundary(self, prev: Group, nxt: Group) -> float:
+        key = (prev.bs, nxt.fs)
+        cached = self._boundary.get(key)
+        if cached is None:
+            bs, fs = np.array(prev.bs), np.array(nxt.fs)
+            a = self.net.latency[np.ix_(bs, fs)] + self.wl.message_bytes * self.net.inv_bandwidth[np.ix_(bs, fs)]
+            cached = self._boundary[key] = float(a.mean())
+        return cached
+
+    def curves(self, groups: Sequence[Group]) -> Curves:
+        stats = [self.stats(g) for g in groups]
+        edges = [0.0] + [self.boundary(a, b) for a, b in zip(groups, groups[1:])] + [0.0]
+        d, wl = self.wl.microbatches, self.wl
+        intercept = np.array([d * (edges[k] + edges[k + 1] + s.comm) for k, s in enumerate(stats)])
+        slope = np.array([d * wl.microbatch_tokens * wl.model.flops_per_token_per_layer / s.speed for s in stats])
+        ar0 = np.array([s.ar_fixed for s in stats])
+        ar1 = np.array([s.ar_per_layer for s in stats])
+        cap = np.array([s.cap for s in stats])
+        return Curves(intercept, slope, ar0, ar1, cap)
+
+    def score(self, groups: Sequence[Group]) -> Score:
+        if not groups or len(groups) > self.layers or not all(g.valid for g in groups):
+            return INFEASIBLE
+        c = self.curves(groups)
+        if c.cap.min() < 1 or c.cap.sum() < self.layers:
+            return INFEASIBLE
+        l = self.steps
+        h = np.maximum(c.intercept[:, None] + c.slope[:, None] * l, c.ar0[:, None] + c.ar1[:, None] * l)
+        h[l[None, :] > c.cap[:, None]] = np.inf
+        pt, counts = allocate(h, self.layers)
+        if not np.isfinite(pt):
+            return INFEASIBLE
+        return Score(pt, tuple(int(x) for x in counts), c, self.layers)
+
+    def layouts(self, groups: Sequence[Group], score: Score | None = None) -> list[StageLayout]:
+        score = score or self.score(groups)
+        return [g.layout(l) for g, l in zip(groups, score.layers)]
+
+    # --- local search -------------------------------------------------------------------------------------
+
+    def nearness(self, groups: Sequence[Group]) -> np.ndarray:
+        """Mean delay from every device to each stage's servers (devices x stages)."""
+        return np.stack([self.delay[:, list(g.servers)].mean(axis=1) for g in groups], axis=1)
+
+    def targets(self, device: int, near: np.ndarray, exclude: int, count: int) -> list[int]:
+        """Stages whose servers are closest to ``device`` (the paper's rule for placing clients)."""
+        row = near[device].copy()
+        if exclude >= 0:
+            row[exclude] = np.inf
+        return [int(k) for k in np.argsort(row, kind="stable")[:min(count, len(row) - (exclude >= 0))]]
+
+    def relocations(self, groups: list[Group], device: int, home: int, near: np.ndarray,
+                    fan: int) -> Iterator[list[Group]]:
+        """Plans in which ``device`` leaves stage ``home`` (-1: idle) for idleness, a role flip, or a near stage."""
+        rest = groups[home].without(device) if home >= 0 else None
+        if rest is not None and rest.valid:
+            yield groups[:home] + [rest] + groups[home + 1:]
+        if rest is not None and self.reliable[device]:
+            flipped = rest.adding(device, BS if groups[home].role(device) == FS else FS)
+            if flipped.valid:
+                yield groups[:home] + [flipped] + groups[home + 1:]
+        if rest is not None and not rest.valid:
+            return
+        for k in self.targets(device, near, home, fan):
+            for role in ((FS, BS) if self.reliable[device] else (CLIENT,)):
+                moved = list(groups)
+                if rest is not None:
+                    moved[home] = rest
+                moved[k] = groups[k].adding(device, role)
+                yield moved
+
+    def neighbours(self, groups: list[Group], rng: np.random.Generator, fan: int,
+                   sample: int) -> Iterator[list[Group]]:
+        """Moves of the devices that bind each stage (slowest link, farthest pair, least memory), of a few random
+        and a few idle devices, and swaps of adjacent stages; in random order."""
+        home = {x: k for k, g in enumerate(groups) for x in g.workers}
+        idle = [x for x in range(self.net.size) if x not in home]
+        movers: dict[int, int] = {}
+        for k, g in enumerate(groups):
+            st = self.stats(g)
+            for x in (st.worst, *st.far, st.weakest):
+                movers[x] = k
+        placed = list(home)
+        for x in rng.choice(placed, size=min(sample, len(placed)), replace=False):
+            movers[int(x)] = home[int(x)]
+        if idle:
+            strong = sorted(idle, key=lambda x: -self.net.flops[x])[:sample]
+            drawn = rng.choice(np.asarray(idle), size=min(sample, len(idle)), replace=False)
+            for x in [*strong, *(int(v) for v in drawn)]:
+                movers[x] = -1
+        moves: list[tuple[int, int]] = [(x, k) for x, k in movers.items()] + \
+            [(-1, k) for k in range(len(groups) - 1)]
+        near = self.nearness(groups)
+        for i in rng.permutation(len(moves)):
+            x, k = moves[i]
+            if x < 0:
+                yield groups[:k] + [groups[k + 1], groups[k]] + groups[k + 2:]
+            else:
+                yield from self.relocations(groups, x, k, near, fan if k >= 0 else 2)
+
+    def improve(self, groups: list[Group], *, rng: np.random.Generator, rounds: int, fan: int = 3,
+                sample: int = 6) -> tuple[list[Group], Score]:
+        """First-improvement local search; stops after ``rounds`` accepted moves or when no neighbour is better."""
+        best = self.score(groups)
+        for _ in range(rounds):
+            for candidate in self.neighbours(groups, rng, fan, sample):
+                s = self.score(candidate)
+                if s.better_than(best):
+                    groups, best = candidate, s
+                    break
+            else:
+                break
+        return groups, best
+
+    def admit_clients(self, groups: list[Group], clients: Iterable[int], fan: int = 2) -> list[Group]:
+        """Greedy: strongest client first, into whichever of its nearest stages lowers the score, else idle."""
+        best = self.score(groups)
+        near = self.nearness(groups)
+        for u in sorted(clients, key=lambda x: -self.net.flops[x]):
+            choice = None
+            for k in self.targets(u, near, -1, fan):
+                moved = list(groups)
+                moved[k] = groups[k].adding(u, CLIENT)
+                s = self.score(moved)
+                if s.better_than(best):
+                    choice, best = moved, s
+            if choice is not None:
+                groups = choice
+        return groups

@@ -1,0 +1,1 @@
+"""Pure protocol logic: row segmentation, the ledger and the task pool. No sockets, no clocks."""

@@ -1,0 +1,86 @@
+"""The data source of the swarm: the stage-0 frontal server with the smallest peer id reads each microbatch,
+fixes the epoch's layout from the stage memberships in the DHT, and pushes the rows to the stage-0 FS set.
+
+It bounds how many microbatches are in flight (1F1B: stage 0 sets the pace), and an epoch's microbatches go
+out only once the previous epoch has closed at stage 0, which is after it closed at every stage.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from p2ptrain.data import TextSource
+from p2ptrain.layout import Layout
+from p2ptrain.protocol.rows import Rows
+from p2ptrain.server.frontal import FrontalServer
+from p2ptrain.transport import Message
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FeederProgress:
+    epochs_done: int = 0
+    epoch_seconds: dict[int, float] = field(default_factory=dict)
+    finished: bool = False
+
+
+class DataFeeder:
+    def __init__(
+        self, *, server: FrontalServer, source: TextSource, layout: Callable[[], Layout | None],
+        is_leader: Callable[[str], bool], rows_per_microbatch: int, microbatches: int, epochs: int, max_in_flight: int,
+    ):
+        self.server, self.source, self.layout, self.is_leader = server, source, layout, is_leader
+        self.rows, self.microbatches, self.epochs, self.max_in_flight = rows_per_microbatch, microbatches, epochs, max_in_flight
+        self.progress = FeederProgress()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Feed every epoch if this server leads stage 0; the other stage-0 FS only serve their segments."""
+        layout = await self._wait_for_layout(stop)
+        if layout is None or not self.is_leader(self.server.peer_id):
+            return
+        for epoch in range(self.epochs):
+            layout = await self._wait_for_layout(stop)
+            if layout is None:
+                return
+            started = time.monotonic()
+            for index in range(self.microbatches):
+                while self.server.in_flight() >= self.max_in_flight and not stop.is_set():
+                    await asyncio.sleep(0.01)
+                if stop.is_set():
+                    return
+                await self._push(epoch, index, layout)
+            while self.server.closed_epoch < epoch and not stop.is_set():
+                await asyncio.sleep(0.01)
+            self.progress.epoch_seconds[epoch] = time.monotonic() - started
+            self.progress.epochs_done = epoch + 1
+        self.progress.finished = True
+        logger.info(f"data source: all {self.epochs} epochs done")
+
+    async def _wait_for_layout(self, stop: asyncio.Event) -> Layout | None:
+        waited = 0.0
+        while not stop.is_set():
+            layout = self.layout()
+            if layout is not None:
+                return layout
+            if waited % 5.0 < 0.25:
+                logger.info("data source: waiting for an FS and a BS in every stage")
+            await asyncio.sleep(0.25)
+            waited += 0.25
+        return None
+
+    async def _push(self, epoch: int, index: int, layout: Layout) -> None:
+        inputs, labels = self.source.microbatch(epoch, index, self.rows)
+        for fs, part in layout.route_to_fs(0, Rows(0, self.rows), self.rows):
+            window = slice(part.start, part.end)
+            message = Message(
+                {"epoch": epoch, "microbatch": index, "rows": [part.start, part.end], "total_rows": self.rows,
+                 "layout": layout.to_header(), "microbatches_per_epoch": self.microbatches},
+                {"inputs": inputs[window], "labels": labels[window]},
+            )
+            reply = await self.server.caller.call(fs, FrontalServer, "rpc_push_rows", message)
+            if not reply.header.get("accepted"):
+                raise RuntimeError(f"stage-0 FS {fs} refused microbatch {epoch}:{index}: {reply.header}")

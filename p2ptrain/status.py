@@ -1,0 +1,136 @@
+"""`python -m p2ptrain.status --initial-peers ADDR [--json]`: what a swarm is doing, read from the DHT.
+
+JSON fields (stable; later tools and outside checks read them):
+  run_id                 the swarm's DHT prefix
+  peers                  [{peer_id, role, stage, server_role}] every peer with a live record
+  stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids]}]
+  epoch                  the last global batch that closed at every stage (-1: none yet)
+  epochs_planned         global batches the data source will feed (null if no source is up)
+  finished               the data source fed and closed all its epochs
+  loss                   mean token loss (nats) of the last closed epoch, from the last stage
+  tokens_per_s           training tokens per second over the last closed epoch, at the data source
+  epochs                 [{epoch, loss, tokens_per_s, seconds,
+                           stages: [{stage, rows_in_batch, rows_averaged, tasks_redone}]}] oldest first:
+                           rows_in_batch: rows of the global batch that entered the stage;
+                           rows_averaged: rows whose gradients reached the stage's averaged optimizer step;
+                           tasks_redone: tasks handed out again (refused results, timed-out workers)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import hivemind
+
+from p2ptrain.dht import get_metrics, get_peers, get_stage_members, make_validators
+
+
+def collect(dht: hivemind.DHT, run_id: str) -> dict:
+    peers = get_peers(dht, run_id)
+    metrics = get_metrics(dht, run_id)
+    stages_seen = [p.stage for p in peers if p.stage is not None] + [m.stage for m in metrics if m.stage is not None]
+    num_stages = 1 + max(stages_seen, default=-1)
+    stages = []
+    for stage in range(num_stages):
+        members = get_stage_members(dht, run_id, stage)
+        stages.append({
+            "stage": stage,
+            "fs": sorted(m.peer_id for m in members if m.role == "fs"),
+            "bs": sorted(m.peer_id for m in members if m.role == "bs"),
+            "workers": sorted(m.peer_id for m in metrics if m.stage == stage and (m.role == "worker" or m.worker_epochs)),
+        })
+    epochs = _epochs(metrics, num_stages)
+    source = next((m for m in metrics if m.epochs_planned is not None), None)
+    closed = [e for e in epochs if e["closed"]]
+    last = closed[-1] if closed else None
+    return {
+        "run_id": run_id,
+        "peers": sorted(({"peer_id": p.peer_id, "role": p.role, "stage": p.stage, "server_role": p.server_role}
+                         for p in peers), key=lambda p: (p["stage"] is None, p["stage"] or 0, p["peer_id"])),
+        "stages": stages,
+        "epoch": last["epoch"] if last else -1,
+        "epochs_planned": source.epochs_planned if source else None,
+        "finished": bool(source and source.finished),
+        "loss": last["loss"] if last else None,
+        "tokens_per_s": last["tokens_per_s"] if last else None,
+        "epochs": [{k: v for k, v in e.items() if k != "closed"} for e in epochs],
+    }
+
+
+def _epochs(metrics: list, num_stages: int) -> list[dict]:
+    """Per epoch and stage: rows in (FS), rows averaged (workers), tasks redone (FS and BS); loss; speed."""
+    rows_in, averaged, redone = defaultdict(int), defaultdict(int), defaultdict(int)
+    closed_at: dict[int, set[int]] = defaultdict(set)
+    loss, speed, seconds = {}, {}, {}
+    for record in metrics:
+        servers = record.per_epoch if record.role in ("fs", "bs") else []
+        workers = record.per_epoch if record.role == "worker" else record.worker_epochs
+        for entry in servers:
+            key = (entry.epoch, record.stage)
+            redone[key] += entry.tasks_redone
+            if record.role == "fs":
+                rows_in[key] += entry.rows_in_batch
+                closed_at[entry.epoch].add(record.stage)
+            if entry.loss is not None:
+                loss[entry.epoch] = entry.loss
+        for entry in workers:
+            averaged[(entry.epoch, record.stage)] += entry.rows_averaged
+        for entry in record.source_epochs:
+            seconds[entry.epoch] = entry.seconds
+            speed[entry.epoch] = entry.tokens / entry.seconds if entry.seconds else None
+    all_epochs = sorted({key[0] for key in rows_in} | set(loss) | set(speed))
+    return [
+        {
+            "epoch": epoch, "loss": loss.get(epoch), "tokens_per_s": speed.get(epoch), "seconds": seconds.get(epoch),
+            "closed": len(closed_at[epoch]) == num_stages and epoch in loss,
+            "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
+                        "rows_averaged": averaged[(epoch, stage)], "tasks_redone": redone[(epoch, stage)]}
+                       for stage in range(num_stages)],
+        }
+        for epoch in all_epochs
+    ]
+
+
+def render(report: dict) -> str:
+    lines = [f"swarm {report['run_id']}: epoch {report['epoch']}"
+             + (f" of {report['epochs_planned']}" if report["epochs_planned"] else "")
+             + (f", loss {report['loss']:.4f}" if report["loss"] is not None else "")
+             + (f", {report['tokens_per_s']:.0f} tokens/s" if report["tokens_per_s"] else "")
+             + (" (finished)" if report["finished"] else "")]
+    for stage in report["stages"]:
+        lines.append(f"  stage {stage['stage']}: FS {', '.join(p[-8:] for p in stage['fs']) or '-'}"
+                     f" | BS {', '.join(p[-8:] for p in stage['bs']) or '-'}"
+                     f" | workers {', '.join(p[-8:] for p in stage['workers']) or '-'}")
+    lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))
+    for epoch in report["epochs"][-10:]:
+        cells = "  ".join(f"{s['rows_in_batch']:>6}/{s['rows_averaged']:<4}/{s['tasks_redone']:<3}"
+                          for s in epoch["stages"])
+        loss = f"{epoch['loss']:.4f}" if epoch["loss"] is not None else "-"
+        speed = f"{epoch['tokens_per_s']:.0f}" if epoch["tokens_per_s"] else "-"
+        lines.append(f"  {epoch['epoch']:>5}  {loss:>6}  {speed:>8}  {cells}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.status", description="Show a swarm's progress.")
+    parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of any peers of the swarm")
+    parser.add_argument("--run-id", default="p2ptrain")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (fields: see module doc)")
+    args = parser.parse_args(argv)
+    try:
+        dht = hivemind.DHT(initial_peers=args.initial_peers, client_mode=True, start=True,
+                           record_validators=make_validators(args.run_id))
+    except Exception as e:
+        print(f"error: could not join the swarm at {' '.join(args.initial_peers)}: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        report = collect(dht, args.run_id)
+    finally:
+        dht.shutdown()
+    print(json.dumps(report, indent=2) if args.json else render(report))
+
+
+if __name__ == "__main__":
+    main()

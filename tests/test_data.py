@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.data import ByteTokenizer, TextSource, embedded_corpus, load_text
+
+
+def test_byte_tokenizer_roundtrip() -> None:
+    tok = ByteTokenizer()
+    text = "The river flows north of the old town. Grüße!"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert all(0 <= i < tok.vocab_size for i in ids) and tok.vocab_size == 256
+    assert tok.decode(ids) == text
+
+
+def test_embedded_corpus_is_deterministic_and_sized() -> None:
+    a = embedded_corpus(seed=3, size_bytes=50_000)
+    assert a == embedded_corpus(seed=3, size_bytes=50_000)
+    assert a != embedded_corpus(seed=4, size_bytes=50_000)
+    assert len(a.encode("utf-8")) == 50_000
+    words = set(a.lower().replace(".", " ").split())
+    assert 150 <= len(words) <= 1000  # a real vocabulary, yet small enough to learn quickly
+    # facts recur: the most common sentence appears many times, but the text is not one sentence repeated
+    sentences = [s.strip() for s in a.split(".") if s.strip()]
+    counts = {s: sentences.count(s) for s in set(sentences)}
+    assert max(counts.values()) >= 5
+    assert len(counts) > len(sentences) / 4
+
+
+def test_microbatch_shapes_labels_and_determinism() -> None:
+    src = TextSource(seq_len=32, seed=7)
+    x, y = src.microbatch(2, 5, 6)
+    assert x.shape == y.shape == (6, 32) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # labels are the inputs shifted by one
+    # each row is a contiguous window of the corpus: the last label continues it
+    tokens = src.tokens
+    for row_x, row_y in zip(x, y):
+        window = torch.cat([row_x, row_y[-1:]])
+        starts = (tokens.unfold(0, 33, 1) == window).all(dim=1).nonzero()
+        assert len(starts) >= 1
+    again = TextSource(seq_len=32, seed=7).microbatch(2, 5, 6)
+    assert torch.equal(again[0], x) and torch.equal(again[1], y)
+    assert not torch.equal(src.microbatch(2, 6, 6)[0], x)
+    assert not torch.equal(src.microbatch(3, 5, 6)[0], x)
+    assert not torch.equal(TextSource(seq_len=32, seed=8).microbatch(2, 5, 6)[0], x)
+
+
+def test_text_and_path_sources(tmp_path: Path) -> None:
+    text = "abcdefghij" * 3
+    file = tmp_path / "corpus.txt"
+    file.write_text(text, encoding="utf-8")
+    assert load_text(str(file)) == text
+    from_file = TextSource(path=str(file), seq_len=8, seed=0)
+    from_text = TextSource(text=text, seq_len=8, seed=0)
+    assert torch.equal(from_file.microbatch(0, 0, 4)[0], from_text.microbatch(0, 0, 4)[0])
+    x, y = from_text.microbatch(0, 1, 3)
+    assert ByteTokenizer().decode(x[0].tolist()) in text
+
+
+def test_missing_and_short_files_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        TextSource(path=str(missing), seq_len=8, seed=0)
+    short = tmp_path / "short.txt"
+    short.write_text("abc", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"short\.txt.*3 bytes"):
+        TextSource(path=str(short), seq_len=8, seed=0)
+    with pytest.raises(ValueError, match="not both"):
+        TextSource(text="x" * 20, path=str(short), seq_len=8, seed=0)

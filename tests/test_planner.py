@@ -1,0 +1,171 @@
+"""Planner: presets from configs, the DESIGN §3 cost model against a hand computation, layer allocation, plans."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from p2ptrain.models.llama import LLAMA_CONFIGS, Block
+from p2ptrain.planner import Plan, PlanningError, make_plan, model_spec
+from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate
+from p2ptrain.planner.generate import geo_swarm
+from p2ptrain.planner.presets import ALBERT_CONFIGS, ModelSpec, albert_layer_params, llama_layer_params
+from p2ptrain.planner.search import allocate
+from p2ptrain.planner.swarmfile import load_swarm
+
+PEERS = Path(__file__).parent.parent / "peers"
+
+
+def test_llama_preset_counts_the_parameters_the_model_builds() -> None:
+    config = LLAMA_CONFIGS["llama-tiny"]
+    params = sum(p.numel() for p in Block(config).parameters())
+    assert llama_layer_params(config) == params
+    spec = model_spec("llama-tiny")
+    attention = 4 * config.hidden_size * (config.max_seq_len + 1) / 2
+    assert spec.flops_per_token_per_layer == pytest.approx(3 * (2 * params + attention))
+    assert spec.param_bytes_per_layer == 4 * params
+    assert spec.activation_bytes_per_token == 4 * config.hidden_size
+    assert spec.memory_bytes_per_layer == 16 * params + 4 * config.hidden_size * config.max_seq_len
+
+
+def test_albert_and_offload_modes() -> None:
+    # ALBERT-xxlarge has about 235M parameters, nearly all in its one shared block
+    assert 200e6 < albert_layer_params(ALBERT_CONFIGS["albert-xxlarge"]) < 235e6
+    none, opt, full = (model_spec("llama-33b", precision="fp64", offload=o) for o in ("none", "optimizer", "all"))
+    assert none.memory_bytes_per_layer > opt.memory_bytes_per_layer > full.memory_bytes_per_layer
+    assert full.memory_bytes_per_layer == 6656 * 2048 * 8
+    assert none.param_bytes_per_layer == opt.param_bytes_per_layer
+    with pytest.raises(ValueError):
+        model_spec("gpt-5")
+
+
+def _by_hand(net: Network, wl: Workload, stages: list[dict]) -> float:
+    """DESIGN §3 written out with loops, independently of cost.py."""
+    lat, inv, c = net.latency, net.inv_bandwidth, net.flops
+    m, a_bytes, f, d = wl.microbatch_tokens, wl.message_bytes, wl.model.flops_per_token_per_layer, wl.microbatches
+    dts, ars = [], []
+    for s in stages:
+        workers = s["fs"] + s["bs"] + s["clients"]
+        total = sum(c[w] for w in workers)
+        times = []
+        for w in workers:
+            p = c[w] / total
+            work = p * m * s["layers"] * f / c[w]
+            if w in s["clients"]:
+                inbound = min(lat[x, w] + p * a_bytes * inv[x, w] for x in s["fs"])
+                outbound = min(lat[w, x] + p * a_bytes * inv[w, x] for x in s["bs"])
+                times.append(inbound + work + outbound)
+            else:
+                others = s["bs"] if w in s["fs"] else s["fs"]
+                times.append(min(lat[w, x] + p * a_bytes * inv[w, x] for x in others) + work)
+        dts.append(max(times))
+        n = len(workers)
+        pairs = [(i, j) for i in workers for j in workers if i != j]
+        b_min = min(1 / inv[i, j] for i, j in pairs)
+        a_max = max(lat[i, j] for i, j in pairs)
+        ars.append(2 * (n - 1) / n * s["layers"] * wl.model.param_bytes_per_layer / b_min + 2 * (n - 1) * a_max)
+    cs = [0.0] + [float(np.mean([lat[b, x] + a_bytes * inv[b, x] for b in prev["bs"] for x in nxt["fs"]]))
+                  for prev, nxt in zip(stages, stages[1:])] + [0.0]
+    return max(d * max(cs[k] + cs[k + 1] + dts[k] for k in range(len(stages))), max(ars))
+
+
+def random_network(n: int, seed: int) -> Network:
+    rng = np.random.default_rng(seed)
+    return Network.from_matrices(flops=rng.uniform(1e12, 5e12, n), memory=rng.uniform(4e9, 9e9, n),
+                                 latency_s=rng.uniform(1e-3, 0.1, (n, n)),
+                                 bandwidth_bytes_s=rng.uniform(1e7, 1e9, (n, n)))
+
+
+SPEC = ModelSpec(layers=6, flops_per_token_per_layer=1e9, activation_bytes_per_token=1e4,
+                 param_bytes_per_layer=1e8, memory_bytes_per_layer=1e9)
+
+
+def test_cost_model_matches_the_formulas() -> None:
+    net = random_network(7, 1)
+    wl = Workload(model=SPEC, batch_tokens=4096, microbatches=8)
+    stages = [{"fs": [0], "bs": [1, 2], "clients": [5], "layers": 2},
+              {"fs": [3, 6], "bs": [4], "clients": [], "layers": 4}]
+    layouts = [StageLayout(fs=np.array(s["fs"]), bs=np.array(s["bs"]), clients=np.array(s["clients"], dtype=int),
+                           layers=s["layers"]) for s in stages]
+    result = evaluate(net, wl, layouts)
+    assert result.feasible
+    assert result.batch_time_s == pytest.approx(_by_hand(net, wl, stages), rel=1e-12)
+    assert result.lower_bound_s == pytest.approx(4096 * 6 * 1e9 / net.flops.sum())
+
+
+def test_memory_and_structure_make_a_plan_infeasible() -> None:
+    net = random_network(4, 2)
+    wl = Workload(model=SPEC, batch_tokens=4096, microbatches=8)
+    too_deep = [StageLayout(fs=np.array([0]), bs=np.array([1]), clients=np.array([2]), layers=6)]
+    result = evaluate(net, wl, too_deep)   # 6 layers x 1 GB > every device's memory
+    assert not result.feasible and result.batch_time_s == float("inf")
+    no_bs = [StageLayout(fs=np.array([0, 1]), bs=np.array([], dtype=int), clients=np.array([], dtype=int),
+                         layers=6)]
+    assert any("FS and one BS" in p for p in evaluate(net, wl, no_bs).problems)
+
+
+def test_allocate_is_optimal() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        k, total = int(rng.integers(1, 4)), int(rng.integers(3, 8))
+        h = np.cumsum(rng.uniform(0, 5, size=(k, total)), axis=1) + rng.uniform(0, 5, size=(k, 1))
+        h[rng.random((k, total)) < 0.15] = np.inf
+        h = np.maximum.accumulate(h, axis=1)
+        best = min((max(h[i, c - 1] for i, c in enumerate(counts)) for counts in
+                    itertools.product(range(1, total + 1), repeat=k) if sum(counts) == total), default=np.inf)
+        pt, counts = allocate(h, total)
+        assert pt == pytest.approx(best)
+        if np.isfinite(best):
+            assert counts.sum() == total and max(h[i, c - 1] for i, c in enumerate(counts)) == pytest.approx(best)
+
+
+def test_local_demo_plan_has_two_stages_with_a_client_each() -> None:
+    swarm = load_swarm(PEERS / "local.toml")
+    assert swarm.model is not None and swarm.batch_tokens and swarm.microbatches
+    plan = make_plan(swarm, swarm.model, batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches,
+                     stages=swarm.stages)
+    assert [(len(s.fs), len(s.bs), len(s.clients)) for s in plan.stages] == [(1, 1, 1), (1, 1, 1)]
+    assert plan.stages[0].layers == (0, plan.stages[1].layers[0]) and plan.stages[1].layers[1] == 4
+    assert plan.idle == ()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    rescored = evaluate(swarm.network(), Workload(model=swarm.model, batch_tokens=swarm.batch_tokens,
+                                                  microbatches=swarm.microbatches), again.layouts(swarm.ids))
+    assert rescored.batch_time_s == pytest.approx(plan.predicted.batch_time_s)
+
+
+def test_refined_beats_paper_and_random_on_a_generated_swarm() -> None:
+    swarm = geo_swarm(40, seed=11)
+    model = model_spec("llama-33b", precision="fp16", offload="optimizer")
+    kwargs = {"batch_tokens": 2048 * 512, "microbatches": 64}
+    refined = make_plan(swarm, model, planner="refined", **kwargs)
+    paper = make_plan(swarm, model, planner="paper", **kwargs)
+    rand = make_plan(swarm, model, planner="random", random_samples=200, **kwargs)
+    assert refined.predicted.batch_time_s <= paper.predicted.batch_time_s
+    assert refined.predicted.batch_time_s <= 0.9 * rand.predicted.batch_time_s
+    placed = [d for s in refined.stages for d in s.workers] + list(refined.idle)
+    assert sorted(placed) == sorted(swarm.ids)
+    assert make_plan(swarm, model, planner="refined", **kwargs) == refined   # seeded: the same plan again
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_forced_stage_count_is_honoured(stages: int) -> None:
+    swarm = load_swarm(PEERS / "paper-sec44.toml")
+    assert swarm.model is not None
+    for planner in ("paper", "refined"):
+        plan = make_plan(swarm, swarm.model, batch_tokens=131072, microbatches=64, planner=planner, stages=stages)
+        assert len(plan.stages) == stages
+    with pytest.raises(PlanningError):
+        make_plan(swarm, swarm.model, batch_tokens=131072, microbatches=64, stages=5)
+
+
+def test_baselines_return_valid_plans() -> None:
+    swarm = geo_swarm(24, seed=5)
+    model = model_spec("llama-small")
+    for planner in ("random", "swarm", "dtfm"):
+        plan = make_plan(swarm, model, batch_tokens=8192, microbatches=8, planner=planner, random_samples=50)
+        assert np.isfinite(plan.predicted.batch_time_s), planner
+        assert sum(s.layers[1] - s.layers[0] for s in plan.stages) == model.layers
+        assert all(s.fs and s.bs for s in plan.stages)

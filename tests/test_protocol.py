@@ -1,0 +1,87 @@
+"""The pure protocol pieces: row segmentation, compute shares, the ledger and the task pool."""
+import pytest
+
+from p2ptrain.protocol.ledger import Ledger
+from p2ptrain.protocol.rows import Rows, route, segments, split_by_compute
+from p2ptrain.protocol.taskpool import Kind, Task, TaskPool
+
+
+def test_segments_cover_rows_evenly():
+    for total in range(0, 30):
+        for receivers in range(1, 6):
+            parts = segments(total, receivers)
+            assert parts[0].start == 0 and parts[-1].end == total
+            assert all(a.end == b.start for a, b in zip(parts, parts[1:]))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_route_two_senders_to_three_receivers_as_in_the_paper():
+    total = 6
+    first, second = segments(total, 2)
+    assert route(first, 3, total) == [(0, Rows(0, 2)), (1, Rows(2, 3))]
+    assert route(second, 3, total) == [(1, Rows(3, 4)), (2, Rows(4, 6))]
+
+
+def test_split_by_compute_is_proportional_and_contiguous():
+    shares = split_by_compute(Rows(10, 20), {"a": 1.0, "b": 3.0, "c": 1.0})
+    assert [(w, len(r)) for w, r in shares] == [("a", 2), ("b", 6), ("c", 2)]
+    assert shares[0][1].start == 10 and shares[-1][1].end == 20
+    assert all(x[1].end == y[1].start for x, y in zip(shares, shares[1:]))
+    with pytest.raises(ValueError):
+        split_by_compute(Rows(0, 4), {})
+
+
+def test_ledger_routes_gradient_rows_back_to_their_workers():
+    ledger = Ledger()
+    assert ledger.record(epoch=0, microbatch=1, worker="w1", rows=Rows(0, 3), task_id="t1")
+    assert ledger.record(epoch=0, microbatch=1, worker="w2", rows=Rows(3, 8), task_id="t2")
+    assert not ledger.record(epoch=0, microbatch=1, worker="w3", rows=Rows(2, 4), task_id="t3")  # duplicate rows
+    assert ledger.covered(epoch=0, microbatch=1) == 8
+    parts = ledger.split(epoch=0, microbatch=1, rows=Rows(2, 5))
+    assert [(p.worker, p.rows, p.task_id) for p in parts] == [("w1", Rows(2, 3), "t1"), ("w2", Rows(3, 5), "t2")]
+    with pytest.raises(KeyError):
+        ledger.split(epoch=0, microbatch=1, rows=Rows(6, 9))
+    ledger.forget_epoch(0)
+    assert ledger.covered(epoch=0, microbatch=1) == 0
+
+
+def _task(i: int, epoch: int = 0, preferred: str | None = None) -> Task:
+    return Task(task_id=f"{epoch}:{i}", kind=Kind.FORWARD, epoch=epoch, microbatch=i, rows=Rows(0, 2),
+                preferred=preferred)
+
+
+def test_task_pool_prefers_own_tasks_then_oldest():
+    pool = TaskPool(lease_timeout=5.0)
+    pool.add(_task(0, preferred="a"))
+    pool.add(_task(1, preferred="b"))
+    assert pool.take("b", now=0.0).task_id == "0:1"
+    assert pool.take("b", now=0.0).task_id == "0:0"  # nothing of its own left: takes another's
+    assert pool.take("b", now=0.0) is None
+
+
+def test_task_pool_requeues_timed_out_leases_and_counts_them():
+    pool = TaskPool(lease_timeout=5.0)
+    pool.add(_task(0))
+    assert pool.take("a", now=0.0) is not None
+    assert pool.expire(now=4.9) == []
+    assert [t.task_id for t in pool.expire(now=5.0)] == ["0:0"]
+    assert pool.redone == {0: 1}
+    assert pool.take("b", now=6.0).task_id == "0:0"
+    assert pool.complete("0:0") and not pool.complete("0:0")
+
+
+def test_refused_task_goes_to_another_worker():
+    pool = TaskPool(lease_timeout=5.0)
+    pool.add(_task(0, preferred="bad"))
+    pool.take("bad", now=0.0)
+    assert pool.fail("0:0", "someone-else") is None  # only the lease holder's refusal requeues
+    assert pool.fail("0:0", "bad") is not None
+    assert pool.take("bad", now=1.0) is None
+    assert pool.take("good", now=1.0).task_id == "0:0"
+
+
+def test_task_pool_holds_back_tasks_of_a_later_epoch():
+    pool = TaskPool(lease_timeout=5.0)
+    pool.add(_task(0, epoch=1))
+    assert pool.take("a", now=0.0, max_epoch=0) is None
+    assert pool.take("a", now=0.0, max_epoch=1) is not None

@@ -1,0 +1,209 @@
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import hivemind
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2ptrain.dht import (
+    Announcer,
+    EpochMetrics,
+    Link,
+    Membership,
+    Metrics,
+    PeerInfo,
+    PlanRecord,
+    get_metrics,
+    get_peers,
+    get_plan,
+    get_stage_members,
+    make_validators,
+    owned_subkey,
+    peers_key,
+    stage_key,
+)
+
+RUN = "testrun"
+
+
+@dataclass
+class Peer:
+    dht: hivemind.DHT
+    key: bytes  # local_public_key of the peer's signer
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[tuple[Peer, Peer]]:
+    """Two loopback DHT peers, each signing with its own RSA key (as two processes would)."""
+    started: list[hivemind.DHT] = []
+    try:
+        result = []
+        for _ in range(2):
+            signer = RSASignatureValidator(RSAPrivateKey())
+            dht = hivemind.DHT(
+                start=True,
+                host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                initial_peers=started[0].get_visible_maddrs() if started else None,
+                record_validators=make_validators(RUN, signer=signer),
+            )
+            started.append(dht)
+            result.append(Peer(dht, signer.local_public_key))
+        yield result[0], result[1]
+    finally:
+        for dht in started:
+            dht.shutdown()
+
+
+def _info(peer_id: str, **changes: object) -> PeerInfo:
+    info = PeerInfo(
+        peer_id=peer_id, role="server", server_role="fs", stage=1, reliable=True, computes=False, compute=2e12,
+        memory=8 << 30, maddrs=["/ip4/127.0.0.1/tcp/4000"], state="online", started=get_dht_time(),
+        links={"other": Link(latency_s=0.02, bandwidth_bps=1.25e8)},
+    )
+    return replace(info, **changes)
+
+
+def _mine(records: list, peer_id: str) -> list:
+    return [r for r in records if r.peer_id == peer_id]
+
+
+def test_records_round_trip_and_membership_moves(peers: tuple[Peer, Peer]) -> None:
+    a, b = peers
+    ann = Announcer(dht=a.dht, run_id=RUN, peer_id="rt", owner_key=a.key, period_s=5, ttl_s=30, start=False)
+    info = _info("rt")
+    metrics = Metrics(
+        peer_id="rt", stage=1, role="fs", epoch=3, loss=2.5, tokens_per_s=1000, rows_in_batch=64, rows_averaged=64,
+        tasks_redone=1, updated=get_dht_time(),
+        per_epoch=[EpochMetrics(epoch=e, rows_in_batch=64, rows_averaged=64, tasks_redone=e % 2, loss=3.0 - e / 2,
+                                tokens=8192) for e in range(4)],
+    )
+    ann.set_peer_info(info)
+    ann.set_membership(1, Membership(peer_id="rt", role="fs", compute=2e12, load=0.5))
+    ann.set_metrics(metrics)
+    assert ann.refresh()
+    # read from the other peer: the records travelled through the DHT
+    assert _mine(get_peers(b.dht, RUN), "rt") == [info]
+    membership = Membership(peer_id="rt", role="fs", compute=2e12, load=0.5)
+    assert _mine(get_stage_members(b.dht, RUN, 1), "rt") == [membership]
+    assert _mine(get_metrics(b.dht, RUN), "rt") == [metrics]
+    # moving to another stage withdraws the old membership
+    ann.set_membership(2, Membership(peer_id="rt", role="worker", compute=2e12))
+    assert ann.refresh()
+    assert _mine(get_stage_members(b.dht, RUN, 1), "rt") == []
+    assert [m.role for m in _mine(get_stage_members(b.dht, RUN, 2), "rt")] == ["worker"]
+    ann.shutdown()
+    assert _mine(get_peers(b.dht, RUN), "rt") == []
+    assert _mine(get_metrics(a.dht, RUN), "rt") == []
+
+
+def test_wrong_schema_is_rejected(peers: tuple[Peer, Peer]) -> None:
+    a, b = peers
+    with pytest.raises(ValueError, match="role"):
+        _info("bad", role="wizard").to_value()
+    value = _info("bad").to_value()
+    for broken in ({**value, "compute": 5}, {**value, "extra": 1}, {k: v for k, v in value.items() if k != "stage"}):
+        stored = b.dht.store(peers_key(RUN), broken, get_dht_time() + 30, subkey=owned_subkey("bad", b.key))
+        assert stored is False
+    partial = {"peer_id": "bad"}
+    assert b.dht.store(stage_key(RUN, 0), partial, get_dht_time() + 30, subkey=owned_subkey("bad", b.key)) is False
+    assert _mine(get_peers(a.dht, RUN), "bad") == []
+    assert _mine(get_stage_members(a.dht, RUN, 0), "bad") == []
+    # the same value, well formed, is accepted: the rejections above were the schema's doing
+    assert b.dht.store(peers_key(RUN), value, get_dht_time() + 30, subkey=owned_subkey("bad", b.key)) is True
+    assert _mine(get_peers(a.dht, RUN), "bad") == [_info("bad", started=value["started"])]
+
+
+def test_peer_cannot_overwrite_another_peers_record(peers: tuple[Peer, Peer]) -> None:
+    a, b = peers
+    ann = Announcer(dht=a.dht, run_id=RUN, peer_id="victim", owner_key=a.key, period_s=5, ttl_s=30, start=False)
+    original = _info("victim")
+    ann.set_peer_info(original)
+    assert ann.refresh()
+    forged = _info("victim", compute=1.0, state="offline").to_value()
+    # b signs with its own key, but the subkey names a's key: the signature cannot verify
+    assert b.dht.store(peers_key(RUN), forged, get_dht_time() + 60, subkey=owned_subkey("victim", a.key)) is False
+    # an announcer on b that claims a's key is refused the same way
+    impostor = Announcer(dht=b.dht, run_id=RUN, peer_id="victim", owner_key=a.key, period_s=5, ttl_s=60, start=False)
+    impostor.set_peer_info(_info("victim", compute=1.0))
+    assert impostor.refresh() is False
+    for dht in (a.dht, b.dht):
+        assert _mine(get_peers(dht, RUN), "victim") == [original]
+    ann.shutdown()
+
+
+def test_records_expire_unless_refreshed(peers: tuple[Peer, Peer]) -> None:
+    a, b = peers
+    vanishing = Announcer(dht=b.dht, run_id=RUN, peer_id="gone", owner_key=b.key, period_s=0.5, ttl_s=1.0, start=False)
+    vanishing.set_peer_info(_info("gone"))
+    assert vanishing.refresh()
+    living = Announcer(dht=b.dht, run_id=RUN, peer_id="alive", owner_key=b.key, period_s=0.3, ttl_s=1.0)
+    try:
+        living.set_peer_info(_info("alive"))
+        deadline = time.monotonic() + 5
+        while not _mine(get_peers(a.dht, RUN), "alive") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.peer_id for p in get_peers(a.dht, RUN) if p.peer_id in ("gone", "alive")] == ["alive", "gone"]
+        time.sleep(1.6)  # longer than ttl: only the refreshed record is left
+        assert [p.peer_id for p in get_peers(a.dht, RUN) if p.peer_id in ("gone", "alive")] == ["alive"]
+    finally:
+        living.shutdown()
+
+
+def test_plan_from_a_non_planner_key_is_ignored(peers: tuple[Peer, Peer], caplog: pytest.LogCaptureFixture) -> None:
+    planner, other = peers
+    ann = Announcer(dht=planner.dht, run_id=RUN, peer_id="planner", owner_key=planner.key, period_s=5, ttl_s=30,
+                    start=False)
+    rogue = Announcer(dht=other.dht, run_id=RUN, peer_id="rogue", owner_key=other.key, period_s=5, ttl_s=30,
+                      start=False)
+    layout = {"stages": [{"layers": [0, 2], "fs": ["p1"], "bs": ["p2"]}]}
+    real = PlanRecord(plan=layout, version=1, created=get_dht_time())
+    fake = PlanRecord(plan={"stages": []}, version=7, created=get_dht_time())
+    ann.set_plan(real)
+    rogue.set_plan(fake)
+    assert ann.refresh() and rogue.refresh()
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.dht.readers"):
+        assert get_plan(other.dht, RUN, planner.key) == real
+    assert any("not the planner's" in r.getMessage() for r in caplog.records)
+    assert get_plan(planner.dht, RUN, None) == fake  # trusting everyone picks the highest version
+    assert get_plan(planner.dht, RUN, other.key) == fake
+    # the planner's own entry can be updated by the planner
+    newer = PlanRecord(plan={"stages": [{"layers": [0, 4]}]}, version=2, created=get_dht_time())
+    ann.set_plan(newer)
+    assert ann.refresh()
+    assert get_plan(other.dht, RUN, planner.key) == newer
+
+
+class _FakeDHT:
+    """Answers get() like hivemind.DHT does for a key with subkeys, as a DHT without validators could."""
+
+    def __init__(self, entries: dict[object, hivemind.utils.ValueWithExpiration]):
+        self.entries = entries
+
+    def get(self, key: str, latest: bool = False) -> hivemind.utils.ValueWithExpiration:
+        return hivemind.utils.ValueWithExpiration(self.entries, get_dht_time() + 30)
+
+
+def test_readers_skip_malformed_entries(caplog: pytest.LogCaptureFixture) -> None:
+    key = RSASignatureValidator(RSAPrivateKey()).local_public_key
+    later, earlier = get_dht_time() + 30, get_dht_time() - 1
+    good = _info("good")
+    entries = {
+        owned_subkey("good", key): hivemind.utils.ValueWithExpiration(good.to_value(), later),
+        owned_subkey("typo", key): hivemind.utils.ValueWithExpiration({**good.to_value(), "compute": "fast"}, later),
+        owned_subkey("liar", key): hivemind.utils.ValueWithExpiration(_info("good").to_value(), later),
+        owned_subkey("left", key): hivemind.utils.ValueWithExpiration(None, later),
+        owned_subkey("old", key): hivemind.utils.ValueWithExpiration(_info("old").to_value(), earlier),
+        "text-subkey": hivemind.utils.ValueWithExpiration(good.to_value(), later),
+        b"no-owner": hivemind.utils.ValueWithExpiration(good.to_value(), later),
+    }
+    with caplog.at_level(logging.WARNING, logger="p2ptrain.dht.readers"):
+        assert get_peers(_FakeDHT(entries), RUN) == [good]
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "PeerInfoModel" in messages and "stored under peer liar" in messages
+    assert "non-bytes subkey" in messages and "no owner key" in messages
