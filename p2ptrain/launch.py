@@ -58,17 +58,23 @@ class Swarm:
     def failed(self) -> list[str]:
         return [name for name, p in self.processes.items() if p.poll() not in (None, 0)]
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to each peer, which shuts its DHT and p2p daemon down; then SIGKILL to whatever is left of its
+        process group (daemons included), so nothing outlives the swarm."""
         for process in self.processes.values():
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+                process.terminate()
         deadline = time.monotonic() + grace_s
         for process in self.processes.values():
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                pass
+            try:
                 os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            except ProcessLookupError:
+                pass
+            process.wait()
 
 
 def peer_commands(plan: dict, common: list[str]) -> dict[str, list[str]]:

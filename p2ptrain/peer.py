@@ -20,6 +20,7 @@ import hivemind
 import torch
 from hivemind.dht.crypto import RSASignatureValidator
 
+from p2ptrain.averaging import StageAllReduce
 from p2ptrain.client.worker import FAULTS, Worker
 from p2ptrain.compression import CODECS
 from p2ptrain.config import RunConfig
@@ -50,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
     net.add_argument("--announce-maddrs", nargs="*", default=None, help="multiaddrs others should dial")
     net.add_argument("--identity-path", help="file with this peer's private key (created if missing)")
+    net.add_argument("--client-mode", action="store_true",
+                     help="dial out only (behind NAT); its stage then needs a reachable worker to lead averaging")
     net.add_argument("--maddrs-file", help="write this peer's visible multiaddrs here once it is up")
     recipe = parser.add_argument_group("recipe (the same on every peer)")
     recipe.add_argument("--model", default="llama-tiny", choices=sorted(LLAMA_CONFIGS))
@@ -66,8 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-in-flight", type=int, default=4, help="microbatches in the pipeline at once")
     run.add_argument("--compute-power", type=float, default=None, help="this worker's FLOP/s (default: measured)")
     run.add_argument("--lease-timeout", type=float, default=30.0, help="seconds before a task goes back to the pool")
-    run.add_argument("--matchmaking-time", type=float, default=1.0)
-    run.add_argument("--averaging-timeout", type=float, default=30.0)
+    run.add_argument("--averaging-timeout", type=float, default=30.0, help="seconds an all-reduce round may take")
     run.add_argument("--threads", type=int, default=1, help="torch threads of this process")
     run.add_argument("--dump-grads", help="directory where workers save the averaged gradients of each epoch")
     run.add_argument("--fault", choices=FAULTS, default="none", help="for tests: send corrupted results")
@@ -128,13 +130,12 @@ def make_dht(args: argparse.Namespace, *, client_mode: bool) -> hivemind.DHT:
 async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
     config: RunConfig = args.config
     computes = args.role == "client" or args.compute
-    dht = make_dht(args, client_mode=args.role == "client")
+    dht = make_dht(args, client_mode=args.client_mode)
     peer_id = dht.peer_id.to_base58()
-    # hivemind signs with its process-wide key; hivemind.Optimizer's progress records need the same one
+    # records are signed with hivemind's process-wide key, as hivemind's own records are
     announcer = Announcer(dht=dht, run_id=args.run_id, peer_id=peer_id,
-                          owner_key=RSASignatureValidator().local_public_key, period_s=2.0, ttl_s=10.0)
+                          owner_key=RSASignatureValidator().local_public_key, period_s=5.0, ttl_s=30.0)
     tasks: list[asyncio.Task] = []
-    optimizer = None
     try:
         announcer.set_peer_info(PeerInfo(
             peer_id=peer_id, role=args.role, stage=args.stage, server_role=args.server_role,
@@ -146,14 +147,6 @@ async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
             return
         torch.set_num_threads(args.threads)
         start, end = args.layer_range
-        model = LlamaStage(config.llama, start=start, end=end, seed=config.seed)
-        optimizer = hivemind.Optimizer(
-            dht=dht, run_id=f"{args.run_id}_stage{args.stage}", target_batch_size=config.rows_per_epoch,
-            params=model.parameters(), optimizer=partial(torch.optim.AdamW, lr=config.lr),
-            # hivemind 1.1.12 ignores client_mode=None instead of taking the DHT's: pass it explicitly
-            client_mode=dht.client_mode, auxiliary=not computes, matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
-            tracker_opts=dict(min_refresh_period=0.05, max_refresh_period=0.5, default_refresh_period=0.5),
-        )
         p2p = await dht.replicate_p2p()
         membership = MembershipCache(dht=dht, run_id=args.run_id, num_stages=config.num_stages)
         tasks.append(asyncio.create_task(membership.run(stop)))
@@ -172,16 +165,18 @@ async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
                                                             compute=float(args.compute_power or 0.0)))
         worker = feeder = None
         if computes:
+            model = LlamaStage(config.llama, start=start, end=end, seed=config.seed)
+            averager = StageAllReduce(p2p=p2p, run_id=args.run_id, stage=args.stage, timeout=args.averaging_timeout)
+            await averager.start()
             compute = args.compute_power or measure_compute(model, config)
             worker = Worker(worker_id=peer_id, stage=args.stage, num_stages=config.num_stages, model=model,
-                            optimizer=optimizer, caller=caller, servers=partial(membership.servers, args.stage),
-                            compute=compute, seq_len=config.seq_len, fault=args.fault,
-                            step_timeout=args.averaging_timeout, dump_dir=args.dump_grads)
+                            optimizer=torch.optim.AdamW(model.parameters(), lr=config.lr), averager=averager,
+                            caller=caller, servers=partial(membership.servers, args.stage), compute=compute,
+                            seq_len=config.seq_len, client_mode=args.client_mode, fault=args.fault,
+                            dump_dir=args.dump_grads)
             if args.role == "client":
                 announcer.set_membership(args.stage, Membership(peer_id=peer_id, role="worker", compute=compute))
             tasks.append(asyncio.create_task(worker.run(stop)))
-        else:
-            tasks.append(asyncio.create_task(asyncio.to_thread(_assist_averaging, optimizer, stop)))
         if isinstance(server, FrontalServer) and args.stage == 0:
             source = TextSource(path=args.data, seq_len=config.seq_len, seed=config.seed)
             feeder = DataFeeder(server=server, source=source, layout=membership.layout, is_leader=membership.leads,
@@ -200,8 +195,6 @@ async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         announcer.shutdown()
-        if optimizer is not None:
-            optimizer.shutdown()
         dht.shutdown()
 
 
@@ -215,13 +208,6 @@ async def _wait_any(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
             raise task.exception()
     if not stop.is_set():
         await stop.wait()
-
-
-def _assist_averaging(optimizer: hivemind.Optimizer, stop: asyncio.Event) -> None:
-    """A server that does not compute still hosts a share of its stage's all-reduce (paper Fig. 1b)."""
-    while not stop.is_set():
-        optimizer.step()
-        time.sleep(0.05)
 
 
 def measure_compute(model: LlamaStage, config: RunConfig) -> float:

@@ -13,9 +13,9 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
-import hivemind
 import torch
 
+from p2ptrain.averaging import GroupMember, StageAllReduce
 from p2ptrain.models.llama import LlamaStage
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.server.backward import BackwardServer
@@ -32,8 +32,8 @@ class EpochRecord:
     epoch: int
     rows: int
     tokens: int
-    averaged_with: int  # size of the all-reduce group, servers included; 1 when the step was local
-    averaged: bool  # the step used the stage's average (or this worker was the stage's only peer)
+    averaged_with: int  # size of the all-reduce group, servers included; 0 when the round failed
+    averaged: bool  # the step used the stage's average
     seconds: float
 
 
@@ -53,18 +53,19 @@ class WorkerStats:
 
 class Worker:
     def __init__(
-        self, *, worker_id: str, stage: int, num_stages: int, model: LlamaStage, optimizer: hivemind.Optimizer,
-        caller: Caller, servers: Callable[[], tuple[list[str], list[str]]], compute: float, seq_len: int,
-        fault: str = "none", step_timeout: float = 60.0, dump_dir: str | None = None,
+        self, *, worker_id: str, stage: int, num_stages: int, model: LlamaStage, optimizer: torch.optim.Optimizer,
+        averager: StageAllReduce, caller: Caller, servers: Callable[[], tuple[list[str], list[str]]],
+        compute: float, seq_len: int, client_mode: bool = False, fault: str = "none", dump_dir: str | None = None,
     ):
         self.worker_id, self.stage, self.num_stages = worker_id, stage, num_stages
-        self.model, self.optimizer, self.caller, self.servers = model, optimizer, caller, servers
-        self.compute, self.seq_len, self.fault, self.step_timeout = compute, seq_len, fault, step_timeout
+        self.model, self.optimizer, self.averager, self.caller = model, optimizer, averager, caller
+        self.servers, self.compute = servers, compute
+        self.seq_len, self.client_mode, self.fault = seq_len, client_mode, fault
         self.dump_dir = Path(dump_dir) if dump_dir else None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
         self.rows_accumulated = 0
-        self.epoch = optimizer.local_epoch
+        self.epoch = 0
         self.cache: dict[str, ForwardState] = {}
         self.stats = WorkerStats()
         self._epoch_started = time.monotonic()
@@ -83,29 +84,37 @@ class Worker:
             if not fs_list:
                 await asyncio.sleep(0.5)
                 continue
-            task, closed = await self._take(fs_list, bs_list)
+            task, closed, group = await self._take(fs_list, bs_list)
             if task is not None:
                 await self._run_task(task)
-            elif closed >= self.epoch:
-                await self._step()
+            elif closed >= self.epoch and group is not None:
+                await self._step(group)
 
-    async def _take(self, fs_list: list[str], bs_list: list[str]) -> tuple[Message | None, int]:
-        """Backward work first (it frees memory and unblocks the pipeline), then forward work; long-poll the FS."""
-        request = {"worker": self.worker_id, "compute": self.compute, "epoch": self.epoch}
+    async def _take(self, fs_list: list[str], bs_list: list[str]
+                    ) -> tuple[Message | None, int, list[GroupMember] | None]:
+        """Backward work first (it frees memory and unblocks the pipeline), then forward work; long-poll the FS.
+
+        With no task, also returns the last epoch closed at every FS and, from the first FS, the group that
+        averages this worker's epoch.
+        """
+        request = {"worker": self.worker_id, "compute": self.compute, "epoch": self.epoch,
+                   "client_mode": self.client_mode}
         for bs in bs_list:
             reply = await self._ask(bs, BackwardServer, {**request, "wait_s": 0.0})
             if reply is not None and reply.header.get("task"):
-                return reply, -1
-        closed = []
+                return reply, -1, None
+        closed, groups = [], []
         for fs in fs_list:
             reply = await self._ask(fs, FrontalServer, {**request, "wait_s": 0.1})
             if reply is None:
                 closed.append(-1)
             elif reply.header.get("task"):
-                return reply, -1
+                return reply, -1, None
             else:
                 closed.append(reply.header["closed_epoch"])
-        return None, min(closed)
+                groups.append(reply.header["groups"].get(str(self.epoch)))
+        group = groups[0] if groups and groups[0] is not None else None
+        return None, min(closed), None if group is None else [GroupMember(p, c) for p, c in group]
 
     async def _ask(self, server: str, service: type, header: dict) -> Message | None:
         try:
@@ -220,58 +229,43 @@ class Worker:
             logger.warning(f"worker {self.worker_id}: {method} to {server} failed: {e!r}")
             return None
 
-    async def _step(self) -> None:
-        """The stage closed this epoch: average gradients with the stage's peers and step (hivemind.Optimizer)."""
-        rows = self.rows_accumulated
+    async def _step(self, group: list[GroupMember]) -> None:
+        """The stage closed this epoch: average gradients with the group the stage's first FS fixed, then step."""
+        rows, epoch = self.rows_accumulated, self.epoch
         tokens = rows * self.seq_len
+        # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
+        grads = [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
+        if self.worker_id not in {member.peer_id for member in group}:
+            # joined as the epoch closed: nothing of it to hand in
+            logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping to the next")
+            self.epoch = epoch + 1
+            return
+        averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
+        if not result.ok:
+            logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed; "
+                         "stepping on local gradients")
         with torch.no_grad():
-            for param, accumulated in zip(self.params, self.accumulated):
-                # Each peer hands in its own mean gradient, weighted by its rows: the average is the batch mean.
-                param.grad = accumulated / tokens if tokens else torch.zeros_like(param)
-        averaged_with, averaged = await asyncio.to_thread(self._optimizer_step, rows)
+            for param, grad in zip(self.params, averaged):
+                param.grad = grad
+        self.optimizer.step()
+        if self.dump_dir is not None:
+            self._dump_averaged_grads(epoch)
+        self.optimizer.zero_grad(set_to_none=True)
         for accumulated in self.accumulated:
             accumulated.zero_()
         self.rows_accumulated = 0
         self.cache.clear()
         now = time.monotonic()
-        self.stats.history.append(EpochRecord(epoch=self.epoch, rows=rows, tokens=tokens, averaged_with=averaged_with,
-                                              averaged=averaged, seconds=now - self._epoch_started))
+        self.stats.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged_with=result.group_size,
+                                              averaged=result.ok, seconds=now - self._epoch_started))
         self._epoch_started = now
-        self.epoch = self.optimizer.local_epoch
-        logger.info(f"worker {self.worker_id}: stage {self.stage} stepped to epoch {self.epoch} "
-                    f"({rows} rows, averaged with {averaged_with} peers)")
-
-    def _optimizer_step(self, rows: int) -> tuple[int, bool]:
-        """Blocks until the stage's all-reduce is done; returns the averaging group's size and whether it worked."""
-        opt, start_epoch = self.optimizer, self.optimizer.local_epoch
-        opt.tracker.report_local_progress(start_epoch, rows)
-        deadline = time.monotonic() + self.step_timeout
-        while not opt.tracker.ready_to_update_epoch and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if rows:
-            opt.step(batch_size=rows)
-        while opt.local_epoch == start_epoch and time.monotonic() < deadline:
-            if rows == 0:
-                opt.load_state_from_peers()
-            else:
-                time.sleep(0.05)
-        if self.dump_dir is not None:
-            self._dump_averaged_grads(start_epoch)
-        opt.zero_grad()
-        stepped = opt.local_epoch > start_epoch
-        control = opt.scheduled_grads
-        if control is not None and control.done() and not control.cancelled() and control.exception() is None:
-            return len(control.result()), stepped
-        alone = opt.tracker.global_progress.num_peers <= 1
-        if not stepped:
-            logger.error(f"worker {self.worker_id}: stage {self.stage} did not step epoch {start_epoch} in time")
-        return 1, stepped and alone
+        self.epoch = epoch + 1
+        logger.info(f"worker {self.worker_id}: stage {self.stage} stepped to epoch {self.epoch} ({rows} rows, "
+                    f"averaged in a group of {result.group_size})")
 
     def _dump_averaged_grads(self, epoch: int) -> None:
         """Save the gradients the optimizer applied (the stage's average), for the gradient-equivalence test."""
-        applied = [p for group in self.optimizer.state_averager.optimizer.param_groups for p in group["params"]]
-        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        grads = {name: p.grad.detach().clone() for name, p in zip(names, applied) if p.grad is not None}
+        grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters() if p.grad is not None}
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"stage": self.stage, "layers": [self.model.start, self.model.end], "grads": grads},
                    self.dump_dir / f"stage{self.stage}-{self.worker_id}-epoch{epoch}.pt")

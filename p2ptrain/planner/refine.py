@@ -7,7 +7,7 @@
    (``search.allocate``).
 2. The best candidates go through a local search that moves single devices (to idle, to a near stage, FS <-> BS)
    and swaps adjacent stages, re-optimising all layer counts after every move; then stages are split or merged
-   (K±1) and searched again while that helps.
+   (K±1) and searched again while that helps. Work is bounded by counts of moves and scored plans, not by time.
 3. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
@@ -48,24 +48,27 @@ def split_stage(engine: Engine, groups: list[Group], k: int, seed: int) -> list[
 
 
 def merge_stages(groups: list[Group], k: int) -> list[Group]:
-    """Stages k and k+1 as one: k's FS and k+1's BS keep their roles, the inner sides become the other role."""
+    """Stages k and k+1 as one stage; every server keeps its role (the local search flips roles as needed)."""
     a, b = groups[k], groups[k + 1]
     return groups[:k] + [Group.of(a.fs + b.fs, a.bs + b.bs, a.clients + b.clients)] + groups[k + 2:]
 
 
 def reshape(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, rounds: int,
-            seed: int, fixed_stages: bool) -> tuple[list[Group], Score]:
-    """Local search, then K±1 by splitting or merging stages while a searched result is better."""
-    groups, score = engine.improve(groups, rng=rng, rounds=rounds)
-    while not fixed_stages:
-        options = [split_stage(engine, groups, k, seed) for k in range(len(groups))]
+            budget: int, seed: int, fixed_stages: bool, reshapes: int = 4,
+            splits: int = 3) -> tuple[list[Group], Score]:
+    """Local search, then K±1 while a searched result is better: merging any two neighbouring stages, or
+    splitting one of the ``splits`` stages with the most servers."""
+    groups, score = engine.improve(groups, rng=rng, rounds=rounds, budget=budget)
+    for _ in range(0 if fixed_stages else reshapes):
+        largest = sorted(range(len(groups)), key=lambda k: -len(groups[k].servers))[:splits]
+        options = [split_stage(engine, groups, k, seed) for k in largest]
         options += [merge_stages(groups, k) for k in range(len(groups) - 1)]
         scored = [(engine.score(o), i) for i, o in enumerate(options) if o is not None]
         scored = [(s, i) for s, i in scored if np.isfinite(s.pt)]
         if not scored:
             break
-        s, i = min(scored, key=lambda item: (item[0].pt, item[0].smooth))
-        trial, trial_score = engine.improve(options[i], rng=rng, rounds=rounds)
+        _, i = min(scored, key=lambda item: (item[0].pt, item[0].smooth))
+        trial, trial_score = engine.improve(options[i], rng=rng, rounds=rounds, budget=budget)
         if not trial_score.better_than(score):
             break
         groups, score = trial, trial_score
@@ -73,7 +76,8 @@ def reshape(engine: Engine, groups: list[Group], score: Score, *, rng: np.random
 
 
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
-                    rounds: int = 200, starts: int = 3, screen: int = 4) -> list[StageLayout] | None:
+                    rounds: int = 200, budget: int = 2000, starts: int = 2,
+                    screen: int = 3) -> list[StageLayout] | None:
     rng = np.random.default_rng(seed)
     reliable = np.flatnonzero(engine.reliable)
     most = min(len(reliable) // 2, engine.layers)
@@ -104,7 +108,8 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     candidates.sort(key=lambda c: (c[1].pt, c[1].smooth))
     best: tuple[list[Group], Score] | None = None
     for groups, score in candidates[:starts]:
-        result = reshape(engine, groups, score, rng=rng, rounds=rounds, seed=seed, fixed_stages=stages is not None)
+        result = reshape(engine, groups, score, rng=rng, rounds=rounds, budget=budget, seed=seed,
+                         fixed_stages=stages is not None)
         if best is None or result[1].better_than(best[1]):
             best = result
     assert best is not None

@@ -297,16 +297,20 @@ class Engine:
             else:
                 yield from self.relocations(groups, x, k, near, fan if k >= 0 else 2)
 
-    def improve(self, groups: list[Group], *, rng: np.random.Generator, rounds: int, fan: int = 3,
-                sample: int = 6) -> tuple[list[Group], Score]:
-        """First-improvement local search; stops after ``rounds`` accepted moves or when no neighbour is better."""
+    def improve(self, groups: list[Group], *, rng: np.random.Generator, rounds: int, budget: int,
+                fan: int = 3, sample: int = 6) -> tuple[list[Group], Score]:
+        """First-improvement local search; stops after ``rounds`` accepted moves, ``budget`` scored neighbours, or
+        when no neighbour is better (a count, not a clock, so the result depends only on the seed)."""
         best = self.score(groups)
         for _ in range(rounds):
             for candidate in self.neighbours(groups, rng, fan, sample):
+                budget -= 1
                 s = self.score(candidate)
                 if s.better_than(best):
                     groups, best = candidate, s
                     break
+                if budget <= 0:
+                    return groups, best
             else:
                 break
         return groups, best

@@ -27,6 +27,7 @@ class WorkerInfo:
     compute: float
     last_seen: float
     epoch: int
+    client_mode: bool = False
     refusals: int = 0
 
 
@@ -81,6 +82,7 @@ class StageServer(ServicerBase):
         if info is None:
             info = self.state.workers[header["worker"]] = WorkerInfo(compute=1.0, last_seen=0.0, epoch=0)
         info.compute, info.epoch, info.last_seen = float(header.get("compute", 1.0)), int(header["epoch"]), self.clock()
+        info.client_mode = bool(header.get("client_mode", False))
         return info
 
     def active_workers(self, *, within_s: float = 30.0) -> dict[str, float]:

@@ -23,6 +23,9 @@ from p2ptrain.transport import Message
 
 logger = logging.getLogger(__name__)
 
+WORKER_SEEN_S = 5.0  # a worker that has not polled for this long no longer counts for averaging
+GROUPS_KEPT = 4  # averaging groups of the last few epochs, for workers that are still finishing one
+
 
 @dataclass
 class MicrobatchInputs:
@@ -52,6 +55,7 @@ class FrontalServer(StageServer):
         self.microbatches_per_epoch: int | None = None
         self.completed: dict[int, set[int]] = {}
         self.closed_epoch = -1
+        self.groups: dict[str, list[list]] = {}  # epoch -> [peer id, client mode] of the workers that average it
         self._task_counter = 0
 
     async def rpc_push_rows(
@@ -115,7 +119,7 @@ class FrontalServer(StageServer):
         self.see_worker(header)
         task = await self.long_poll_task(header["worker"], max_epoch=header["epoch"], wait_s=header.get("wait_s", 0.2))
         if task is None:
-            reply = self.reply({"task": None, "closed_epoch": self.closed_epoch})
+            reply = self.reply({"task": None, "closed_epoch": self.closed_epoch, "groups": self.groups})
         else:
             mb = self.microbatches[(task.epoch, task.microbatch)]
             window = task.rows.relative_to(mb.segment)
@@ -227,6 +231,10 @@ class FrontalServer(StageServer):
         while len(self.completed.get(self.closed_epoch + 1, ())) == self.microbatches_per_epoch:
             self.closed_epoch += 1
             epoch = self.closed_epoch
+            # workers poll every FS of their stage, so this FS has seen them all: they average this epoch together
+            workers = self.active_workers(within_s=WORKER_SEEN_S)
+            self.groups[str(epoch)] = [[w, self.state.workers[w].client_mode] for w in sorted(workers)]
+            self.groups.pop(str(epoch - GROUPS_KEPT), None)
             self.epoch_stats(epoch).finished = self.clock()
             self.epoch_stats(epoch).redone = self.state.pool.redone.get(epoch, 0)
             for key in [key for key in self.microbatches if key[0] == epoch]:

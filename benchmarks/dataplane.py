@@ -1,0 +1,898 @@
+"""Data-plane benchmark: a real 2-stage swarm against one process training the same model on the same batches,
+the RPC round trip and throughput of one hop, and the activation codecs, all in one run on the same cores.
+
+    python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
+                                   [--seq-len 64] [--epochs 6] [--warmup 2] [--matchmaking-time 0.5]
+
+1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
+   each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `p2ptrain.launch.Swarm`),
+   all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
+   per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`.
+   The reference is a plain loop in this process (torch.set_num_threads(1)): the whole `LlamaStage(0..L)`,
+   AdamW, the same `TextSource` microbatches, summed loss / tokens, one step per global batch. Half of its
+   epochs run before the swarm and half after, so both see the machine's load of the moment. While the swarm
+   trains, the CPU time of every process on the machine is read from /proc, so the report says where the two
+   cores went (the clients' compute, the servers, hivemind's DHT and averager processes, the p2pd daemons,
+   and processes that are not part of this benchmark) and how long each stage waited at the epoch boundary
+   (from the peers' logs: "stage K FS: epoch E closed" -> "stage K stepped to epoch E+1").
+2. RPC: a second process hosts a hivemind P2P with a tiny ServicerBase (sink and echo) that reads and answers
+   with `p2ptrain.transport` packing; this process calls it with `p2ptrain.transport.Caller`, the runtime's own
+   client path. Reported: the round trip of a header-only message, and the time and MB/s of one hop (push: the
+   tensor goes one way, a small reply comes back) and of an echo (the tensor both ways) per codec and size.
+3. Codecs none/fp16/int8 on a real activation and a real output gradient of the benchmark model's boundary
+   shape (rows, seq, hidden): bytes, ratio to fp32, encode/decode MB/s (of fp32 input), max abs error.
+
+Writes benchmarks/results/dataplane.md (the command that made it on top) and benchmarks/results/dataplane.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import AsyncIterator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from hivemind.p2p import P2P, P2PContext, ServicerBase  # noqa: E402
+from hivemind.proto import runtime_pb2  # noqa: E402
+
+from p2ptrain.compression import CODECS, deserialize, encoded_nbytes, serialize  # noqa: E402
+from p2ptrain.config import RunConfig  # noqa: E402
+from p2ptrain.data import TextSource  # noqa: E402
+from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaStage  # noqa: E402
+from p2ptrain.transport import Caller, Message, respond, unpack  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+MIB = 2**20
+TCK = os.sysconf("SC_CLK_TCK")
+RUN_ID = "dataplane-bench"
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model timing and the single-process reference
+
+
+def stage_timings(config: RunConfig, reps: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Forward+backward of one microbatch on each stage, as the workers compute it (1 torch thread)."""
+    llama, rows = config.llama, config.rows_per_microbatch
+    source = TextSource(seq_len=config.seq_len, seed=config.seed)
+    ids, labels = source.microbatch(0, 0, rows)
+    out = {"stages": []}
+    tensors = {}
+    for stage in range(config.num_stages):
+        start, end = config.stage_layers(stage)
+        model = LlamaStage(llama, start=start, end=end, seed=config.seed)
+        params = list(model.parameters())
+        times = []
+        for _ in range(reps + 2):
+            begin = time.perf_counter()
+            if model.is_first:
+                outputs = model(ids)
+                grads = torch.autograd.grad(outputs, params, grad_outputs=torch.ones_like(outputs) * 1e-3)
+            else:
+                inputs = tensors["activation"].clone().requires_grad_(True)
+                loss = model(inputs, labels) if model.is_last else model(inputs).float().sum()
+                grads = torch.autograd.grad(loss, params + [inputs])
+                tensors.setdefault("gradient", grads[-1].detach())
+            times.append(time.perf_counter() - begin)
+            if model.is_first:
+                tensors.setdefault("activation", outputs.detach())
+        times = times[2:]
+        out["stages"].append({"stage": stage, "layers": [start, end], "median_ms": 1e3 * statistics.median(times),
+                              "min_ms": 1e3 * min(times), "reps": reps})
+        del grads
+    return out, tensors
+
+
+def single_process(config: RunConfig, epochs: range, state: dict | None) -> tuple[list[dict], dict]:
+    """The reference: one process, the whole model, AdamW, one step per global batch of summed-loss / tokens."""
+    torch.set_num_threads(1)
+    llama = config.llama
+    if state is None:
+        torch.manual_seed(config.seed)
+        model = LlamaStage(llama, start=0, end=llama.num_layers, seed=config.seed)
+        state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=config.lr),
+                 "source": TextSource(seq_len=config.seq_len, seed=config.seed)}
+    model, optimizer, source = state["model"], state["optimizer"], state["source"]
+    tokens = config.rows_per_epoch * config.seq_len
+    records = []
+    for epoch in epochs:
+        wall, cpu = time.perf_counter(), time.process_time()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for index in range(config.microbatches):
+            ids, labels = source.microbatch(epoch, index, config.rows_per_microbatch)
+            loss = model(ids, labels)
+            (loss / tokens).backward()
+            loss_sum += float(loss.detach())
+        optimizer.step()
+        seconds = time.perf_counter() - wall
+        records.append({"epoch": epoch, "seconds": seconds, "cpu_s": time.process_time() - cpu,
+                        "tokens_per_s": tokens / seconds, "loss": loss_sum / tokens, "load": load()})
+        log(f"  single process epoch {epoch}: {seconds:.2f} s, {tokens / seconds:.0f} tokens/s, "
+            f"loss {loss_sum / tokens:.4f}")
+    return records, state
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU accounting from /proc
+
+
+def proc_table() -> dict[int, tuple[str, int, float]]:
+    """pid -> (comm, ppid, utime+stime seconds) for every process on the machine."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        right = text.rfind(")")
+        fields = text[right + 2:].split()
+        table[int(entry)] = (text[text.find("(") + 1:right], int(fields[1]), (int(fields[11]) + int(fields[12])) / TCK)
+    return table
+
+
+def machine_cpu() -> float:
+    """Busy CPU seconds of the whole machine since boot (all cores)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+    return (sum(values) - values[3] - values[4]) / TCK
+
+
+def snapshot() -> dict:
+    return {"t": time.time(), "procs": proc_table(), "machine": machine_cpu()}  # wall clock, as in the peers' logs
+
+
+class Sampler:
+    """Snapshots of every process's CPU time, twice a second, from a background thread (bounded in count)."""
+
+    def __init__(self, period_s: float = 0.5, max_snapshots: int = 4000):
+        self.period_s, self.max_snapshots = period_s, max_snapshots
+        self.snapshots: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and len(self.snapshots) < self.max_snapshots:
+            self.snapshots.append(snapshot())
+            self._stop.wait(self.period_s)
+
+    def around(self, start: float, end: float) -> tuple[dict, dict] | None:
+        """The last snapshot at or before `start` and the first at or after `end` (or the nearest ones)."""
+        if len(self.snapshots) < 2:
+            return None
+        before = [x for x in self.snapshots if x["t"] <= start] or self.snapshots[:1]
+        after = [x for x in self.snapshots if x["t"] >= end] or self.snapshots[-1:]
+        return (before[-1], after[0]) if after[0]["t"] > before[-1]["t"] else None
+
+
+def classify(table: dict, roots: dict[str, int]) -> dict[int, tuple[str, str]]:
+    """pid -> (owner, kind): the swarm peers' process trees and this benchmark's own (its status reader).
+
+    kind: main (the peer's own process), dht (hivemind's DHT process: the python child that runs a p2pd),
+    p2pd (the libp2p daemon), averager (hivemind's averager processes), other (torch_shm_manager)."""
+    children = defaultdict(list)
+    for pid, (_, ppid, _) in table.items():
+        children[ppid].append(pid)
+    owners: dict[int, tuple[str, str]] = {}
+    root_pids = set(roots.values())
+
+    def walk(pid: int, owner: str) -> None:
+        for child in children.get(pid, []):
+            if child in root_pids:
+                continue
+            comm = table[child][0]
+            if comm == "p2pd":
+                kind = "p2pd"
+            elif comm.startswith("torch_shm"):
+                kind = "other"
+            elif any(table[c][0] == "p2pd" for c in children.get(child, [])):
+                kind = "dht"
+            else:
+                kind = "averager"
+            owners[child] = (owner, kind)
+            walk(child, owner)
+
+    for owner, pid in roots.items():
+        if pid in table:
+            owners[pid] = (owner, "main")
+            walk(pid, owner)
+    return owners
+
+
+def cpu_window(first: dict, last: dict, roots: dict[str, int]) -> dict:
+    """CPU cores used over the window between two snapshots, per (owner, kind), and by everything else."""
+    wall = last["t"] - first["t"]
+    owners = classify(last["procs"], roots)
+    for pid, owner in classify(first["procs"], roots).items():
+        owners.setdefault(pid, owner)
+    used: dict[str, float] = defaultdict(float)
+    for pid, (owner, kind) in owners.items():
+        end = last["procs"].get(pid)
+        if end is None:
+            continue  # exited during the window: its last CPU time is lost
+        begin = first["procs"].get(pid)
+        used[f"{owner}/{kind}"] += end[2] - (begin[2] if begin and begin[0] == end[0] else 0.0)
+    ours = sum(used.values())
+    machine = last["machine"] - first["machine"]
+    return {"wall_s": wall, "cores": {k: v / wall for k, v in sorted(used.items())},
+            "ours_cores": ours / wall, "machine_cores": machine / wall,
+            "others_cores": max(0.0, machine - ours) / wall}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the swarm
+
+
+LOG_TIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+
+
+def _parse_time(text: str) -> float:
+    return dt.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def epoch_boundaries(workdir: Path, num_stages: int) -> dict:
+    """From the peers' logs: when each stage's FS closed an epoch and when its client stepped past it."""
+    closed: dict[int, dict[int, float]] = defaultdict(dict)
+    stepped: dict[int, dict[int, float]] = defaultdict(dict)
+    for stage in range(num_stages):
+        fs_log = workdir / f"s{stage}-fs.log"
+        client_log = workdir / f"s{stage}-client.log"
+        for line in fs_log.read_text(errors="replace").splitlines() if fs_log.exists() else []:
+            m = re.match(LOG_TIME + rf".*stage {stage} FS: epoch (\d+) closed", line)
+            if m:
+                closed[stage][int(m.group(2))] = _parse_time(m.group(1))
+        for line in client_log.read_text(errors="replace").splitlines() if client_log.exists() else []:
+            m = re.match(LOG_TIME + rf".*stage {stage} stepped to epoch (\d+)", line)
+            if m:
+                stepped[stage][int(m.group(2)) - 1] = _parse_time(m.group(1))  # stepped past epoch E-1
+    return {"closed": closed, "stepped": stepped}
+
+
+def peer_supports(flag: str) -> bool:
+    """Whether `python -m p2ptrain.peer` of the working tree takes `flag` (the runtime's flags change)."""
+    from p2ptrain.peer import build_parser as peer_parser
+
+    return flag in peer_parser()._option_string_actions
+
+
+def run_swarm(args, config: RunConfig, workdir: Path) -> dict:
+    import hivemind
+
+    from p2ptrain.dht import make_validators
+    from p2ptrain.launch import Swarm
+    from p2ptrain.status import collect
+
+    recipe = ["--run-id", RUN_ID, "--model", config.model, "--num-stages", str(config.num_stages),
+              "--batch-rows", str(config.rows_per_microbatch), "--microbatches", str(config.microbatches),
+              "--seq-len", str(config.seq_len), "--epochs", str(args.epochs), "--compression", "none",
+              "--threads", "1", "--host-maddrs", LOOPBACK]
+    if peer_supports("--matchmaking-time"):
+        recipe += ["--matchmaking-time", str(args.matchmaking_time)]
+    else:
+        log("  note: this p2ptrain.peer has no --matchmaking-time (its averaging needs none); not passed")
+    swarm = Swarm(workdir=workdir)
+    dht = None
+    result: dict = {"workdir": str(workdir), "timed_out": False, "recipe_flags": recipe}
+    started = time.monotonic()
+    sampler = Sampler()
+    try:
+        initial = swarm.start_bootstrap(RUN_ID, timeout=120.0)  # imports take long under load
+        for stage in range(config.num_stages):
+            for role in ("fs", "bs"):
+                swarm.start(f"s{stage}-{role}", [*recipe, "--role", "server", "--stage", str(stage),
+                                                 "--server-role", role, "--initial-peers", *initial])
+            swarm.start(f"s{stage}-client", [*recipe, "--role", "client", "--stage", str(stage),
+                                             "--initial-peers", *initial])
+        log(f"  swarm of {len(swarm.processes)} processes, logs in {workdir}")
+        dht = hivemind.DHT(initial_peers=initial, client_mode=True, start=True,
+                           record_validators=make_validators(RUN_ID))
+        roots = {name: p.pid for name, p in swarm.processes.items()}
+        roots["benchmark"] = os.getpid()
+        deadline = started + args.swarm_timeout
+        seen, report, reads = -2, None, []
+        sampler.__enter__()
+        while True:
+            failed = swarm.failed()
+            if failed:
+                raise RuntimeError(f"peers {failed} exited with an error; see their logs in {workdir}")
+            try:
+                began = time.perf_counter()
+                report = collect(dht, RUN_ID)
+                reads.append(time.perf_counter() - began)
+            except Exception as e:  # a slow DHT read under load: try again until the deadline
+                log(f"  status read failed: {e!r}")
+                time.sleep(1.0)
+                if time.monotonic() > deadline:
+                    result["timed_out"] = True
+                    break
+                continue
+            closed = report["epoch"]
+            if closed != seen:
+                seen = closed
+                log(f"  swarm: epoch {closed} closed at {time.monotonic() - started:.0f} s, "
+                    f"{report['tokens_per_s'] or 0:.0f} tokens/s, load {load()}")
+            if report["finished"] and closed + 1 >= args.epochs:
+                break
+            if time.monotonic() > deadline:
+                result["timed_out"] = True
+                log(f"  swarm: deadline of {args.swarm_timeout:.0f} s reached at epoch {closed}; reporting what closed")
+                break
+            time.sleep(args.poll_s)
+        sampler.__exit__()
+        result["report"] = report
+        result["wall_s"] = time.monotonic() - started
+        result["status_read_s"] = {"median": statistics.median(reads) if reads else None,
+                                   "max": max(reads) if reads else None, "reads": len(reads)}
+        # the CPU window: from the start of the first steady epoch to the close of the last one, as the stage-0
+        # FS logged them (the data source starts an epoch as soon as the previous one closed there)
+        closed_at = epoch_boundaries(workdir, config.num_stages)["closed"].get(0, {})
+        epochs = {e["epoch"]: e for e in (report or {}).get("epochs", []) if e["seconds"]}
+        steady = [e for e in sorted(closed_at) if e >= args.warmup and e in epochs]
+        if steady:
+            start = closed_at[steady[0]] - epochs[steady[0]]["seconds"]
+            pair = sampler.around(start, closed_at[steady[-1]])
+            if pair is not None:
+                result["cpu"] = cpu_window(*pair, roots)
+                result["cpu"]["epochs"] = [steady[0], steady[-1]]
+                result["cpu"]["window_wanted_s"] = closed_at[steady[-1]] - start
+        if not result["timed_out"] and args.idle_s > 0:
+            # the same swarm with nothing to train and nobody reading its status: its background cost
+            idle_first = snapshot()
+            time.sleep(args.idle_s)
+            result["cpu_idle"] = cpu_window(idle_first, snapshot(), roots)
+    finally:
+        sampler.__exit__()
+        if dht is not None:
+            dht.shutdown()
+        swarm.stop()
+    result["boundaries"] = epoch_boundaries(workdir, config.num_stages)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RPC: a sink/echo servicer in a second process, called with the runtime's Caller
+
+
+class DataplaneBench(ServicerBase):
+    async def rpc_sink(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        message = await unpack(requests)
+        for response in respond(Message({"ok": True, "tensors": len(message.tensors)}), codec="none"):
+            yield response
+
+    async def rpc_echo(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        message = await unpack(requests)
+        for response in respond(message, codec=message.header.get("codec", "none")):
+            yield response
+
+
+async def _serve(address_file: Path, max_lifetime_s: float) -> None:
+    parent = os.getppid()
+    p2p = await P2P.create(host_maddrs=[LOOPBACK])
+    try:
+        await DataplaneBench().add_p2p_handlers(p2p)
+        maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
+        tmp = address_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"peer_id": p2p.peer_id.to_base58(), "maddrs": maddrs}))
+        tmp.rename(address_file)
+        deadline = time.monotonic() + max_lifetime_s
+        while os.getppid() == parent and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+    finally:
+        await p2p.shutdown()
+
+
+def rpc_server_main(address_file: str) -> None:
+    torch.set_num_threads(1)
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        serve = asyncio.create_task(_serve(Path(address_file), max_lifetime_s=900.0))
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait([serve, waiter], return_when=asyncio.FIRST_COMPLETED)
+        serve.cancel()
+        await asyncio.gather(serve, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[str, int], small_reps: int) -> dict:
+    p2p = await P2P.create(initial_peers=[f"{m}" for m in address["maddrs"]], host_maddrs=[LOOPBACK])
+    peer = address["peer_id"]
+    out: dict = {"small": {}, "transfers": []}
+    try:
+        callers = {codec: Caller(p2p=p2p, local={}, codec=codec, timeout=120.0) for codec in CODECS}
+        small = Message({"worker": "12D3KooW" + "x" * 44, "compute": 1.0e9, "epoch": 3, "wait_s": 0.0})
+        for _ in range(10):
+            await callers["none"].call(peer, DataplaneBench, "rpc_sink", small)
+        times = []
+        for _ in range(small_reps):
+            begin = time.perf_counter()
+            await callers["none"].call(peer, DataplaneBench, "rpc_sink", small)
+            times.append(time.perf_counter() - begin)
+        out["small"] = {"reps": small_reps, "median_ms": 1e3 * statistics.median(times),
+                        "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))], "min_ms": 1e3 * min(times)}
+        log(f"  rpc: small message round trip median {out['small']['median_ms']:.2f} ms")
+        for label, nbytes in sizes:
+            tensor = torch.randn(nbytes // 4)
+            for codec in CODECS:
+                wire = encoded_nbytes(serialize(tensor, codec))
+                row = {"size": label, "fp32_bytes": nbytes, "codec": codec, "wire_bytes": wire}
+                for method in ("rpc_sink", "rpc_echo"):
+                    message = Message({"codec": codec}, {"x": tensor})
+                    for _ in range(2):  # warm-up
+                        await callers[codec].call(peer, DataplaneBench, method, message)
+                    times = []
+                    for _ in range(reps[label]):
+                        begin = time.perf_counter()
+                        reply = await callers[codec].call(peer, DataplaneBench, method, message)
+                        times.append(time.perf_counter() - begin)
+                    if method == "rpc_echo" and reply.tensors["x"].shape != tensor.shape:
+                        raise RuntimeError("echo returned a different tensor")
+                    seconds = statistics.median(times)
+                    key = "push" if method == "rpc_sink" else "echo"
+                    ways = 1 if key == "push" else 2
+                    row[f"{key}_ms"] = 1e3 * seconds
+                    row[f"{key}_fp32_MBps"] = ways * nbytes / seconds / 1e6
+                    row[f"{key}_wire_MBps"] = ways * wire / seconds / 1e6
+                row["reps"] = reps[label]
+                out["transfers"].append(row)
+                log(f"  rpc: {label:>9} {codec:4s} push {row['push_ms']:8.2f} ms ({row['push_fp32_MBps']:6.0f} MB/s "
+                    f"fp32), echo {row['echo_ms']:8.2f} ms")
+    finally:
+        await p2p.shutdown()
+    return out
+
+
+def run_rpc(args, activation_bytes: int, workdir: Path) -> dict:
+    address_file = workdir / "rpc-server.json"
+    server_log = open(workdir / "rpc-server.log", "w")
+    server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--rpc-server", str(address_file)],
+                              stdout=server_log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120.0  # imports alone take 15 s on a loaded 2-core machine
+        while not address_file.exists():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the RPC server did not come up; see {workdir / 'rpc-server.log'}")
+            time.sleep(0.1)
+        address = json.loads(address_file.read_text())
+        sizes = [(f"act {activation_bytes / 1024:.0f} KiB", activation_bytes), ("1 MiB", MIB), ("8 MiB", 8 * MIB)]
+        if not args.quick:
+            sizes.append(("32 MiB", 32 * MIB))
+        reps = {sizes[0][0]: 10 if args.quick else 30, "1 MiB": 5 if args.quick else 15, "8 MiB": 3 if args.quick else 6,
+                "32 MiB": 3}
+        torch.set_num_threads(1)
+        return asyncio.run(asyncio.wait_for(_rpc_client(address, sizes, reps, 30 if args.quick else 100), 300.0))
+    finally:
+        if server.poll() is None:
+            server.terminate()
+        try:
+            server.wait(timeout=10.0)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(server.pid, signal.SIGKILL)  # and its p2pd, whatever is left
+        except ProcessLookupError:
+            pass
+        server.wait()
+        server_log.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# codecs
+
+
+def run_codecs(tensors: dict[str, torch.Tensor], reps: int) -> list[dict]:
+    torch.set_num_threads(1)
+    rows = []
+    for what, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        fp32 = tensor.numel() * 4
+        absmax = float(tensor.abs().max())
+        for codec in CODECS:
+            enc, dec = [], []
+            for _ in range(reps + 1):
+                begin = time.perf_counter()
+                parts = serialize(tensor, codec)
+                enc.append(time.perf_counter() - begin)
+                begin = time.perf_counter()
+                decoded = deserialize(parts)
+                dec.append(time.perf_counter() - begin)
+            nbytes = encoded_nbytes(parts)
+            error = float((decoded.float() - tensor).abs().max())
+            rows.append({"tensor": what, "shape": list(tensor.shape), "codec": codec, "bytes": nbytes,
+                         "ratio": nbytes / fp32, "encode_MBps": fp32 / statistics.median(enc[1:]) / 1e6,
+                         "decode_MBps": fp32 / statistics.median(dec[1:]) / 1e6, "max_abs_err": error,
+                         "max_abs_err_rel_absmax": error / absmax if absmax else 0.0, "absmax": absmax})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# report
+
+
+def mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def fmt(value, spec: str = ".2f", none: str = "-") -> str:
+    return none if value is None else format(value, spec)
+
+
+CPU_GROUPS = {
+    "client": "client processes of stages 0 and 1 (the compute)",
+    "server": "FS/BS server processes (4)",
+    "bootstrap": "bootstrap peer process",
+    "dht": "hivemind DHT processes of the 7 peers",
+    "p2pd": "p2pd daemons of the 7 peers",
+    "averager": "hivemind averager processes of the clients",
+    "benchmark": "this benchmark (status reader: main, its DHT and p2pd)",
+    "other": "torch_shm_manager",
+    "outside": "processes outside this benchmark (other work on the machine)",
+    "idle": "idle",
+}
+
+
+def cpu_groups(cpu: dict) -> dict[str, float]:
+    """Cores in use per consumer group over a window (see CPU_GROUPS), idle included; sums to nproc."""
+    groups: dict[str, float] = {key: 0.0 for key in CPU_GROUPS}
+    for key, cores in cpu["cores"].items():
+        owner, kind = key.split("/")
+        if owner == "benchmark":
+            group = "benchmark"
+        elif kind == "main":
+            group = "client" if owner.endswith("-client") else "bootstrap" if owner == "bootstrap" else "server"
+        else:
+            group = kind
+        groups[group] += cores
+    groups["outside"] = cpu["others_cores"]
+    groups["idle"] = max(0.0, (os.cpu_count() or 1) - cpu["machine_cores"])
+    return groups
+
+
+
+def analyse(args, config: RunConfig, timings: dict, single: list[dict], swarm: dict) -> dict:
+    tokens = config.rows_per_epoch * config.seq_len
+    steady_single = [r for r in single if r["epoch"] >= args.warmup]
+    epochs = swarm.get("report", {}).get("epochs", []) if swarm.get("report") else []
+    steady = [e for e in epochs if e["epoch"] >= args.warmup and e["seconds"]]
+    single_s = mean([r["seconds"] for r in steady_single])
+    swarm_s = mean([e["seconds"] for e in steady])
+    out = {"tokens_per_epoch": tokens, "steady_epochs_single": [r["epoch"] for r in steady_single],
+           "steady_epochs_swarm": [e["epoch"] for e in steady]}
+    out["single_s_per_epoch"] = single_s
+    out["single_tokens_per_s"] = tokens / single_s if single_s else None
+    out["single_tokens_per_cpu_s"] = tokens / mean([r["cpu_s"] for r in steady_single]) if steady_single else None
+    out["swarm_s_per_epoch"] = swarm_s
+    out["swarm_tokens_per_s"] = tokens / swarm_s if swarm_s else None
+    out["ratio"] = (out["swarm_tokens_per_s"] / out["single_tokens_per_s"]
+                    if out["swarm_tokens_per_s"] and out["single_tokens_per_s"] else None)
+    # the fastest steady epoch of each: the least disturbed by other work on the machine
+    out["single_best_s"] = min((r["seconds"] for r in steady_single), default=None)
+    out["swarm_best_s"] = min((e["seconds"] for e in steady), default=None)
+    out["ratio_best"] = (out["single_best_s"] / out["swarm_best_s"]
+                         if out["single_best_s"] and out["swarm_best_s"] else None)
+    stage_ms = [s["median_ms"] for s in timings["stages"]]
+    d = config.microbatches
+    out["compute_s_per_epoch"] = [d * ms / 1e3 for ms in stage_ms]
+    out["ideal_pipeline_s"] = (d * max(stage_ms) + min(stage_ms)) / 1e3
+    # the same compute on 1 core (both stages in turn) vs 2 free cores (1F1B pipeline); no transport, no step
+    out["ideal_ratio"] = d * sum(stage_ms) / 1e3 / out["ideal_pipeline_s"]
+    # epoch-boundary stalls: FS of stage k closed epoch E -> stage k's client stepped past E
+    stalls: dict[int, list[float]] = {}
+    b = swarm.get("boundaries", {"closed": {}, "stepped": {}})
+    for stage in range(config.num_stages):
+        closed, stepped = b["closed"].get(stage, {}), b["stepped"].get(stage, {})
+        stalls[stage] = [stepped[e] - closed[e] for e in sorted(closed)
+                         if e in stepped and e >= args.warmup and e in [x["epoch"] for x in steady]]
+    out["step_stall_s"] = {stage: mean(v) for stage, v in stalls.items()}
+    out["step_stall_per_epoch"] = {stage: v for stage, v in stalls.items()}
+    cpu = swarm.get("cpu")
+    if cpu and swarm_s:
+        out["cpu_cores"] = cpu_groups(cpu)
+        out["cpu_s_per_epoch"] = {k: v * swarm_s for k, v in out["cpu_cores"].items()}
+        out["cpu_window_s"] = cpu["wall_s"]
+        swarm_cores = cpu["ours_cores"] - out["cpu_cores"]["benchmark"]
+        out["swarm_tokens_per_cpu_s"] = tokens / (swarm_cores * swarm_s) if swarm_cores > 0 else None
+        out["machine_cores_used"] = cpu["machine_cores"]
+    if swarm.get("cpu_idle"):
+        out["cpu_cores_idle"] = cpu_groups(swarm["cpu_idle"])
+        out["cpu_idle_window_s"] = swarm["cpu_idle"]["wall_s"]
+    return out
+
+
+def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, single: list[dict], swarm: dict,
+             analysis: dict, rpc: dict, codecs: list[dict]) -> str:
+    llama = config.llama
+    a = analysis
+    out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
+           f"Date: {info['date']}; machine: nproc {info['nproc']}, {info['cpu']}, Python {info['python']}, "
+           f"torch {info['torch']}, hivemind {info['hivemind']}; every process 1 torch thread.",
+           f"Code: commit {info.get('commit', '?')}"
+           + (f" with uncommitted changes in {', '.join(info['uncommitted'])}" if info.get("uncommitted") else "")
+           + " (the runtime measured is the working tree at that time).",
+           f"Load average (1, 5, 15 min): {info['load_start']} at start, {info['load_end']} at the end "
+           f"(other work on the machine shares these {info['nproc']} cores; see the CPU table).", ""]
+    out += ["## 1. Swarm vs one process", "",
+            f"Recipe: `{config.model}` ({llama.num_layers} layers, hidden {llama.hidden_size}, "
+            f"{sum(p.numel() for p in LlamaStage(llama, start=0, end=llama.num_layers).parameters()) / 1e6:.2f} M "
+            f"params), {config.num_stages} stages, {config.microbatches} microbatches x {config.rows_per_microbatch} "
+            f"rows x {config.seq_len} tokens = {a['tokens_per_epoch']} tokens per epoch, {args.epochs} epochs, "
+            f"first {args.warmup} skipped as warm-up; swarm: bootstrap + FS + BS + 1 client per stage "
+            f"(7 peer processes), `{' '.join(swarm.get('recipe_flags', [])[2:])}` and the role flags "
+            "(`--role`, `--stage`, `--server-role`, `--initial-peers`).", "",
+            "Per-stage microbatch forward+backward in one process, 1 thread (the work of one task):", "",
+            "| stage | layers | median ms | min ms |", "|---|---|---|---|"]
+    for s in timings["stages"]:
+        out.append(f"| {s['stage']} | {s['layers'][0]}..{s['layers'][1]} | {s['median_ms']:.1f} | {s['min_ms']:.1f} |")
+    out += ["", "| | s / epoch (steady mean) | tokens/s | tokens per CPU-second |", "|---|---|---|---|",
+            f"| one process, whole model, 1 thread | {fmt(a['single_s_per_epoch'])} | "
+            f"{fmt(a['single_tokens_per_s'], '.0f')} | {fmt(a['single_tokens_per_cpu_s'], '.0f')} |",
+            f"| swarm, 7 processes (status `seconds`) | {fmt(a['swarm_s_per_epoch'])} | "
+            f"{fmt(a['swarm_tokens_per_s'], '.0f')} | {fmt(a.get('swarm_tokens_per_cpu_s'), '.0f')} (all swarm processes) |",
+            f"| **ratio swarm / one process** (mean steady epochs) | | **{fmt(a['ratio'], '.3f')}** | |",
+            f"| ratio of the fastest steady epochs (one process {fmt(a['single_best_s'])} s, swarm "
+            f"{fmt(a['swarm_best_s'])} s) | | {fmt(a['ratio_best'], '.3f')} | |",
+            f"| ideal 2-stage pipeline on 2 free cores (compute only: d x max stage + min stage) | "
+            f"{fmt(a['ideal_pipeline_s'])} | {fmt(a['tokens_per_epoch'] / a['ideal_pipeline_s'], '.0f')} | "
+            f"ratio {fmt(a['ideal_ratio'], '.2f')} vs the same compute on one core |", ""]
+    if swarm.get("error"):
+        out += [f"**The swarm failed: {swarm['error']}** (logs: `{swarm.get('workdir')}`).", ""]
+    if swarm.get("timed_out"):
+        out += [f"The swarm did not finish its {args.epochs} epochs within --swarm-timeout "
+                f"{args.swarm_timeout:.0f} s; the table uses the epochs that closed.", ""]
+    out += ["Per epoch (swarm: the data source's `seconds`, the last stage's loss, rows averaged per stage; "
+            "stall: FS closed the epoch -> the stage's client stepped past it, from the logs):", "",
+            "| epoch | swarm s | swarm tok/s | swarm loss | one-process s | one-process loss | rows averaged | "
+            "stall s0 | stall s1 |", "|---|---|---|---|---|---|---|---|---|"]
+    single_by = {r["epoch"]: r for r in single}
+    epochs = swarm["report"]["epochs"] if swarm.get("report") else []
+    b = swarm.get("boundaries", {"closed": {}, "stepped": {}})
+    for e in epochs:
+        s = single_by.get(e["epoch"], {})
+        stall = []
+        for stage in range(config.num_stages):
+            c, st = b["closed"].get(stage, {}), b["stepped"].get(stage, {})
+            stall.append(fmt(st[e["epoch"]] - c[e["epoch"]]) if e["epoch"] in c and e["epoch"] in st else "-")
+        out.append(f"| {e['epoch']}{'' if e['epoch'] >= args.warmup else ' (warm-up)'} | {fmt(e['seconds'])} | "
+                   f"{fmt(e['tokens_per_s'], '.0f')} | {fmt(e['loss'], '.4f')} | {fmt(s.get('seconds'))} | "
+                   f"{fmt(s.get('loss'), '.4f')} | {'/'.join(str(x['rows_averaged']) for x in e['stages'])} | "
+                   f"{' | '.join(stall)} |")
+    if "cpu_cores" in a:
+        nproc = info["nproc"]
+        idle = a.get("cpu_cores_idle")
+        out += ["", f"Where the {nproc} cores went while the swarm ran its steady epochs (utime+stime from /proc over "
+                f"{a['cpu_window_s']:.0f} s, every process on the machine; CPU-s per epoch = cores x the mean steady "
+                f"epoch of {fmt(a['swarm_s_per_epoch'])} s)"
+                + (f", and the same swarm idle after training, nobody reading its status ({a['cpu_idle_window_s']:.0f} s)"
+                   if idle else "") + ":", "",
+                "| consumer | cores (training) | CPU-s per epoch | share of the machine | cores (idle swarm) |",
+                "|---|---|---|---|---|"]
+        for group, cores in sorted(a["cpu_cores"].items(), key=lambda kv: -kv[1]):
+            out.append(f"| {CPU_GROUPS[group]} | {cores:.2f} | {a['cpu_s_per_epoch'][group]:.2f} | "
+                       f"{100 * cores / nproc:.0f}% | {fmt(idle.get(group) if idle else None)} |")
+        per_peer = swarm["cpu"]["cores"]
+        clients = ", ".join(f"stage {k} {per_peer.get(f's{k}-client/main', 0.0) * a['swarm_s_per_epoch']:.2f} CPU-s"
+                            for k in range(config.num_stages))
+        comp = a["compute_s_per_epoch"]
+        out += ["", f"CPU the clients used per epoch: {clients}; compute an epoch needs at 1 thread (microbatches x "
+                "median stage time measured above): " + ", ".join(f"stage {k} {v:.2f} s" for k, v in enumerate(comp))
+                + f"; the one-process loop took {fmt(a['single_s_per_epoch'])} s per epoch.",
+                "Step stall at the epoch boundary (FS closed the epoch -> the stage's client stepped; mean over "
+                "steady epochs): " + ", ".join(f"stage {k} {fmt(v)} s" for k, v in a["step_stall_s"].items())
+                + f". One status read (4 DHT gets with latest=True) took median {fmt(swarm['status_read_s']['median'])} s"
+                f", max {fmt(swarm['status_read_s']['max'])} s."]
+    if "cpu_cores" in a and a["swarm_s_per_epoch"]:
+        g, w = a["cpu_cores"], a["swarm_s_per_epoch"]
+        control = g["server"] + g["bootstrap"] + g["dht"] + g["p2pd"] + g["averager"]
+        stall0 = a["step_stall_s"].get(0) or 0.0
+        out += ["", "Summary of the gap: on " f"{info['nproc']} cores with nothing else running, the two stages "
+                f"could overlap for a ratio of about {a['ideal_ratio']:.2f} (compute only). Measured: "
+                f"{fmt(a['ratio'], '.3f')}. During the steady epochs the two clients got {g['client']:.2f} cores "
+                f"between them, the swarm's control plane (hivemind DHT processes, p2pd daemons, FS/BS and "
+                f"bootstrap processes, averagers) used {control:.2f} cores (the DHT processes alone {g['dht']:.2f}), "
+                f"this benchmark's status reader {g['benchmark']:.2f}, other work on the machine {g['outside']:.2f}, "
+                f"and {g['idle']:.2f} stayed idle. At each epoch boundary stage 0 waits {stall0:.2f} s "
+                f"({100 * stall0 / w:.0f}% of a {w:.2f} s epoch) between its FS closing the epoch and its client "
+                "stepping, and the data source feeds nothing of the next epoch until the last microbatch's backward "
+                "is back at stage 0, so the pipeline drains and refills once per epoch."]
+    out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]
+    if rpc is None:
+        out += ["## 2. RPC: not run (--parts)", ""]
+    # RPC
+    out += [] if rpc is None else ["## 2. RPC over hivemind P2P (two processes on 127.0.0.1, `p2ptrain.transport` packing, streaming)", "",
+            f"Small message (header only, like `rpc_take_task`) round trip: median {rpc['small']['median_ms']:.2f} ms, "
+            f"p90 {rpc['small']['p90_ms']:.2f} ms, min {rpc['small']['min_ms']:.2f} ms over {rpc['small']['reps']} calls.",
+            "", "push = one hop: the tensor goes to the peer, which decodes it and answers with a small reply; "
+            "echo = the peer decodes and sends it back encoded with the same codec. Times include encode and decode; "
+            "MB/s counts fp32 megabytes moved (10^6 bytes) and, for wire MB/s, the encoded bytes.", "",
+            "| size (fp32) | codec | wire bytes | push ms | push MB/s (fp32) | push MB/s (wire) | echo ms | "
+            "echo MB/s (fp32) | reps |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rpc["transfers"] if rpc else []:
+        out.append(f"| {r['size']} | {r['codec']} | {r['wire_bytes']} | {r['push_ms']:.2f} | {r['push_fp32_MBps']:.0f} | "
+                   f"{r['push_wire_MBps']:.0f} | {r['echo_ms']:.2f} | {r['echo_fp32_MBps']:.0f} | {r['reps']} |")
+    act = [r for r in rpc["transfers"] if r["size"].startswith("act")] if rpc else []
+    if act:
+        out += ["", "A microbatch crosses 6 activation-sized hops in this 2-stage swarm (client0->BS0, BS0->FS1, "
+                "FS1->client1, client1->FS1 grads, FS1->BS0 grads, BS0->client0 grads) plus about 10 small RPCs "
+                "(task polls, results, reports). At the measured push time of one activation, 6 hops cost "
+                + ", ".join(f"{6 * r['push_ms']:.1f} ms ({r['codec']})" for r in act)
+                + f" per microbatch, against {sum(s['median_ms'] for s in timings['stages']):.0f} ms of compute "
+                "(both stages)."]
+    # codecs
+    out += ["", "## 3. Codecs on the benchmark model's boundary tensors", "",
+            "| tensor | shape | codec | bytes | ratio vs fp32 | encode MB/s | decode MB/s | max abs err | "
+            "err / absmax |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in codecs:
+        out.append(f"| {r['tensor']} | {'x'.join(map(str, r['shape']))} | {r['codec']} | {r['bytes']} | "
+                   f"{r['ratio']:.3f} | {r['encode_MBps']:.0f} | {r['decode_MBps']:.0f} | {r['max_abs_err']:.3g} | "
+                   f"{r['max_abs_err_rel_absmax']:.2g} |")
+    out.append("")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-small", choices=sorted(k for k in LLAMA_CONFIGS if k != "llama-33b"))
+    parser.add_argument("--batch-rows", type=int, default=None, help="rows per microbatch (default 4)")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per epoch (default 8; quick 4)")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=None, help="global batches (default 6; quick 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="epochs skipped as warm-up (default 2; quick 1)")
+    parser.add_argument("--matchmaking-time", type=float, default=0.5,
+                        help="passed to the peers when p2ptrain.peer has this flag")
+    parser.add_argument("--swarm-timeout", type=float, default=None,
+                        help="give the swarm at most this many seconds (default 210; quick 150)")
+    parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between status reads of the swarm")
+    parser.add_argument("--idle-s", type=float, default=6.0,
+                        help="after training, measure the idle swarm's CPU use for this long (0: skip)")
+    parser.add_argument("--quick", action="store_true", help="a short run: fewer epochs, sizes and repetitions")
+    parser.add_argument("--parts", default="swarm,rpc,codecs",
+                        help="comma-separated parts to run: swarm (with the one-process reference), rpc, codecs")
+    parser.add_argument("--out", default=str(RESULTS), help="directory for dataplane.md and dataplane.json")
+    parser.add_argument("--rpc-server", help=argparse.SUPPRESS)  # internal: the RPC benchmark's second process
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rpc_server:
+        rpc_server_main(args.rpc_server)
+        return
+    args.batch_rows = args.batch_rows or 4
+    args.microbatches = args.microbatches or (4 if args.quick else 8)
+    args.epochs = args.epochs or (3 if args.quick else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.swarm_timeout = args.swarm_timeout or (150.0 if args.quick else 210.0)
+    if not 0 <= args.warmup < args.epochs:
+        parser.error("--warmup must be smaller than --epochs")
+    config = RunConfig(run_id=RUN_ID, model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
+                       microbatches=args.microbatches, seq_len=args.seq_len)
+    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/dataplane.py", *(argv or sys.argv[1:])])
+    import hivemind
+
+    info = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "hivemind": hivemind.__version__, "load_start": load()}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=10).stdout.strip()
+        info["uncommitted"] = [line[3:] for line in subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
+            timeout=10).stdout.splitlines()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                           if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    torch.set_num_threads(1)
+    began = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-dataplane-"))
+
+    log(f"[1/5] per-stage microbatch time ({config.model}, {config.rows_per_microbatch} rows x {config.seq_len})")
+    timings, tensors = stage_timings(config, reps=5 if args.quick else 10)
+    for s in timings["stages"]:
+        log(f"  stage {s['stage']} layers {s['layers']}: forward+backward median {s['median_ms']:.1f} ms, "
+            f"min {s['min_ms']:.1f} ms")
+    if min(s["median_ms"] for s in timings["stages"]) < 20.0:
+        log("  warning: a stage's microbatch takes under 20 ms; choose a bigger model or batch")
+
+    parts = set(args.parts.split(","))
+    log("[2/5] codecs")
+    codecs = run_codecs({"activation": tensors["activation"], "output gradient": tensors["gradient"]},
+                        reps=10 if args.quick else 30) if "codecs" in parts else []
+    for r in codecs:
+        log(f"  {r['tensor']:15s} {r['codec']:4s} {r['bytes']:>8} B ratio {r['ratio']:.3f} enc {r['encode_MBps']:.0f} "
+            f"MB/s dec {r['decode_MBps']:.0f} MB/s err {r['max_abs_err']:.3g}")
+
+    log("[3/5] RPC round trip and throughput")
+    activation_bytes = tensors["activation"].numel() * 4
+    rpc = run_rpc(args, activation_bytes, workdir) if "rpc" in parts else None
+
+    half = (args.epochs + 1) // 2
+    single: list[dict] = []
+    swarm: dict = {"error": "not run (--parts)", "workdir": str(workdir), "report": None,
+                   "boundaries": {"closed": {}, "stepped": {}}}
+    if "swarm" in parts:
+        log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
+        single, state = single_process(config, range(0, half), None)
+        log(f"[5/5] swarm: {args.epochs} epochs")
+        try:
+            swarm = run_swarm(args, config, workdir)
+        except Exception as e:  # report what was measured, and why the swarm part is missing
+            log(f"  swarm failed: {e!r}")
+            swarm = {"error": repr(e), "workdir": str(workdir), "report": None,
+                     "boundaries": epoch_boundaries(workdir, config.num_stages)}
+        log(f"  one process, epochs {half}..{args.epochs - 1} (after the swarm)")
+        more, state = single_process(config, range(half, args.epochs), state)
+        single += more
+
+    info["load_end"] = load()
+    info["runtime_s"] = time.monotonic() - began
+    analysis = analyse(args, config, timings, single, swarm)
+    text = markdown(args, command, info, config, timings, single, swarm, analysis, rpc, codecs)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "dataplane.md").write_text(text)
+    swarm_json = {k: v for k, v in swarm.items() if k != "boundaries"}
+    swarm_json["boundaries"] = {kind: {str(s): {str(e): t for e, t in v.items()} for s, v in per.items()}
+                                for kind, per in swarm.get("boundaries", {}).items()}
+    (out_dir / "dataplane.json").write_text(json.dumps({
+        "command": command, "machine": info, "recipe": {"model": config.model, "num_stages": config.num_stages,
+        "batch_rows": config.rows_per_microbatch, "microbatches": config.microbatches, "seq_len": config.seq_len,
+        "epochs": args.epochs, "warmup": args.warmup, "matchmaking_time": args.matchmaking_time, "lr": config.lr},
+        "stage_timings": timings, "single_process": single, "swarm": swarm_json, "analysis": analysis,
+        "rpc": rpc, "codecs": codecs,
+    }, indent=2, default=str))
+    print(text)
+    log(f"wrote {out_dir / 'dataplane.md'} and {out_dir / 'dataplane.json'} in {info['runtime_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

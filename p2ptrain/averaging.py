@@ -1,0 +1,91 @@
+"""Per-stage gradient averaging at each global batch with hivemind's butterfly all-reduce.
+
+The group is not found by DHT matchmaking: when an epoch closes, the stage's first FS fixes the group (the
+workers it has seen) and hands the same list to every worker, so all agree on peers, order and group id at
+once. (hivemind's matchmaking left peers out of rounds on a loaded 2-core machine and costs its waiting time.)
+Each worker hands in its mean gradient weighted by the rows it computed, so the average is the gradient of
+the whole batch. A worker behind NAT (client mode) sends its part and receives the result but reduces none.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, as_aiter, azip
+
+logger = logging.getLogger(__name__)
+
+# hivemind needs a positive weight; a worker without rows this epoch still takes part and gets the result
+NO_ROWS_WEIGHT = 1e-9
+
+
+@dataclass(frozen=True)
+class GroupMember:
+    peer_id: str
+    client_mode: bool
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    group_size: int  # workers in the all-reduce; 1 for a lone worker, 0 if the round failed
+    ok: bool
+
+
+class StageAllReduce(ServicerBase):
+    def __init__(self, *, p2p: P2P, run_id: str, stage: int, timeout: float):
+        self.p2p, self.timeout = p2p, timeout
+        self.prefix = f"{run_id}_stage{stage}_allreduce"
+        self._runners: dict[bytes, asyncio.Future] = {}
+
+    async def start(self) -> None:
+        await self.add_p2p_handlers(self.p2p, namespace=self.prefix)
+
+    def _runner(self, group_id: bytes) -> asyncio.Future:
+        return self._runners.setdefault(group_id, asyncio.get_running_loop().create_future())
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate's part; it may arrive before this peer started the round, so wait for the runner."""
+        request = await anext(stream)
+        try:
+            runner = await asyncio.wait_for(asyncio.shield(self._runner(request.group_id)), self.timeout)
+        except asyncio.TimeoutError:
+            self._runners.pop(request.group_id, None)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
+
+    async def average(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: list[GroupMember]
+                      ) -> tuple[list[torch.Tensor], RoundResult]:
+        """Average `grads` with the group; on failure the local gradients come back, and the result says so."""
+        if len(group) <= 1:
+            return grads, RoundResult(group_size=1, ok=True)
+        group_id = hashlib.sha256(f"{self.prefix}:{epoch}".encode()).digest()
+        tensors = [grad.detach().clone() for grad in grads]
+        modes = [AveragingMode.CLIENT if m.client_mode else AveragingMode.NODE for m in group]
+        runner = AllReduceRunner(
+            p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
+            weight=float(rows) if rows else NO_ROWS_WEIGHT,
+            ordered_peer_ids=[PeerID.from_base58(m.peer_id) for m in group],
+            peer_fractions=tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes), modes=modes,
+        )
+        self._runner(group_id).set_result(runner)
+        try:
+            async with asyncio.timeout(self.timeout):
+                async for tensor, update in azip(as_aiter(*tensors), runner):
+                    tensor.add_(update)
+        except Exception as e:
+            logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers failed: {e!r}")
+            return grads, RoundResult(group_size=0, ok=False)
+        finally:
+            self._runners.pop(group_id, None)
+        return tensors, RoundResult(group_size=len(group), ok=True)
