@@ -520,6 +520,33 @@ def run_rpc(args, activation_bytes: int, workdir: Path) -> dict:
         server_log.close()
 
 
+def dht_control(peers: int, seconds: float) -> dict:
+    """CPU of `peers` bare hivemind DHTs (p2ptrain's validators, no records, no readers) idling on loopback: what the
+    swarm's DHT processes would cost without p2ptrain's periodic records and reads."""
+    import hivemind
+
+    from p2ptrain.dht import make_validators
+
+    dhts = []
+    try:
+        boot = hivemind.DHT(host_maddrs=[LOOPBACK], start=True, record_validators=make_validators(RUN_ID))
+        dhts.append(boot)
+        initial = [str(a) for a in boot.get_visible_maddrs()]
+        for _ in range(peers - 1):
+            dhts.append(hivemind.DHT(initial_peers=initial, host_maddrs=[LOOPBACK], start=True,
+                                     record_validators=make_validators(RUN_ID)))
+        time.sleep(2.0)
+        first = snapshot()
+        time.sleep(seconds)
+        window = cpu_window(first, snapshot(), {"benchmark": os.getpid()})
+    finally:
+        for dht in dhts:
+            dht.shutdown()
+    cores = window["cores"]
+    return {"peers": peers, "seconds": window["wall_s"], "dht_cores": cores.get("benchmark/dht", 0.0),
+            "p2pd_cores": cores.get("benchmark/p2pd", 0.0)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # codecs
 
@@ -615,7 +642,8 @@ def analyse(args, config: RunConfig, timings: dict, single: list[dict], swarm: d
     out["swarm_best_s"] = min((e["seconds"] for e in steady), default=None)
     out["ratio_best"] = (out["single_best_s"] / out["swarm_best_s"]
                          if out["single_best_s"] and out["swarm_best_s"] else None)
-    stage_ms = [s["median_ms"] for s in timings["stages"]]
+    stage_ms = [min(s["min_ms"], s.get("min_ms_after", s["min_ms"])) for s in timings["stages"]]
+    out["stage_ms_used"] = stage_ms
     d = config.microbatches
     out["compute_s_per_epoch"] = [d * ms / 1e3 for ms in stage_ms]
     out["ideal_pipeline_s"] = (d * max(stage_ms) + min(stage_ms)) / 1e3
@@ -638,6 +666,17 @@ def analyse(args, config: RunConfig, timings: dict, single: list[dict], swarm: d
         swarm_cores = cpu["ours_cores"] - out["cpu_cores"]["benchmark"]
         out["swarm_tokens_per_cpu_s"] = tokens / (swarm_cores * swarm_s) if swarm_cores > 0 else None
         out["machine_cores_used"] = cpu["machine_cores"]
+        g = out["cpu_cores"]
+        control = g["server"] + g["bootstrap"] + g["dht"] + g["p2pd"] + g["averager"]
+        clients_cpu = g["client"] * swarm_s
+        single_cpu = mean([r["cpu_s"] for r in steady_single])
+        out["control_cores"] = control
+        out["clients_cpu_s_per_epoch"] = clients_cpu
+        out["single_cpu_s_per_epoch"] = single_cpu
+        if clients_cpu and single_cpu:
+            # the machine to itself: the clients get what the control plane leaves, one core each at most
+            cores = min(float(config.num_stages), (os.cpu_count() or 1) - control)
+            out["cpu_bound_ratio"] = min(out["ideal_ratio"], cores * single_cpu / clients_cpu)
     if swarm.get("cpu_idle"):
         out["cpu_cores_idle"] = cpu_groups(swarm["cpu_idle"])
         out["cpu_idle_window_s"] = swarm["cpu_idle"]["wall_s"]
@@ -645,7 +684,7 @@ def analyse(args, config: RunConfig, timings: dict, single: list[dict], swarm: d
 
 
 def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, single: list[dict], swarm: dict,
-             analysis: dict, rpc: dict, codecs: list[dict]) -> str:
+             analysis: dict, rpc: dict, codecs: list[dict], control: dict | None) -> str:
     llama = config.llama
     a = analysis
     out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
@@ -664,10 +703,14 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
             f"first {args.warmup} skipped as warm-up; swarm: bootstrap + FS + BS + 1 client per stage "
             f"(7 peer processes), `{' '.join(swarm.get('recipe_flags', [])[2:])}` and the role flags "
             "(`--role`, `--stage`, `--server-role`, `--initial-peers`).", "",
-            "Per-stage microbatch forward+backward in one process, 1 thread (the work of one task):", "",
-            "| stage | layers | median ms | min ms |", "|---|---|---|---|"]
+            "Per-stage microbatch forward+backward in one process, 1 thread (the work of one task), measured at the "
+            "start and again after the swarm; the ideal below uses the smallest time (the least disturbed by other "
+            "work):", "",
+            "| stage | layers | median ms (start) | min ms (start) | median ms (after) | min ms (after) |",
+            "|---|---|---|---|---|---|"]
     for s in timings["stages"]:
-        out.append(f"| {s['stage']} | {s['layers'][0]}..{s['layers'][1]} | {s['median_ms']:.1f} | {s['min_ms']:.1f} |")
+        out.append(f"| {s['stage']} | {s['layers'][0]}..{s['layers'][1]} | {s['median_ms']:.1f} | {s['min_ms']:.1f} | "
+                   f"{fmt(s.get('median_ms_after'), '.1f')} | {fmt(s.get('min_ms_after'), '.1f')} |")
     out += ["", "| | s / epoch (steady mean) | tokens/s | tokens per CPU-second |", "|---|---|---|---|",
             f"| one process, whole model, 1 thread | {fmt(a['single_s_per_epoch'])} | "
             f"{fmt(a['single_tokens_per_s'], '.0f')} | {fmt(a['single_tokens_per_cpu_s'], '.0f')} |",
@@ -723,6 +766,9 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
                 + f"; the one-process loop took {fmt(a['single_s_per_epoch'])} s per epoch.",
                 "Step stall at the epoch boundary (FS closed the epoch -> the stage's client stepped; mean over "
                 "steady epochs): " + ", ".join(f"stage {k} {fmt(v)} s" for k, v in a["step_stall_s"].items())
+                + (f". Control: 7 bare hivemind DHTs (same validators, no records, nobody reading) idling on this "
+                   f"machine use {control['dht_cores']:.3f} cores in their DHT processes and {control['p2pd_cores']:.3f} "
+                   "in their p2pd daemons" if control else "")
                 + f". One status read (4 DHT gets with latest=True) took median {fmt(swarm['status_read_s']['median'])} s"
                 f", max {fmt(swarm['status_read_s']['max'])} s."]
     if "cpu_cores" in a and a["swarm_s_per_epoch"]:
@@ -731,7 +777,12 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
         stall0 = a["step_stall_s"].get(0) or 0.0
         out += ["", "Summary of the gap: on " f"{info['nproc']} cores with nothing else running, the two stages "
                 f"could overlap for a ratio of about {a['ideal_ratio']:.2f} (compute only). Measured: "
-                f"{fmt(a['ratio'], '.3f')}. During the steady epochs the two clients got {g['client']:.2f} cores "
+                f"{fmt(a['ratio'], '.3f')}. CPU budget: the one-process loop spends "
+                f"{fmt(a.get('single_cpu_s_per_epoch'))} CPU-s per epoch, the two clients "
+                f"{fmt(a.get('clients_cpu_s_per_epoch'))} CPU-s (compute plus their RPC work), and the swarm's "
+                f"control plane keeps {a['control_cores']:.2f} cores busy whether it trains or not; with the machine "
+                f"to itself the clients could get at most {info['nproc']} - {a['control_cores']:.2f} cores, which "
+                f"bounds the ratio at about {fmt(a.get('cpu_bound_ratio'), '.2f')}. During the steady epochs the two clients got {g['client']:.2f} cores "
                 f"between them, the swarm's control plane (hivemind DHT processes, p2pd daemons, FS/BS and "
                 f"bootstrap processes, averagers) used {control:.2f} cores (the DHT processes alone {g['dht']:.2f}), "
                 f"this benchmark's status reader {g['benchmark']:.2f}, other work on the machine {g['outside']:.2f}, "
@@ -760,7 +811,7 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
                 "FS1->client1, client1->FS1 grads, FS1->BS0 grads, BS0->client0 grads) plus about 10 small RPCs "
                 "(task polls, results, reports). At the measured push time of one activation, 6 hops cost "
                 + ", ".join(f"{6 * r['push_ms']:.1f} ms ({r['codec']})" for r in act)
-                + f" per microbatch, against {sum(s['median_ms'] for s in timings['stages']):.0f} ms of compute "
+                + f" per microbatch, against {sum(a['stage_ms_used']):.0f} ms of compute "
                 "(both stages)."]
     # codecs
     out += ["", "## 3. Codecs on the benchmark model's boundary tensors", "",
@@ -790,8 +841,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-s", type=float, default=6.0,
                         help="after training, measure the idle swarm's CPU use for this long (0: skip)")
     parser.add_argument("--quick", action="store_true", help="a short run: fewer epochs, sizes and repetitions")
-    parser.add_argument("--parts", default="swarm,rpc,codecs",
-                        help="comma-separated parts to run: swarm (with the one-process reference), rpc, codecs")
+    parser.add_argument("--parts", default="swarm,rpc,codecs,dht",
+                        help="comma-separated parts to run: swarm (with the one-process reference), rpc, codecs, "
+                             "dht (CPU of 7 bare idle hivemind DHTs, a control for the swarm's DHT processes)")
     parser.add_argument("--out", default=str(RESULTS), help="directory for dataplane.md and dataplane.json")
     parser.add_argument("--rpc-server", help=argparse.SUPPRESS)  # internal: the RPC benchmark's second process
     return parser
@@ -855,6 +907,12 @@ def main(argv: list[str] | None = None) -> None:
     activation_bytes = tensors["activation"].numel() * 4
     rpc = run_rpc(args, activation_bytes, workdir) if "rpc" in parts else None
 
+    control = None
+    if "dht" in parts:
+        log("  control: 7 bare hivemind DHTs idling")
+        control = dht_control(7, 4.0 if args.quick else 8.0)
+        log(f"  control: DHT processes {control['dht_cores']:.3f} cores, p2pd {control['p2pd_cores']:.3f} cores")
+
     half = (args.epochs + 1) // 2
     single: list[dict] = []
     swarm: dict = {"error": "not run (--parts)", "workdir": str(workdir), "report": None,
@@ -872,11 +930,15 @@ def main(argv: list[str] | None = None) -> None:
         log(f"  one process, epochs {half}..{args.epochs - 1} (after the swarm)")
         more, state = single_process(config, range(half, args.epochs), state)
         single += more
+        again, _ = stage_timings(config, reps=5 if args.quick else 10)
+        for s, s2 in zip(timings["stages"], again["stages"]):
+            s["median_ms_after"], s["min_ms_after"] = s2["median_ms"], s2["min_ms"]
+            log(f"  stage {s['stage']} again: median {s2['median_ms']:.1f} ms, min {s2['min_ms']:.1f} ms")
 
     info["load_end"] = load()
     info["runtime_s"] = time.monotonic() - began
     analysis = analyse(args, config, timings, single, swarm)
-    text = markdown(args, command, info, config, timings, single, swarm, analysis, rpc, codecs)
+    text = markdown(args, command, info, config, timings, single, swarm, analysis, rpc, codecs, control)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataplane.md").write_text(text)
@@ -888,7 +950,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_rows": config.rows_per_microbatch, "microbatches": config.microbatches, "seq_len": config.seq_len,
         "epochs": args.epochs, "warmup": args.warmup, "matchmaking_time": args.matchmaking_time, "lr": config.lr},
         "stage_timings": timings, "single_process": single, "swarm": swarm_json, "analysis": analysis,
-        "rpc": rpc, "codecs": codecs,
+        "rpc": rpc, "codecs": codecs, "dht_control": control,
     }, indent=2, default=str))
     print(text)
     log(f"wrote {out_dir / 'dataplane.md'} and {out_dir / 'dataplane.json'} in {info['runtime_s']:.0f} s")

@@ -1,16 +1,18 @@
 """A swarm of real peer processes on 127.0.0.1, started inside the test and always stopped."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import hivemind
 import pytest
 
+from p2ptrain.dht import make_validators
 from p2ptrain.launch import LOOPBACK, Swarm
-
-REPO = Path(__file__).resolve().parent.parent
+from p2ptrain.status import collect
 
 
 class TestSwarm(Swarm):
@@ -21,29 +23,43 @@ class TestSwarm(Swarm):
     def __init__(self, workdir: Path, run_id: str, recipe: list[str]):
         super().__init__(workdir=workdir)
         self.run_id, self.recipe = run_id, recipe
+        self._dht = None
 
     def peer(self, name: str, *args: str) -> None:
         self.start(name, ["--run-id", self.run_id, "--host-maddrs", LOOPBACK, *self.recipe, *args,
                           "--initial-peers", *self.initial_peers])
 
-    def status(self) -> dict:
-        import json
-
+    def status_cli(self) -> dict:
+        """What `python -m p2ptrain.status --json` prints, as a user would run it."""
         out = subprocess.run([sys.executable, "-m", "p2ptrain.status", "--run-id", self.run_id, "--json",
                               "--initial-peers", *self.initial_peers], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
+    def status(self) -> dict:
+        """The same report, read by a DHT client in this process (cheaper to poll than a new process)."""
+        if self._dht is None:
+            self._dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
+                                     record_validators=make_validators(self.run_id))
+        return collect(self._dht, self.run_id)
+
     def wait_finished(self, timeout: float) -> dict:
+        """Poll until the data source has fed and closed all its epochs; then return the status CLI's report."""
         deadline = time.monotonic() + timeout
+        report = None
         while time.monotonic() < deadline:
             failed = self.failed()
             assert not failed, f"peers {failed} died: " + self.logs(failed)
             report = self.status()
             if report["finished"] and report["epoch"] + 1 >= (report["epochs_planned"] or 0):
-                return report
-            time.sleep(2.0)
+                return self.status_cli()
+            time.sleep(1.0)
         raise AssertionError(f"the swarm did not finish in {timeout} s; last status {report}\n" + self.logs())
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self._dht is not None:
+            self._dht.shutdown()
+        super().stop(grace_s)
 
     def logs(self, names: list[str] | None = None, tail: int = 3000) -> str:
         names = names or list(self.processes)
