@@ -21,6 +21,9 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
    tensor goes one way, a small reply comes back) and of an echo (the tensor both ways) per codec and size.
 3. Codecs none/fp16/int8 on a real activation and a real output gradient of the benchmark model's boundary
    shape (rows, seq, hidden): bytes, ratio to fp32, encode/decode MB/s (of fp32 input), max abs error.
+A control (part "dht"): the CPU of 7 bare hivemind DHTs idling, to compare with the swarm's DHT processes.
+`--matchmaking-time` goes to the peers only if `p2ptrain.peer` still takes it (its averaging no longer matchmakes).
+Everything listens on 127.0.0.1; every wait is bounded; every process started here is stopped before the end.
 
 Writes benchmarks/results/dataplane.md (the command that made it on top) and benchmarks/results/dataplane.json.
 """
@@ -65,8 +68,11 @@ TCK = os.sysconf("SC_CLK_TCK")
 RUN_ID = "dataplane-bench"
 
 
+_T0 = time.monotonic()
+
+
 def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    print(f"[{time.monotonic() - _T0:5.0f} s] {text}", file=sys.stderr, flush=True)
 
 
 def load() -> list[float]:
@@ -462,7 +468,7 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
                 row = {"size": label, "fp32_bytes": nbytes, "codec": codec, "wire_bytes": wire}
                 for method in ("rpc_sink", "rpc_echo"):
                     message = Message({"codec": codec}, {"x": tensor})
-                    for _ in range(2):  # warm-up
+                    for _ in range(2 if nbytes <= MIB else 1):  # warm-up
                         await callers[codec].call(peer, DataplaneBench, method, message)
                     times = []
                     for _ in range(reps[label]):
@@ -501,8 +507,8 @@ def run_rpc(args, activation_bytes: int, workdir: Path) -> dict:
         sizes = [(f"act {activation_bytes / 1024:.0f} KiB", activation_bytes), ("1 MiB", MIB), ("8 MiB", 8 * MIB)]
         if not args.quick:
             sizes.append(("32 MiB", 32 * MIB))
-        reps = {sizes[0][0]: 10 if args.quick else 30, "1 MiB": 5 if args.quick else 15, "8 MiB": 3 if args.quick else 6,
-                "32 MiB": 3}
+        reps = {sizes[0][0]: 10 if args.quick else 30, "1 MiB": 5 if args.quick else 10, "8 MiB": 3 if args.quick else 5,
+                "32 MiB": 2}
         torch.set_num_threads(1)
         return asyncio.run(asyncio.wait_for(_rpc_client(address, sizes, reps, 30 if args.quick else 100), 300.0))
     finally:
@@ -762,7 +768,7 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
                             for k in range(config.num_stages))
         comp = a["compute_s_per_epoch"]
         out += ["", f"CPU the clients used per epoch: {clients}; compute an epoch needs at 1 thread (microbatches x "
-                "median stage time measured above): " + ", ".join(f"stage {k} {v:.2f} s" for k, v in enumerate(comp))
+                "smallest stage time measured above): " + ", ".join(f"stage {k} {v:.2f} s" for k, v in enumerate(comp))
                 + f"; the one-process loop took {fmt(a['single_s_per_epoch'])} s per epoch.",
                 "Step stall at the epoch boundary (FS closed the epoch -> the stage's client stepped; mean over "
                 "steady epochs): " + ", ".join(f"stage {k} {fmt(v)} s" for k, v in a["step_stall_s"].items())
@@ -808,8 +814,8 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
     act = [r for r in rpc["transfers"] if r["size"].startswith("act")] if rpc else []
     if act:
         out += ["", "A microbatch crosses 6 activation-sized hops in this 2-stage swarm (client0->BS0, BS0->FS1, "
-                "FS1->client1, client1->FS1 grads, FS1->BS0 grads, BS0->client0 grads) plus about 10 small RPCs "
-                "(task polls, results, reports). At the measured push time of one activation, 6 hops cost "
+                "FS1->client1, client1->FS1 grads, FS1->BS0 grads, BS0->client0 grads) plus about 7 small ones "
+                "(token ids in, task results, the loss, reports) and the workers' task polls. At the measured push time of one activation, 6 hops cost "
                 + ", ".join(f"{6 * r['push_ms']:.1f} ms ({r['codec']})" for r in act)
                 + f" per microbatch, against {sum(a['stage_ms_used']):.0f} ms of compute "
                 "(both stages)."]

@@ -42,7 +42,7 @@ class Swarm:
         self.processes[name] = process
         return process
 
-    def start_bootstrap(self, run_id: str, timeout: float = 60.0) -> list[str]:
+    def start_bootstrap(self, run_id: str, timeout: float = 180.0) -> list[str]:
         maddrs = self.workdir / "bootstrap.maddrs"
         maddrs.unlink(missing_ok=True)  # a file left by an earlier swarm would point at a dead peer
         self.start("bootstrap", ["--role", "bootstrap", "--run-id", run_id, "--host-maddrs", LOOPBACK,
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             swarm.start(device, [*command, "--initial-peers", *initial])
         print(f"swarm of {len(swarm.processes)} processes, logs in {workdir}", file=sys.stderr)
         for stage, entry in enumerate(plan["stages"]):
-            print(f"  stage {stage} layers {entry['layers']}: FS {entry['fs']} BS {entry['bs']} "
+            print(f"  stage {stage} layers [{entry['layers'][0]}, {entry['layers'][1]}): FS {entry['fs']} BS {entry['bs']} "
                   f"clients {entry['clients']}", file=sys.stderr)
         report = watch(swarm, args, initial)
     except KeyboardInterrupt:
