@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 class MembershipCache:
-    def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float = 2.0):
+    def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float = 5.0):
         self.dht, self.run_id, self.num_stages, self.period_s = dht, run_id, num_stages, period_s
         self.stages: list[StageServers] = [StageServers(fs=(), bs=()) for _ in range(num_stages)]
 

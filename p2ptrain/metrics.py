@@ -1,4 +1,4 @@
-"""What each peer publishes about its training progress, refreshed in the DHT every two seconds."""
+"""What each peer publishes about its training progress, refreshed in the DHT every few seconds."""
 from __future__ import annotations
 
 import asyncio
@@ -68,7 +68,7 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
     )
 
 
-async def publish_metrics(*, announcer: Announcer, period_s: float = 2.0, stop: asyncio.Event, **parts) -> None:
+async def publish_metrics(*, announcer: Announcer, period_s: float = 3.0, stop: asyncio.Event, **parts) -> None:
     while not stop.is_set():
         try:
             announcer.set_metrics(build_record(**parts))
