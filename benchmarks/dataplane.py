@@ -2,7 +2,7 @@
 the RPC round trip and throughput of one hop, and the activation codecs, all in one run on the same cores.
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
-                                   [--seq-len 64] [--epochs 6] [--warmup 2] [--matchmaking-time 0.5]
+                                   [--seq-len 64] [--epochs 6] [--warmup 2]
 
 1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `p2ptrain.launch.Swarm`),
@@ -22,7 +22,6 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
 3. Codecs none/fp16/int8 on a real activation and a real output gradient of the benchmark model's boundary
    shape (rows, seq, hidden): bytes, ratio to fp32, encode/decode MB/s (of fp32 input), max abs error.
 A control (part "dht"): the CPU of 7 bare hivemind DHTs idling, to compare with the swarm's DHT processes.
-`--matchmaking-time` goes to the peers only if `p2ptrain.peer` still takes it (its averaging no longer matchmakes).
 Everything listens on 127.0.0.1; every wait is bounded; every process started here is stopped before the end.
 
 Writes benchmarks/results/dataplane.md (the command that made it on top) and benchmarks/results/dataplane.json.
@@ -290,13 +289,6 @@ def epoch_boundaries(workdir: Path, num_stages: int) -> dict:
     return {"closed": closed, "stepped": stepped}
 
 
-def peer_supports(flag: str) -> bool:
-    """Whether `python -m p2ptrain.peer` of the working tree takes `flag` (the runtime's flags change)."""
-    from p2ptrain.peer import build_parser as peer_parser
-
-    return flag in peer_parser()._option_string_actions
-
-
 def run_swarm(args, config: RunConfig, workdir: Path) -> dict:
     import hivemind
 
@@ -308,10 +300,6 @@ def run_swarm(args, config: RunConfig, workdir: Path) -> dict:
               "--batch-rows", str(config.rows_per_microbatch), "--microbatches", str(config.microbatches),
               "--seq-len", str(config.seq_len), "--epochs", str(args.epochs), "--compression", "none",
               "--threads", "1", "--host-maddrs", LOOPBACK]
-    if peer_supports("--matchmaking-time"):
-        recipe += ["--matchmaking-time", str(args.matchmaking_time)]
-    else:
-        log("  note: this p2ptrain.peer has no --matchmaking-time (its averaging needs none); not passed")
     swarm = Swarm(workdir=workdir)
     dht = None
     result: dict = {"workdir": str(workdir), "timed_out": False, "recipe_flags": recipe}
@@ -839,8 +827,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=None, help="global batches (default 6; quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="epochs skipped as warm-up (default 2; quick 1)")
-    parser.add_argument("--matchmaking-time", type=float, default=0.5,
-                        help="passed to the peers when p2ptrain.peer has this flag")
     parser.add_argument("--swarm-timeout", type=float, default=None,
                         help="give the swarm at most this many seconds (default 210; quick 150)")
     parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between status reads of the swarm")
@@ -954,7 +940,7 @@ def main(argv: list[str] | None = None) -> None:
     (out_dir / "dataplane.json").write_text(json.dumps({
         "command": command, "machine": info, "recipe": {"model": config.model, "num_stages": config.num_stages,
         "batch_rows": config.rows_per_microbatch, "microbatches": config.microbatches, "seq_len": config.seq_len,
-        "epochs": args.epochs, "warmup": args.warmup, "matchmaking_time": args.matchmaking_time, "lr": config.lr},
+        "epochs": args.epochs, "warmup": args.warmup, "lr": config.lr},
         "stage_timings": timings, "single_process": single, "swarm": swarm_json, "analysis": analysis,
         "rpc": rpc, "codecs": codecs, "dht_control": control,
     }, indent=2, default=str))

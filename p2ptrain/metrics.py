@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -69,9 +70,16 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
 
 
 async def publish_metrics(*, announcer: Announcer, period_s: float = 3.0, stop: asyncio.Event, **parts) -> None:
+    """Store the record when it changed (the announcer refreshes it otherwise): every store costs DHT work
+    (signing, replication, schema checks) on a machine the training shares."""
+    published = None
     while not stop.is_set():
         try:
-            announcer.set_metrics(build_record(**parts))
+            record = build_record(**parts)
+            content = dataclasses.replace(record, updated=0.0)
+            if content != published:
+                announcer.set_metrics(record)
+                published = content
         except Exception as e:
             logger.warning(f"could not publish metrics: {e!r}")
         try:

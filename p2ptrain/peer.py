@@ -3,6 +3,7 @@
     python -m p2ptrain.peer --role bootstrap --host-maddrs /ip4/127.0.0.1/tcp/31337
     python -m p2ptrain.peer --role server --stage 0 --server-role fs --initial-peers ADDR --epochs 20
     python -m p2ptrain.peer --role client --stage 1 --initial-peers ADDR
+    python -m p2ptrain.peer --role server --planner-key planner.key.pub --initial-peers ADDR   # placed by the plan
 """
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ from hivemind.dht.crypto import RSASignatureValidator
 from p2ptrain.averaging import StageAllReduce
 from p2ptrain.client.worker import FAULTS, Worker
 from p2ptrain.compression import CODECS
+from p2ptrain.compute import measure_compute
 from p2ptrain.config import RunConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import Announcer, Membership, PeerInfo, make_validators
+from p2ptrain.live.identity import read_planner_key
+from p2ptrain.live.planning import apply_placement, join_by_plan
 from p2ptrain.membership import MembershipCache
 from p2ptrain.metrics import publish_metrics
 from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaStage
@@ -45,6 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--server-role", choices=("fs", "bs"), help="frontal or backward server (servers only)")
     parser.add_argument("--compute", action="store_true", help="a server that also computes its stage's layers")
     parser.add_argument("--layers", help="layers START:END of this stage (default: an even split)")
+    live = parser.add_argument_group("live planning (a server or client started without --stage)")
+    live.add_argument("--planner-key", type=Path,
+                      help="the planner's public key (KEY.pub of `python -m p2ptrain.plan --planner-identity KEY`); "
+                           "without --stage, this peer announces its measurements and takes its place from the "
+                           "plan signed by that key")
+    live.add_argument("--plan-timeout", type=float, default=600.0, help="seconds to wait for a plan that places it")
     net = parser.add_argument_group("network (as in hivemind)")
     net.add_argument("--run-id", default="p2ptrain", help="prefix of this swarm's DHT keys")
     net.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm")
@@ -80,14 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.role != "bootstrap" and args.stage is None:
-        parser.error(f"--role {args.role} needs --stage K")
-    if args.role == "server" and args.server_role is None:
+    planned = args.role != "bootstrap" and args.stage is None
+    if planned and args.planner_key is None:
+        parser.error(f"--role {args.role} needs --stage K, or --planner-key PATH to take its stage from the plan")
+    if planned and (args.server_role or args.layers):
+        parser.error("without --stage the plan sets the stage, --server-role and --layers; give all or none")
+    if not planned and args.planner_key is not None:
+        parser.error("--planner-key is for a server or client started without --stage")
+    if args.role == "server" and not planned and args.server_role is None:
         parser.error("--role server needs --server-role fs or --server-role bs")
     if args.role != "server" and (args.server_role or args.compute):
         parser.error("--server-role and --compute are for --role server only")
     if args.data is not None and not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
+    if planned:
+        try:
+            args.planner_public_key = read_planner_key(args.planner_key)
+        except (OSError, ValueError) as e:
+            parser.error(f"--planner-key: {e}")
     try:
         args.config = RunConfig(
             run_id=args.run_id, model=args.model, num_stages=args.num_stages, rows_per_microbatch=args.batch_rows,
@@ -128,24 +148,33 @@ def make_dht(args: argparse.Namespace, *, client_mode: bool) -> hivemind.DHT:
 
 
 async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
-    config: RunConfig = args.config
-    computes = args.role == "client" or args.compute
     dht = make_dht(args, client_mode=args.client_mode)
     peer_id = dht.peer_id.to_base58()
     # records are signed with hivemind's process-wide key, as hivemind's own records are
     announcer = Announcer(dht=dht, run_id=args.run_id, peer_id=peer_id,
-                          owner_key=RSASignatureValidator().local_public_key, period_s=5.0, ttl_s=30.0)
+                          owner_key=RSASignatureValidator().local_public_key, period_s=10.0, ttl_s=30.0)
     tasks: list[asyncio.Task] = []
     try:
+        torch.set_num_threads(args.threads)  # before live planning measures this process's compute
+        joined = None
+        if args.role != "bootstrap" and args.stage is None:
+            joined = await join_by_plan(args=args, dht=dht, announcer=announcer, peer_id=peer_id,
+                                        planner_key=args.planner_public_key, stop=stop)
+            if joined is None:  # stopped while waiting for the plan
+                return
+            apply_placement(args, joined.placement)
+        config: RunConfig = args.config
+        computes = args.role == "client" or args.compute
         announcer.set_peer_info(PeerInfo(
             peer_id=peer_id, role=args.role, stage=args.stage, server_role=args.server_role,
-            reliable=args.role != "client", computes=computes, compute=float(args.compute_power or 0.0),
+            reliable=args.role != "client", computes=computes,
+            compute=float(args.compute_power or (joined.compute if joined else 0.0)),
+            memory=joined.memory if joined else 0, links=joined.links if joined else {},
             maddrs=[str(a) for a in dht.get_visible_maddrs()], state="online", started=time.time()))
         if args.role == "bootstrap":
             logger.info(f"bootstrap peer {peer_id} at {' '.join(str(a) for a in dht.get_visible_maddrs())}")
             await stop.wait()
             return
-        torch.set_num_threads(args.threads)
         start, end = args.layer_range
         p2p = await dht.replicate_p2p()
         membership = MembershipCache(dht=dht, run_id=args.run_id, num_stages=config.num_stages)
@@ -208,21 +237,6 @@ async def _wait_any(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
             raise task.exception()
     if not stop.is_set():
         await stop.wait()
-
-
-def measure_compute(model: LlamaStage, config: RunConfig) -> float:
-    """FLOP/s of this process on its stage: time one forward+backward of a microbatch-sized slice."""
-    rows = max(1, min(config.rows_per_microbatch, 4))
-    if model.is_first:
-        inputs = torch.randint(0, config.llama.vocab_size, (rows, config.seq_len))
-    else:
-        inputs = torch.randn(rows, config.seq_len, config.llama.hidden_size, requires_grad=True)
-    params = sum(p.numel() for p in model.parameters())
-    started = time.perf_counter()
-    output = model(inputs)
-    output.float().sum().backward()
-    model.zero_grad(set_to_none=True)
-    return 6.0 * params * rows * config.seq_len / max(time.perf_counter() - started, 1e-6)
 
 
 def main(argv: list[str] | None = None) -> None:
