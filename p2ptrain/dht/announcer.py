@@ -1,13 +1,15 @@
 """Soft-state publishing: a peer's records live only while the peer keeps refreshing them.
 
 Every `period_s` the announcer re-stores each record it owns with expiration now + `ttl_s`; a peer that
-vanishes stops refreshing and its records expire on their own. A deliberate exit writes tombstones (None
+vanishes stops refreshing and its records expire on their own. A record that changes between refreshes is
+stored alone at once: each store costs signing, replication and schema checks on a machine shared with training. A deliberate exit writes tombstones (None
 under the same subkey, newer than the record), so readers forget the peer at once rather than after ttl.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import hivemind
@@ -45,6 +47,7 @@ class Announcer:
         self.period_s, self.ttl_s = period_s, ttl_s
         self._subkey = owned_subkey(peer_id, owner_key)
         self._records: dict[_Slot, dict[str, Any] | None] = {}  # None: a tombstone not yet stored
+        self._changed: set[_Slot] = set()  # slots set since the last store, stored on the next wake
         self._membership_key: str | None = None
         self._lock = threading.Lock()  # guards _records
         self._store_lock = threading.Lock()  # one refresh at a time, so a tombstone is never overtaken
@@ -65,14 +68,17 @@ class Announcer:
         with self._lock:
             if self._membership_key not in (None, key):
                 self._records[(self._membership_key, subkey)] = None
+                self._changed.add((self._membership_key, subkey))
             self._membership_key = key
             self._records[(key, subkey)] = value
+            self._changed.add((key, subkey))
         self._wake.set()
 
     def clear_membership(self) -> None:
         with self._lock:
             if self._membership_key is not None:
                 self._records[(self._membership_key, self._subkey)] = None
+                self._changed.add((self._membership_key, self._subkey))
                 self._membership_key = None
         self._wake.set()
 
@@ -83,11 +89,12 @@ class Announcer:
         """Publish the plan under this peer's bare owner key; readers trust it only if that is the planner's key."""
         self._set(plan_key(self.run_id), self.owner_key, record.to_value())
 
-    def refresh(self) -> bool:
-        """Store every owned record (and pending tombstone) now; False if the DHT refused or missed any."""
+    def refresh(self, only: set[_Slot] | None = None) -> bool:
+        """Store every owned record (and pending tombstone), or just the slots in `only`, now; False if the DHT
+        refused or missed any."""
         with self._store_lock:
             with self._lock:
-                snapshot = list(self._records.items())
+                snapshot = [(slot, value) for slot, value in self._records.items() if only is None or slot in only]
             expiration = get_dht_time() + self.ttl_s
             futures = [
                 self.dht.store(key, value, expiration, subkey=subkey, return_future=True)
@@ -134,13 +141,20 @@ class Announcer:
     def _set(self, key: str, subkey: bytes, value: dict[str, Any]) -> None:
         with self._lock:
             self._records[(key, subkey)] = value
+            self._changed.add((key, subkey))
         self._wake.set()
 
     def _run(self) -> None:
+        next_full = 0.0
         while not self._stop.is_set():
             self._wake.clear()  # before the snapshot: a change made during refresh wakes the next round
+            full = time.monotonic() >= next_full
+            with self._lock:
+                changed, self._changed = self._changed, set()
             try:
-                self.refresh()
+                self.refresh(None if full else changed)
             except Exception:
                 logger.exception("refreshing DHT records failed; retrying in %.1f s", self.period_s)
-            self._wake.wait(self.period_s)
+            if full:
+                next_full = time.monotonic() + self.period_s
+            self._wake.wait(max(0.0, next_full - time.monotonic()))

@@ -8,7 +8,7 @@ that would be dropped by the DHT fails here instead, with pydantic's message.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Self
 
 import pydantic.v1 as pydantic
 
@@ -104,6 +104,22 @@ def _opt_float(x: float | None) -> float | None:
     return None if x is None else float(x)
 
 
+class _Record:
+    """A DHT value: a dataclass that turns into a plain dict the schema accepts as it is, and back."""
+
+    schema: ClassVar[type[pydantic.BaseModel]]
+
+    def to_value(self) -> dict[str, Any]:
+        value = asdict(self)
+        check_value(self.schema, value)
+        return value
+
+    @classmethod
+    def from_value(cls, value: dict[str, Any]) -> Self:
+        check_value(cls.schema, value)
+        return cls(**value)
+
+
 @dataclass(kw_only=True)
 class Link:
     """A measured link from the announcing peer to another peer."""
@@ -116,7 +132,8 @@ class Link:
 
 
 @dataclass(kw_only=True)
-class PeerInfo:
+class PeerInfo(_Record):
+    schema: ClassVar[type[pydantic.BaseModel]] = PeerInfoModel
     """Who a peer is and what it offers; key `{run_id}_peers`."""
 
     peer_id: str
@@ -137,19 +154,11 @@ class PeerInfo:
         self.maddrs = [str(m) for m in self.maddrs]  # accepts Multiaddr objects
         self.links = {str(k): v if isinstance(v, Link) else Link(**v) for k, v in self.links.items()}
 
-    def to_value(self) -> dict[str, Any]:
-        value = asdict(self)
-        check_value(PeerInfoModel, value)
-        return value
-
-    @classmethod
-    def from_value(cls, value: dict[str, Any]) -> PeerInfo:
-        check_value(PeerInfoModel, value)
-        return cls(**value)
 
 
 @dataclass(kw_only=True)
-class Membership:
+class Membership(_Record):
+    schema: ClassVar[type[pydantic.BaseModel]] = MembershipModel
     """A peer's place in one stage; key `{run_id}_stage{k}`."""
 
     peer_id: str
@@ -160,15 +169,6 @@ class Membership:
     def __post_init__(self) -> None:
         self.compute, self.load = float(self.compute), float(self.load)
 
-    def to_value(self) -> dict[str, Any]:
-        value = asdict(self)
-        check_value(MembershipModel, value)
-        return value
-
-    @classmethod
-    def from_value(cls, value: dict[str, Any]) -> Membership:
-        check_value(MembershipModel, value)
-        return cls(**value)
 
 
 @dataclass(kw_only=True)
@@ -188,7 +188,8 @@ class EpochMetrics:
 
 
 @dataclass(kw_only=True)
-class Metrics:
+class Metrics(_Record):
+    schema: ClassVar[type[pydantic.BaseModel]] = MetricsModel
     """A peer's training progress; key `{run_id}_metrics`. Counters describe the latest epoch `epoch`."""
 
     peer_id: str
@@ -215,19 +216,11 @@ class Metrics:
             for epochs in (self.per_epoch, self.worker_epochs, self.source_epochs)
         )
 
-    def to_value(self) -> dict[str, Any]:
-        value = asdict(self)
-        check_value(MetricsModel, value)
-        return value
-
-    @classmethod
-    def from_value(cls, value: dict[str, Any]) -> Metrics:
-        check_value(MetricsModel, value)
-        return cls(**value)
 
 
 @dataclass(kw_only=True)
-class PlanRecord:
+class PlanRecord(_Record):
+    schema: ClassVar[type[pydantic.BaseModel]] = PlanModel
     """The planner's plan; key `{run_id}_plan`, subkey = the planner's public key only."""
 
     plan: dict[str, Any]  # msgpack-friendly (the planner's JSON form)
@@ -237,12 +230,3 @@ class PlanRecord:
     def __post_init__(self) -> None:
         self.created = float(self.created)
 
-    def to_value(self) -> dict[str, Any]:
-        value = asdict(self)
-        check_value(PlanModel, value)
-        return value
-
-    @classmethod
-    def from_value(cls, value: dict[str, Any]) -> PlanRecord:
-        check_value(PlanModel, value)
-        return cls(**value)

@@ -10,7 +10,6 @@ from typing import AsyncIterator, Callable
 from hivemind.p2p import ServicerBase
 from hivemind.proto import runtime_pb2
 
-from p2ptrain.layout import Layout
 from p2ptrain.protocol.taskpool import Task, TaskPool
 from p2ptrain.transport import Caller, Message, respond, unpack
 
@@ -60,7 +59,6 @@ class StageServer(ServicerBase):
         self.state = StageServerState(pool=TaskPool(lease_timeout=lease_timeout))
         self.caller: Caller | None = None
         self.task_added = asyncio.Event()
-        self.layouts: dict[int, Layout] = {}  # epoch -> the layout its microbatches travel by
 
     @property
     def is_first(self) -> bool:

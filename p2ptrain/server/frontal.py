@@ -67,7 +67,6 @@ class FrontalServer(StageServer):
         epoch, index, rows, total = header["epoch"], header["microbatch"], Rows(*header["rows"]), header["total_rows"]
         layout = Layout.from_header(header["layout"])
         self.microbatches_per_epoch = header["microbatches_per_epoch"]
-        self.layouts.setdefault(epoch, layout)
         inputs, labels = message.tensors["inputs"], message.tensors["labels"]
         try:
             segment = layout.fs_segment(self.stage, self.peer_id, total)
