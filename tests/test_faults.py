@@ -2,6 +2,8 @@
 with a clear logged error, hand its rows to another worker, and no row is lost or counted twice."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 ROWS, MICROBATCHES, EPOCHS = 4, 2, 2
@@ -9,17 +11,26 @@ RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(
           "--epochs", str(EPOCHS), "--lease-timeout", "20"]
 
 
+def stage_workers(report: dict, stage: int) -> list[str]:
+    return report["stages"][stage]["workers"] if len(report["stages"]) > stage else []
+
+
 @pytest.mark.timeout(400)
 def test_corrupted_results_are_refused_and_redone_by_another_worker(make_swarm):
     swarm = make_swarm("faults", RECIPE)
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--compute")
     swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
     swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
     swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
     for fault in ("wrong-shape", "wrong-dtype", "nan"):
         swarm.peer(f"bad-{fault}", "--role", "client", "--stage", "1", "--fault", fault)
     swarm.peer("good", "--role", "client", "--stage", "1")
-    report = swarm.wait_finished(timeout=360)
+    # the data source (stage 0's FS) starts once all four workers are up, so each gets rows of its own
+    deadline = time.monotonic() + 180
+    while len(stage_workers(swarm.status(), 1)) < 4:
+        assert time.monotonic() < deadline, "the stage-1 workers did not come up\n" + swarm.logs()
+        time.sleep(1.0)
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--compute")
+    report = swarm.wait_finished(timeout=300)
 
     fs1_log = (swarm.workdir / "fs1.log").read_text()
     refusals = [line for line in fs1_log.splitlines() if "refused the result of task" in line]
