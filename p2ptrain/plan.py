@@ -22,7 +22,6 @@ from p2ptrain.live.identity import load_or_create_identity, public_key_path
 from p2ptrain.live.publisher import join_as_planner, publish, wait_for_peers
 from p2ptrain.live.swarm import swarm_from_peers
 from p2ptrain.models.llama import LLAMA_CONFIGS
-
 from p2ptrain.planner import PLANNERS, Plan, PlanningError, make_plan
 from p2ptrain.planner.presets import PRESETS, model_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm

@@ -38,7 +38,7 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches), reliable)
     if planner in ("paper", "refined"):
         paper = paper_plan(engine, seed=seed, stages=stages)
-        paper_layouts = None if paper is None else [g.layout(l) for g, l in zip(paper.groups, paper.layers)]
+        paper_layouts = None if paper is None else [g.layout(n) for g, n in zip(paper.groups, paper.layers)]
         if planner == "paper":
             layouts = paper_layouts
         else:

@@ -33,8 +33,8 @@ def _caps(engine: Engine, members: np.ndarray) -> int:
 def _with_clients(engine: Engine, groups: list[Group], layers: list[int]) -> list[StageLayout]:
     """Layouts, leaving idle every client that cannot hold its stage's layers."""
     m = engine.wl.model.memory_bytes_per_layer
-    return [Group.of(g.fs, g.bs, [u for u in g.clients if engine.net.memory[u] >= l * m]).layout(l)
-            for g, l in zip(groups, layers)]
+    return [Group.of(g.fs, g.bs, [u for u in g.clients if engine.net.memory[u] >= n * m]).layout(n)
+            for g, n in zip(groups, layers)]
 
 
 def random_layout(engine: Engine, rng: np.random.Generator) -> list[StageLayout] | None:
@@ -102,7 +102,7 @@ def swarm_groups(engine: Engine, stages: int | None = None) -> list[Group] | Non
     for k in options:
         servers = _snake(reliable, k)
         layers = equal_layers(engine.layers, k)
-        if any(_caps(engine, np.array(s)) < l for s, l in zip(servers, layers)):
+        if any(_caps(engine, np.array(s)) < n for s, n in zip(servers, layers)):
             continue
         groups = [Group.of(s[0::2], s[1::2], c) for s, c in zip(servers, _snake(clients, k))]
         layout = _with_clients(engine, groups, layers)

@@ -199,8 +199,8 @@ def fit_memory(engine: Engine, groups: list[Group]) -> tuple[list[Group], list[i
     layers = proportional_layers(speeds, server_caps, wl.model.layers)
     if layers is None:
         return None
-    kept = [Group.of(g.fs, g.bs, [u for u in g.clients if net.memory[u] >= l * wl.model.memory_bytes_per_layer])
-            for g, l in zip(groups, layers)]
+    kept = [Group.of(g.fs, g.bs, [u for u in g.clients if net.memory[u] >= n * wl.model.memory_bytes_per_layer])
+            for g, n in zip(groups, layers)]
     return kept, layers
 
 

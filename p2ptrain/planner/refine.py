@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.baselines import swarm_groups
+from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
 from p2ptrain.planner.search import Engine, Group, Score
 from p2ptrain.planner.shares import timed_layouts

@@ -223,9 +223,9 @@ class Engine:
         c = self.curves(groups)
         if c.cap.min() < 1 or c.cap.sum() < self.layers:
             return INFEASIBLE
-        l = self.steps
-        h = np.maximum(c.intercept[:, None] + c.slope[:, None] * l, c.ar0[:, None] + c.ar1[:, None] * l)
-        h[l[None, :] > c.cap[:, None]] = np.inf
+        steps = self.steps
+        h = np.maximum(c.intercept[:, None] + c.slope[:, None] * steps, c.ar0[:, None] + c.ar1[:, None] * steps)
+        h[steps[None, :] > c.cap[:, None]] = np.inf
         pt, counts = allocate(h, self.layers)
         if not np.isfinite(pt):
             return INFEASIBLE
@@ -233,7 +233,7 @@ class Engine:
 
     def layouts(self, groups: Sequence[Group], score: Score | None = None) -> list[StageLayout]:
         score = score or self.score(groups)
-        return [g.layout(l) for g, l in zip(groups, score.layers)]
+        return [g.layout(n) for g, n in zip(groups, score.layers)]
 
     # --- local search -------------------------------------------------------------------------------------
 

@@ -189,7 +189,7 @@ class FrontalServer(StageServer):
         if issuer == self.peer_id:
             self.task_result(task_id, worker, ok=ok)
             return
-        from p2ptrain.server.backward import BackwardServer
+        from p2ptrain.server.backward import BackwardServer  # here: backward.py imports this module
 
         try:
             await self.caller.call(issuer, BackwardServer, "rpc_task_result",
@@ -214,7 +214,7 @@ class FrontalServer(StageServer):
     async def _finish_microbatch(self, epoch: int, index: int, mb: MicrobatchInputs) -> None:
         """All input gradients of this segment are in: pass them back, then count the microbatch done."""
         if not self.is_first:
-            from p2ptrain.server.backward import BackwardServer
+            from p2ptrain.server.backward import BackwardServer  # here: backward.py imports this module
 
             for bs, part in mb.layout.route_to_bs(self.stage - 1, mb.segment, mb.total_rows):
                 message = Message(
