@@ -38,7 +38,7 @@ def worker_epochs(worker: Worker) -> list[EpochMetrics]:
     return [
         EpochMetrics(epoch=r.epoch, rows_in_batch=r.rows, rows_averaged=r.rows if r.averaged else 0, tasks_redone=0,
                      tokens=r.tokens, seconds=r.seconds)
-        for r in worker.stats.history[-HISTORY:]
+        for r in worker.history[-HISTORY:]
     ]
 
 

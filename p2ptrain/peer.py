@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--announce-maddrs", nargs="*", default=None, help="multiaddrs others should dial")
     net.add_argument("--identity-path", help="file with this peer's private key (created if missing)")
     net.add_argument("--client-mode", action="store_true",
-                     help="dial out only (behind NAT); its stage then needs a reachable worker to lead averaging")
+                     help="dial out only (behind NAT); in averaging it sends and receives but reduces no part")
     net.add_argument("--maddrs-file", help="write this peer's visible multiaddrs here once it is up")
     recipe = parser.add_argument_group("recipe (the same on every peer)")
     recipe.add_argument("--model", default="llama-tiny", choices=sorted(LLAMA_CONFIGS))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -44,13 +44,6 @@ class ForwardState:
     outputs: torch.Tensor
 
 
-@dataclass
-class WorkerStats:
-    tasks: int = 0
-    refused: int = 0
-    history: list[EpochRecord] = field(default_factory=list)
-
-
 class Worker:
     def __init__(
         self, *, worker_id: str, stage: int, num_stages: int, model: LlamaStage, optimizer: torch.optim.Optimizer,
@@ -67,7 +60,7 @@ class Worker:
         self.rows_accumulated = 0
         self.epoch = 0
         self.cache: dict[str, ForwardState] = {}
-        self.stats = WorkerStats()
+        self.history: list[EpochRecord] = []
         self._epoch_started = time.monotonic()
 
     @property
@@ -125,7 +118,6 @@ class Worker:
             return None
 
     async def _run_task(self, task: Message) -> None:
-        self.stats.tasks += 1
         if task.header["kind"] == "forward":
             await self._forward(task)
         else:
@@ -147,8 +139,6 @@ class Worker:
             self._result_header(header, rows), {"outputs": self._corrupt(outputs.detach()), "labels": labels}))
         if reply is not None and reply.header.get("accepted"):
             self.cache[header["task"]] = ForwardState(rows=rows, inputs=inputs, outputs=outputs)
-        else:
-            self.stats.refused += 1
 
     def _forward_compute(self, inputs: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
@@ -195,7 +185,6 @@ class Worker:
         reply = await self._call(header["fs"], FrontalServer, "rpc_push_input_grads", Message(
             {**self._result_header(header, rows), "issuer": issuer}, tensors))
         if reply is None or not reply.header.get("accepted"):
-            self.stats.refused += 1
             return False
         if header["epoch"] != self.epoch:
             raise RuntimeError(f"task of epoch {header['epoch']} computed at epoch {self.epoch}")
@@ -232,14 +221,14 @@ class Worker:
     async def _step(self, group: list[GroupMember]) -> None:
         """The stage closed this epoch: average gradients with the group the stage's first FS fixed, then step."""
         rows, epoch = self.rows_accumulated, self.epoch
-        tokens = rows * self.seq_len
-        # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
-        grads = [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
         if self.worker_id not in {member.peer_id for member in group}:
             # joined as the epoch closed: nothing of it to hand in
             logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping to the next")
             self.epoch = epoch + 1
             return
+        tokens = rows * self.seq_len
+        # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
+        grads = [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
         averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
         if not result.ok:
             logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed; "
@@ -256,7 +245,7 @@ class Worker:
         self.rows_accumulated = 0
         self.cache.clear()
         now = time.monotonic()
-        self.stats.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged_with=result.group_size,
+        self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged_with=result.group_size,
                                               averaged=result.ok, seconds=now - self._epoch_started))
         self._epoch_started = now
         self.epoch = epoch + 1

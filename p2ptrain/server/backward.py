@@ -228,18 +228,10 @@ class BackwardServer(StageServer):
             if (progress.rows_recorded if self.is_last else progress.rows_backward) < expected:
                 return
             self.closed_epoch = epoch
-            stats = self.epoch_stats(epoch)
-            stats.finished, stats.redone = self.clock(), self.state.pool.redone.get(epoch, 0)
+            self.epoch_stats(epoch).finished = self.clock()
             for key in keys:
                 del self.microbatches[key]
             self.ledger.forget_epoch(epoch)
             self.state.pool.forget_epoch(epoch)
             self.progress.pop(epoch, None)
             logger.info(f"stage {self.stage} BS: epoch {epoch} closed")
-
-    async def rpc_info(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        await self.read(requests)
-        async for response in self.stream(self.reply({"closed_epoch": self.closed_epoch})):
-            yield response

@@ -33,7 +33,6 @@ class WorkerInfo:
 @dataclass
 class EpochStats:
     rows: int = 0
-    redone: int = 0
     loss_sum: float = 0.0
     tokens: int = 0
     started: float | None = None

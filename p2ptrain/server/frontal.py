@@ -235,7 +235,6 @@ class FrontalServer(StageServer):
             self.groups[str(epoch)] = [[w, self.state.workers[w].client_mode] for w in sorted(workers)]
             self.groups.pop(str(epoch - GROUPS_KEPT), None)
             self.epoch_stats(epoch).finished = self.clock()
-            self.epoch_stats(epoch).redone = self.state.pool.redone.get(epoch, 0)
             for key in [key for key in self.microbatches if key[0] == epoch]:
                 del self.microbatches[key]
             self.state.pool.forget_epoch(epoch)
@@ -244,10 +243,3 @@ class FrontalServer(StageServer):
 
     def in_flight(self) -> int:
         return sum(1 for mb in self.microbatches.values() if not mb.done)
-
-    async def rpc_info(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        await self.read(requests)
-        async for response in self.stream(self.reply({"closed_epoch": self.closed_epoch, "in_flight": self.in_flight()})):
-            yield response
