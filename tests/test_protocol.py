@@ -80,8 +80,20 @@ def test_refused_task_goes_to_another_worker():
     assert pool.take("good", now=1.0).task_id == "0:0"
 
 
-def test_task_pool_holds_back_tasks_of_a_later_epoch():
+def test_task_pool_gives_a_worker_only_tasks_of_its_epoch():
     pool = TaskPool(lease_timeout=5.0)
     pool.add(_task(0, epoch=1))
-    assert pool.take("a", now=0.0, max_epoch=0) is None
-    assert pool.take("a", now=0.0, max_epoch=1) is not None
+    assert pool.take("a", now=0.0, epoch=0) is None
+    assert pool.take("a", now=0.0, epoch=2) is None
+    assert pool.take("a", now=0.0, epoch=1) is not None
+
+
+def test_closing_an_epoch_drops_its_leftover_tasks():
+    pool = TaskPool(lease_timeout=5.0)
+    pool.add(_task(0, epoch=0))
+    pool.add(_task(1, epoch=0))
+    pool.add(_task(2, epoch=1))
+    pool.take("a", now=0.0, epoch=0)
+    pool.forget_epoch(0)
+    assert (pool.pending, pool.leased) == (1, 0)
+    assert pool.take("a", now=0.0, epoch=0) is None

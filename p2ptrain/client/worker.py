@@ -60,6 +60,7 @@ class Worker:
         self.rows_accumulated = 0
         self.epoch = 0
         self.cache: dict[str, ForwardState] = {}
+        self.epoch_fs: tuple[str, ...] = ()  # the FS of this stage in the current epoch's layout, once known
         self.history: list[EpochRecord] = []
         self._epoch_started = time.monotonic()
 
@@ -74,40 +75,53 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             fs_list, bs_list = self.servers()
+            # the FS of this epoch's layout are polled even if the DHT briefly misses one: each must close the epoch
+            fs_list = sorted({*fs_list, *self.epoch_fs})
             if not fs_list:
                 await asyncio.sleep(0.5)
                 continue
-            task, closed, group = await self._take(fs_list, bs_list)
+            task, polls = await self._take(fs_list, bs_list)
             if task is not None:
                 await self._run_task(task)
-            elif closed >= self.epoch and group is not None:
-                await self._step(group)
+            else:
+                await self._after_idle_poll(polls)
 
-    async def _take(self, fs_list: list[str], bs_list: list[str]
-                    ) -> tuple[Message | None, int, list[GroupMember] | None]:
+    async def _take(self, fs_list: list[str], bs_list: list[str]) -> tuple[Message | None, dict[str, dict | None]]:
         """Backward work first (it frees memory and unblocks the pipeline), then forward work; long-poll the FS.
 
-        With no task, also returns the last epoch closed at every FS and, from the first FS, the group that
-        averages this worker's epoch.
+        With no task, also returns each FS's reply (its last closed epoch and its recent closures), None where
+        an FS could not be reached.
         """
         request = {"worker": self.worker_id, "compute": self.compute, "epoch": self.epoch,
                    "client_mode": self.client_mode}
         for bs in bs_list:
             reply = await self._ask(bs, BackwardServer, {**request, "wait_s": 0.0})
             if reply is not None and reply.header.get("task"):
-                return reply, -1, None
-        closed, groups = [], []
+                return reply, {}
+        polls: dict[str, dict | None] = {}
         for fs in fs_list:
             reply = await self._ask(fs, FrontalServer, {**request, "wait_s": 0.1})
-            if reply is None:
-                closed.append(-1)
-            elif reply.header.get("task"):
-                return reply, -1, None
-            else:
-                closed.append(reply.header["closed_epoch"])
-                groups.append(reply.header["groups"].get(str(self.epoch)))
-        group = groups[0] if groups and groups[0] is not None else None
-        return None, min(closed), None if group is None else [GroupMember(p, c) for p, c in group]
+            if reply is not None and reply.header.get("task"):
+                return reply, {}
+            polls[fs] = None if reply is None else reply.header
+        return None, polls
+
+    async def _after_idle_poll(self, polls: dict[str, dict | None]) -> None:
+        """No task anywhere. Step once every FS of this epoch's layout has closed it, with the group that the
+        layout's first FS fixed, so that all workers of the stage average together."""
+        key = str(self.epoch)
+        closure = next((p["closures"][key] for p in polls.values() if p and key in p["closures"]), None)
+        if closure is None:
+            closed = [p["closed_epoch"] for p in polls.values() if p]
+            if closed and max(closed) >= self.epoch:
+                # the swarm closed this epoch so long ago that no FS remembers it: this worker joined late
+                self._catch_up(max(closed) + 1)
+            return
+        self.epoch_fs = tuple(closure["fs"])
+        if any(polls.get(fs) is None or polls[fs]["closed_epoch"] < self.epoch for fs in self.epoch_fs):
+            return
+        group = polls[self.epoch_fs[0]]["closures"][key]["group"]
+        await self._step([GroupMember(peer, client_mode) for peer, client_mode in group])
 
     async def _ask(self, server: str, service: type, header: dict) -> Message | None:
         try:
@@ -126,6 +140,7 @@ class Worker:
     async def _forward(self, task: Message) -> None:
         header, inputs, labels = task.header, task.tensors["inputs"], task.tensors["labels"]
         rows = Rows(*header["rows"])
+        self.epoch_fs = tuple(header["layout"][self.stage][0])
         if not self.is_first:
             inputs.requires_grad_(True)
         if self.is_last:
@@ -222,9 +237,12 @@ class Worker:
         """The stage closed this epoch: average gradients with the group the stage's first FS fixed, then step."""
         rows, epoch = self.rows_accumulated, self.epoch
         if self.worker_id not in {member.peer_id for member in group}:
-            # joined as the epoch closed: nothing of it to hand in
-            logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping to the next")
-            self.epoch = epoch + 1
+            if rows:  # the status shows these as rows in the batch that were not averaged
+                logger.error(f"worker {self.worker_id}: left out of the averaging group of epoch {epoch}; "
+                             f"its {rows} accepted rows are lost")
+            else:  # joined as the epoch closed: nothing of it to hand in
+                logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping it")
+            self._catch_up(epoch + 1)
             return
         tokens = rows * self.seq_len
         # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
@@ -248,9 +266,17 @@ class Worker:
         self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged_with=result.group_size,
                                               averaged=result.ok, seconds=now - self._epoch_started))
         self._epoch_started = now
-        self.epoch = epoch + 1
+        self.epoch, self.epoch_fs = epoch + 1, ()
         logger.info(f"worker {self.worker_id}: stage {self.stage} stepped to epoch {self.epoch} ({rows} rows, "
                     f"averaged in a group of {result.group_size})")
+
+    def _catch_up(self, epoch: int) -> None:
+        """Move to `epoch` without stepping: whatever this worker holds of the current epoch is not averaged."""
+        for accumulated in self.accumulated:
+            accumulated.zero_()
+        self.rows_accumulated = 0
+        self.epoch, self.epoch_fs = epoch, ()
+        self.cache.clear()
 
     def _dump_averaged_grads(self, epoch: int) -> None:
         """Save the gradients the optimizer applied (the stage's average), for the gradient-equivalence test."""

@@ -48,11 +48,14 @@ class TaskPool:
             raise ValueError(f"task {task.task_id} is already known")
         self._pending[task.task_id] = task
 
-    def take(self, worker: str, *, now: float, max_epoch: int | None = None) -> Task | None:
-        """Lease the oldest task meant for `worker`, else the oldest task at all; None if nothing fits."""
+    def take(self, worker: str, *, now: float, epoch: int | None = None) -> Task | None:
+        """Lease the oldest task meant for `worker`, else the oldest task at all; None if nothing fits.
+
+        With `epoch`, only tasks of that epoch: a worker's gradients must all belong to the epoch it averages.
+        """
         candidates = [
             t for t in self._pending.values()
-            if (max_epoch is None or t.epoch <= max_epoch) and worker not in self._excluded.get(t.task_id, ())
+            if (epoch is None or t.epoch == epoch) and worker not in self._excluded.get(t.task_id, ())
         ]
         if not candidates:
             return None
@@ -99,7 +102,10 @@ class TaskPool:
         return [task for task_id in late if (task := self.requeue(task_id)) is not None]
 
     def forget_epoch(self, epoch: int) -> None:
-        """Drop the bookkeeping of a closed epoch so the pool stays small over a long run."""
+        """Drop a closed epoch: its bookkeeping, and any copy of its tasks still queued or leased (a late
+        duplicate), which no worker may take once the epoch is averaged."""
+        self._pending = {k: t for k, t in self._pending.items() if t.epoch != epoch}
+        self._leased = {k: lease for k, lease in self._leased.items() if lease.task.epoch != epoch}
         self._done = {task_id for task_id in self._done if not task_id.startswith(f"{epoch}:")}
         self._excluded = {k: v for k, v in self._excluded.items() if not k.startswith(f"{epoch}:")}
 

@@ -68,6 +68,8 @@ class BackwardServer(StageServer):
         self.microbatches_per_epoch = header["microbatches_per_epoch"]
         mb = self.microbatches.get(key)
         if mb is None:
+            if self.closed_epoch < 0 and not self.microbatches:
+                self.closed_epoch = key[0] - 1  # joined a running swarm: earlier epochs never come here
             segment = layout.bs_segment(self.stage, self.peer_id, header["total_rows"])
             mb = self.microbatches[key] = MicrobatchOutputs(segment=segment, total_rows=header["total_rows"], layout=layout)
         return key, mb
@@ -177,7 +179,7 @@ class BackwardServer(StageServer):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         header = (await self.read(requests)).header
         self.see_worker(header)
-        task = await self.long_poll_task(header["worker"], max_epoch=header["epoch"], wait_s=header.get("wait_s", 0.0))
+        task = await self.long_poll_task(header["worker"], epoch=header["epoch"], wait_s=header.get("wait_s", 0.0))
         if task is None:
             reply = self.reply({"task": None})
         else:

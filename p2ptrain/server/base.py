@@ -97,7 +97,7 @@ class StageServer(ServicerBase):
         logger.error(f"stage {self.stage}: refused the result of task {task_id} from worker {worker}: {error}")
         return respond(Message({"accepted": False, "error": error}), codec=self.codec)
 
-    async def long_poll_task(self, worker: str, *, max_epoch: int, wait_s: float) -> Task | None:
+    async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float) -> Task | None:
         """Take a task for `worker`, waiting up to `wait_s` for one to appear."""
         info = self.state.workers.get(worker)
         if info is not None and info.refusals >= REFUSALS_BEFORE_BAN:
@@ -105,7 +105,7 @@ class StageServer(ServicerBase):
         deadline = self.clock() + wait_s
         while True:
             self.expire_leases()
-            task = self.state.pool.take(worker, now=self.clock(), max_epoch=max_epoch)
+            task = self.state.pool.take(worker, now=self.clock(), epoch=epoch)
             remaining = deadline - self.clock()
             if task is not None or remaining <= 0:
                 return task

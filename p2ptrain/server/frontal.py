@@ -23,8 +23,9 @@ from p2ptrain.transport import Message
 
 logger = logging.getLogger(__name__)
 
-WORKER_SEEN_S = 5.0  # a worker that has not polled for this long no longer counts for averaging
-GROUPS_KEPT = 4  # averaging groups of the last few epochs, for workers that are still finishing one
+WORKER_SEEN_S = 5.0  # a worker that has not polled for this long no longer counts for averaging...
+CONTRIBUTOR_SEEN_S = 30.0  # ...unless it handed in rows of the epoch and polled within this long
+GROUPS_KEPT = 4  # closures of the last few epochs, for workers that are still finishing one
 
 
 @dataclass
@@ -55,7 +56,10 @@ class FrontalServer(StageServer):
         self.microbatches_per_epoch: int | None = None
         self.completed: dict[int, set[int]] = {}
         self.closed_epoch = -1
-        self.groups: dict[str, list[list]] = {}  # epoch -> [peer id, client mode] of the workers that average it
+        # epoch -> {"fs": the stage's FS in that epoch's layout, "group": [[peer id, client mode], ...] of the
+        # workers that average it}; workers step only once every FS of the layout has closed the epoch
+        self.closures: dict[str, dict] = {}
+        self.contributors: dict[int, set[str]] = {}  # epoch -> workers whose results this FS accepted
         self._task_counter = 0
 
     async def rpc_push_rows(
@@ -83,6 +87,8 @@ class FrontalServer(StageServer):
             return
         mb = self.microbatches.get((epoch, index))
         if mb is None:
+            if self.closed_epoch < 0 and not self.microbatches:
+                self.closed_epoch = epoch - 1  # joined a running swarm: earlier epochs never come here
             mb = self.microbatches[(epoch, index)] = MicrobatchInputs(
                 segment=segment, total_rows=total, layout=layout,
                 inputs=torch.empty(len(segment), *inputs.shape[1:], dtype=inputs.dtype),
@@ -116,9 +122,9 @@ class FrontalServer(StageServer):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         header = (await self.read(requests)).header
         self.see_worker(header)
-        task = await self.long_poll_task(header["worker"], max_epoch=header["epoch"], wait_s=header.get("wait_s", 0.2))
+        task = await self.long_poll_task(header["worker"], epoch=header["epoch"], wait_s=header.get("wait_s", 0.2))
         if task is None:
-            reply = self.reply({"task": None, "closed_epoch": self.closed_epoch, "groups": self.groups})
+            reply = self.reply({"task": None, "closed_epoch": self.closed_epoch, "closures": self.closures})
         else:
             mb = self.microbatches[(task.epoch, task.microbatch)]
             window = task.rows.relative_to(mb.segment)
@@ -178,6 +184,7 @@ class FrontalServer(StageServer):
                 mb.grads = torch.zeros(len(mb.segment), self.seq_len, self.hidden_size)
             mb.grads[rows.relative_to(mb.segment)] = message.tensors["grad"]
         mb.grads_received.append(rows)
+        self.contributors.setdefault(header["epoch"], set()).add(worker)
         await self._report(issuer, task_id, worker, ok=True)
         async for response in self.stream(self.reply({"accepted": True})):
             yield response
@@ -230,16 +237,26 @@ class FrontalServer(StageServer):
         while len(self.completed.get(self.closed_epoch + 1, ())) == self.microbatches_per_epoch:
             self.closed_epoch += 1
             epoch = self.closed_epoch
-            # workers poll every FS of their stage, so this FS has seen them all: they average this epoch together
-            workers = self.active_workers(within_s=WORKER_SEEN_S)
-            self.groups[str(epoch)] = [[w, self.state.workers[w].client_mode] for w in sorted(workers)]
-            self.groups.pop(str(epoch - GROUPS_KEPT), None)
+            # workers poll every FS of their stage, so this FS has seen the live ones lately; one whose results it
+            # accepted may have been busy with backward work since, and counts unless silent for long
+            contributors = self.contributors.pop(epoch, set()) & set(self.active_workers(within_s=CONTRIBUTOR_SEEN_S))
+            workers = {*self.active_workers(within_s=WORKER_SEEN_S), *contributors}
+            layout = next(mb.layout for key, mb in self.microbatches.items() if key[0] == epoch)
+            self.closures[str(epoch)] = {
+                "fs": list(layout.stages[self.stage].fs),
+                "group": [[w, self._client_mode(w)] for w in sorted(workers)],
+            }
+            self.closures.pop(str(epoch - GROUPS_KEPT), None)
             self.epoch_stats(epoch).finished = self.clock()
             for key in [key for key in self.microbatches if key[0] == epoch]:
                 del self.microbatches[key]
             self.state.pool.forget_epoch(epoch)
             self.completed.pop(epoch, None)
             logger.info(f"stage {self.stage} FS: epoch {epoch} closed")
+
+    def _client_mode(self, worker: str) -> bool:
+        info = self.state.workers.get(worker)
+        return info is not None and info.client_mode
 
     def in_flight(self) -> int:
         return sum(1 for mb in self.microbatches.values() if not mb.done)
