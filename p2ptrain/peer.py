@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -28,11 +29,14 @@ from p2ptrain.compute import measure_compute
 from p2ptrain.config import RunConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import Announcer, Membership, PeerInfo, make_validators
-from p2ptrain.live.identity import read_planner_key
-from p2ptrain.live.planning import apply_placement, join_by_plan
+from p2ptrain.live.identity import load_or_create_identity, read_planner_key
+from p2ptrain.live.planning import Joined, apply_placement, join_by_plan
+from p2ptrain.live.publisher import plan_swarm, publish
 from p2ptrain.membership import MembershipCache
 from p2ptrain.metrics import publish_metrics
 from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaStage
+from p2ptrain.plan import format_plan
+from p2ptrain.planner import PLANNERS
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.feeder import DataFeeder
 from p2ptrain.server.frontal import FrontalServer
@@ -55,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "without --stage, this peer announces its measurements and takes its place from the "
                            "plan signed by that key")
     live.add_argument("--plan-timeout", type=float, default=600.0, help="seconds to wait for a plan that places it")
+    live.add_argument("--plan", action="store_true",
+                      help="this server is also the planner: it plans the servers and clients that announce "
+                           "themselves, publishes the plan signed with --planner-identity and keeps it alive while "
+                           "it runs (peers get --planner-key KEY.pub)")
+    live.add_argument("--planner-identity", type=Path, help="with --plan: the planner's private key (created if "
+                                                            "missing; its public key goes to PATH.pub)")
+    live.add_argument("--planner", choices=PLANNERS, default="refined", help="with --plan: the planner to run")
+    live.add_argument("--plan-stages", type=int, help="with --plan: force this many stages")
+    live.add_argument("--expect", type=int,
+                      help="with --plan: servers to wait for, this one included (default: 2 per stage, at least 2)")
     net = parser.add_argument_group("network (as in hivemind)")
     net.add_argument("--run-id", default="p2ptrain", help="prefix of this swarm's DHT keys")
     net.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm")
@@ -91,7 +105,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     planned = args.role != "bootstrap" and args.stage is None
-    if planned and args.planner_key is None:
+    if args.plan:
+        if args.role != "server" or not planned:
+            parser.error("--plan is for a server started without --stage (it places itself by its own plan)")
+        if args.planner_identity is None:
+            parser.error("--plan needs --planner-identity PATH: the plan is signed with the planner's key")
+        if args.planner_key is not None:
+            parser.error("--plan trusts its own key (--planner-identity); drop --planner-key")
+        if args.plan_stages is not None and args.plan_stages < 1:
+            parser.error(f"--plan-stages {args.plan_stages}: must be >= 1")
+        if args.expect is not None and args.expect < 2:
+            parser.error(f"--expect {args.expect}: a plan needs at least 2 servers (an FS and a BS)")
+    elif any(value is not None for value in (args.planner_identity, args.plan_stages, args.expect)):
+        parser.error("--planner-identity, --plan-stages and --expect go with --plan")
+    if planned and args.planner_key is None and not args.plan:
         parser.error(f"--role {args.role} needs --stage K, or --planner-key PATH to take its stage from the plan")
     if planned and (args.server_role or args.layers):
         parser.error("without --stage the plan sets the stage, --server-role and --layers; give all or none")
@@ -103,7 +130,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--server-role and --compute are for --role server only")
     if args.data is not None and not Path(args.data).is_file():
         parser.error(f"--data {args.data}: no such file")
-    if planned:
+    args.signer = None
+    if args.plan:
+        try:
+            args.signer = load_or_create_identity(args.planner_identity)
+        except (OSError, ValueError) as e:
+            parser.error(f"--planner-identity {args.planner_identity}: {e}")
+        args.planner_public_key = args.signer.local_public_key
+    elif planned:
         try:
             args.planner_public_key = read_planner_key(args.planner_key)
         except (OSError, ValueError) as e:
@@ -139,7 +173,8 @@ def make_dht(args: argparse.Namespace, *, client_mode: bool) -> hivemind.DHT:
         Path(identity).parent.mkdir(parents=True, exist_ok=True)
     dht = hivemind.DHT(
         initial_peers=args.initial_peers, host_maddrs=args.host_maddrs, announce_maddrs=args.announce_maddrs,
-        identity_path=identity, client_mode=client_mode, record_validators=make_validators(args.run_id), start=True,
+        identity_path=identity, client_mode=client_mode, start=True,
+        record_validators=make_validators(args.run_id, signer=args.signer),
     )
     if args.maddrs_file:
         addresses = [str(addr) for addr in dht.get_visible_maddrs()]
@@ -150,19 +185,27 @@ def make_dht(args: argparse.Namespace, *, client_mode: bool) -> hivemind.DHT:
 async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
     dht = make_dht(args, client_mode=args.client_mode)
     peer_id = dht.peer_id.to_base58()
-    # records are signed with hivemind's process-wide key, as hivemind's own records are
-    announcer = Announcer(dht=dht, run_id=args.run_id, peer_id=peer_id,
-                          owner_key=RSASignatureValidator().local_public_key, period_s=10.0, ttl_s=30.0)
+    # records are signed with hivemind's process-wide key, as hivemind's own records are (a planning server's DHT
+    # signs with the planner's key instead: a DHT keeps only its first signer)
+    signer = args.signer or RSASignatureValidator()
+    announcer = Announcer(dht=dht, run_id=args.run_id, peer_id=peer_id, owner_key=signer.local_public_key,
+                          period_s=10.0, ttl_s=30.0)
     tasks: list[asyncio.Task] = []
+    planner_stop = threading.Event()
+    planner: asyncio.Task | None = None
     try:
         torch.set_num_threads(args.threads)  # before live planning measures this process's compute
         joined = None
+        if args.plan:
+            planner = asyncio.create_task(asyncio.to_thread(serve_plan, args, dht, signer, planner_stop))
         if args.role != "bootstrap" and args.stage is None:
-            joined = await join_by_plan(args=args, dht=dht, announcer=announcer, peer_id=peer_id,
-                                        planner_key=args.planner_public_key, stop=stop)
+            joined = await _join(args=args, dht=dht, announcer=announcer, peer_id=peer_id, planner=planner,
+                                 stop=stop)
             if joined is None:  # stopped while waiting for the plan
                 return
             apply_placement(args, joined.placement)
+        if planner is not None:
+            tasks.append(planner)
         config: RunConfig = args.config
         computes = args.role == "client" or args.compute
         announcer.set_peer_info(PeerInfo(
@@ -220,11 +263,50 @@ async def run_peer(args: argparse.Namespace, stop: asyncio.Event) -> None:
         await _wait_any(stop, tasks)
     finally:
         stop.set()
+        planner_stop.set()
         for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            if task is not planner:  # a thread cannot be cancelled: it ends on planner_stop, withdrawing the plan
+                task.cancel()
+        await asyncio.gather(*tasks, *([planner] if planner else []), return_exceptions=True)
         announcer.shutdown()
         dht.shutdown()
+
+
+async def _join(*, args: argparse.Namespace, dht: hivemind.DHT, announcer: Announcer, peer_id: str,
+                planner: asyncio.Task | None, stop: asyncio.Event) -> Joined | None:
+    """Take a place from the plan; a planning server also watches its planner, which must not fail meanwhile."""
+    joining = asyncio.create_task(join_by_plan(args=args, dht=dht, announcer=announcer, peer_id=peer_id,
+                                               planner_key=args.planner_public_key, stop=stop))
+    if planner is None:
+        return await joining
+    await asyncio.wait([joining, planner], return_when=asyncio.FIRST_COMPLETED)
+    if not joining.done():
+        joining.cancel()
+        await asyncio.gather(joining, return_exceptions=True)
+        planner.result()  # raises the planner's error
+        return None
+    return joining.result()
+
+
+def serve_plan(args: argparse.Namespace, dht: hivemind.DHT, signer: RSASignatureValidator,
+               stop: threading.Event) -> None:
+    """The --plan server's planner thread: plan the announced peers, then publish and refresh the plan until
+    stopped. Raises if the swarm cannot be planned, which ends the server with that error."""
+    config: RunConfig = args.config
+    stages = args.plan_stages
+    expect = args.expect if args.expect is not None else 2 * (stages or 1)
+    tokens = config.rows_per_microbatch * config.microbatches * config.seq_len
+    plan = plan_swarm(dht, run_id=args.run_id, model=args.model, tokens=tokens, microbatches=config.microbatches,
+                      planner=args.planner, stages=stages, seed=args.seed, expect=expect,
+                      timeout_s=args.plan_timeout, stop=stop)
+    if plan is None:
+        if not stop.is_set():
+            raise TimeoutError(f"--plan: {expect} servers did not announce their measurements within "
+                               f"{args.plan_timeout:.0f} s")
+        return
+    logger.info("\n" + format_plan(plan, title=f"{args.planner} plan for run {args.run_id} ({args.model}, {tokens} "
+                                                f"tokens in {config.microbatches} microbatches)"))
+    publish(dht, signer=signer, run_id=args.run_id, plan=plan.to_json(), publish_for_s=None, stop=stop)
 
 
 async def _wait_any(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:

@@ -19,8 +19,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
 from p2ptrain.live.identity import load_or_create_identity, public_key_path
-from p2ptrain.live.publisher import join_as_planner, publish, wait_for_peers
-from p2ptrain.live.swarm import swarm_from_peers
+from p2ptrain.live.publisher import join_as_planner, plan_swarm, publish
 from p2ptrain.models.llama import LLAMA_CONFIGS
 from p2ptrain.planner import PLANNERS, Plan, PlanningError, make_plan
 from p2ptrain.planner.presets import PRESETS, model_spec
@@ -39,6 +38,9 @@ def format_plan(plan: Plan, *, title: str) -> str:
     lines.append(f"idle: {' '.join(plan.idle) or '-'}")
     lines.append(f"predicted batch time {p.batch_time_s:.4g} s, lower bound {p.lower_bound_s:.4g} s, "
                  f"efficiency {p.efficiency:.3f}")
+    if p.memory_lower_bound_s is not None and p.memory_lower_bound_s > p.lower_bound_s * (1 + 1e-9):
+        lines.append(f"with memory and 2 servers per stage counted, no plan beats {p.memory_lower_bound_s:.4g} s "
+                     f"({p.memory_lower_bound_s / p.batch_time_s:.3f} of this plan's time)")
     return "\n".join(lines)
 
 
@@ -185,17 +187,16 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignatureValidator, run_id: str, model: str,
                tokens: int, microbatches: int, expect: int, stop: threading.Event) -> int:
     timeout_s = 600.0 if args.expect_timeout is None else args.expect_timeout
-    peers = wait_for_peers(dht, run_id=run_id, expect=expect, timeout_s=timeout_s, stop=stop)
-    if peers is None:
-        return 1
     try:
-        swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
-        plan = make_plan(swarm, model_spec(model), batch_tokens=tokens, microbatches=microbatches,
-                         planner=args.planner, stages=args.stages, seed=args.seed)
+        plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
+                          planner=args.planner, stages=args.stages, seed=args.seed, expect=expect,
+                          timeout_s=timeout_s, stop=stop)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1
-    print(format_plan(plan, title=f"{args.planner} plan for the {len(peers)} peers of run {run_id} ({model}, "
+    if plan is None:
+        return 1
+    print(format_plan(plan, title=f"{args.planner} plan for the peers of run {run_id} ({model}, "
                                   f"{tokens} tokens in {microbatches} microbatches)"), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(plan.to_json(), indent=2) + "\n")

@@ -116,6 +116,9 @@ def test_the_planner_identity_round_trips_and_peers_refuse_a_file_without_a_key(
     (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--batch-tokens", "64"], "--batch-tokens is for"),
     (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model", "albert-xxlarge"], "Llama presets"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "/nonexistent.pub"], "--planner-key"),
+    (["p2ptrain.peer", "--role", "server", "--plan"], "--plan needs --planner-identity"),
+    (["p2ptrain.peer", "--role", "client", "--plan", "--planner-identity", "k"], "--plan is for a server"),
+    (["p2ptrain.peer", "--role", "server", "--stage", "0", "--server-role", "fs", "--expect", "4"], "go with --plan"),
     (["p2ptrain.peer", "--role", "server", "--stage", "0", "--server-role", "fs", "--planner-key", "k.pub"],
      "without --stage"),
 ])
@@ -200,3 +203,37 @@ def test_servers_take_their_places_from_the_signed_plan_and_the_swarm_trains(mak
     logs = swarm.logs(tail=10**6)
     assert "written by a key that is not the planner's" in logs, "the rogue plan was not reported"
     assert logs.count("places this server in stage") == 4 and logs.count("places this client in stage") == 2
+
+
+@pytest.mark.timeout(420)
+def test_a_server_started_with_plan_places_the_swarm_and_itself(make_swarm):
+    run_id = "selfplan"
+    swarm = make_swarm(run_id, RECIPE)
+    planner_key = swarm.workdir / "planner.key"
+    planner_public_key = load_or_create_identity(planner_key).local_public_key
+    pub = str(public_key_path(planner_key))
+    swarm.peer("server0", "--role", "server", "--compute", "--plan", "--planner-identity", str(planner_key),
+               "--expect", "4", "--plan-stages", "2")
+    for i in range(1, 4):
+        swarm.peer(f"server{i}", "--role", "server", "--compute", "--planner-key", pub)
+    swarm.peer("client0", "--role", "client", "--planner-key", pub)
+    report = swarm.wait_finished(timeout=300)
+
+    dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
+                       record_validators=make_validators(run_id))
+    try:
+        record = get_plan(dht, run_id, planner_public_key)
+        servers = [p.peer_id for p in get_peers(dht, run_id) if p.role == "server"]
+    finally:
+        dht.shutdown()
+    assert record is not None and record.plan["planner"] == "refined", "the planning server's plan is not in the DHT"
+    assert len(report["stages"]) == 2
+    for stage, plan in zip(report["stages"], record.plan["stages"]):
+        assert stage["fs"] == sorted(plan["fs"]) and stage["bs"] == sorted(plan["bs"]), (stage, plan)
+    assert sorted(p for s in report["stages"] for p in s["fs"] + s["bs"]) == sorted(servers)
+    assert [e["epoch"] for e in report["epochs"]] == list(range(EPOCHS))
+    for epoch in report["epochs"]:
+        for stage in epoch["stages"]:
+            assert stage["rows_in_batch"] == ROWS * MICROBATCHES == stage["rows_averaged"], epoch
+    logs = swarm.logs(tail=10**6)
+    assert "published plan" in logs and logs.count("places this server in stage") == 4, logs[-3000:]

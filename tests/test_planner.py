@@ -9,10 +9,11 @@ import pytest
 
 from p2ptrain.models.llama import LLAMA_CONFIGS, Block
 from p2ptrain.planner import Plan, PlanningError, make_plan, model_spec
-from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate
+from p2ptrain.planner.baselines import random_layout
+from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate, lower_bound, memory_lower_bound
 from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.presets import ALBERT_CONFIGS, ModelSpec, albert_layer_params, llama_layer_params
-from p2ptrain.planner.search import allocate
+from p2ptrain.planner.search import Engine, allocate
 from p2ptrain.planner.swarmfile import load_swarm
 
 PEERS = Path(__file__).parent.parent / "peers"
@@ -104,6 +105,38 @@ def test_memory_and_structure_make_a_plan_infeasible() -> None:
     no_bs = [StageLayout(fs=np.array([0, 1]), bs=np.array([], dtype=int), clients=np.array([], dtype=int),
                          layers=6)]
     assert any("FS and one BS" in p for p in evaluate(net, wl, no_bs).problems)
+
+
+def test_memory_lower_bound_is_below_every_valid_plan() -> None:
+    wl = Workload(model=SPEC, batch_tokens=4096, microbatches=8)
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(5, 10))
+        net = Network.from_matrices(flops=rng.uniform(1e12, 5e12, n), memory=rng.uniform(1e9, 7e9, n),
+                                    latency_s=rng.uniform(1e-6, 1e-3, (n, n)),
+                                    bandwidth_bytes_s=rng.uniform(1e9, 1e11, (n, n)))
+        reliable = rng.random(n) < 0.6
+        reliable[:2] = True
+        net.memory[:2] = 7e9  # two servers that can hold the whole model, so some plan is valid
+        bound = memory_lower_bound(net, wl, reliable)
+        assert bound >= lower_bound(net, wl)
+        engine = Engine(net, wl, reliable)
+        times = [evaluate(net, wl, layout).batch_time_s for _ in range(400)
+                 if (layout := random_layout(engine, rng)) is not None]
+        assert times and min(times) >= bound * (1 - 1e-9), seed
+
+
+def test_memory_lower_bound_counts_devices_no_plan_can_use() -> None:
+    # two servers hold all 6 layers; the clients hold 2, and two servers allow only one stage: the clients idle
+    net = Network.from_matrices(flops=np.array([2e12, 2e12, 8e12, 8e12]), memory=np.array([7e9, 7e9, 2e9, 2e9]),
+                                latency_s=np.full((4, 4), 1e-6), bandwidth_bytes_s=np.full((4, 4), 1e12))
+    wl = Workload(model=SPEC, batch_tokens=4096, microbatches=8)
+    reliable = np.array([True, True, False, False])
+    bound = memory_lower_bound(net, wl, reliable)
+    assert bound == pytest.approx(4096 * 6 * 1e9 / 4e12)
+    assert bound == pytest.approx(5 * lower_bound(net, wl))
+    swarm_plan = [StageLayout(fs=np.array([0]), bs=np.array([1]), clients=np.array([], dtype=int), layers=6)]
+    assert evaluate(net, wl, swarm_plan).batch_time_s == pytest.approx(bound, rel=1e-3)
 
 
 def test_allocate_is_optimal() -> None:

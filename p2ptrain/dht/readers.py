@@ -34,6 +34,9 @@ def get_metrics(dht: hivemind.DHT, run_id: str) -> list[Metrics]:
     return _per_peer(dht, metrics_key(run_id), Metrics.from_value)
 
 
+_REPORTED_ROGUES: set[tuple[str, object]] = set()
+
+
 def get_plan(dht: hivemind.DHT, run_id: str, planner_public_key: bytes | None) -> PlanRecord | None:
     """The newest plan (highest version, then latest created) written under `planner_public_key`.
 
@@ -43,7 +46,9 @@ def get_plan(dht: hivemind.DHT, run_id: str, planner_public_key: bytes | None) -
     best: PlanRecord | None = None
     for subkey, value in _live_entries(dht, plan_key(run_id)):
         if planner_public_key is not None and subkey != planner_public_key:
-            logger.warning("ignoring a plan for run %s written by a key that is not the planner's", run_id)
+            if (run_id, subkey) not in _REPORTED_ROGUES:  # once per writer: peers poll the plan every few seconds
+                _REPORTED_ROGUES.add((run_id, subkey))
+                logger.warning("ignoring a plan for run %s written by a key that is not the planner's", run_id)
             continue
         try:
             record = PlanRecord.from_value(value)

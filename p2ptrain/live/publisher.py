@@ -14,7 +14,9 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
 from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers, make_validators
-from p2ptrain.live.swarm import planning_peers
+from p2ptrain.live.swarm import planning_peers, swarm_from_peers
+from p2ptrain.planner import Plan, make_plan
+from p2ptrain.planner.presets import model_spec
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,20 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, timeout_s: fl
             logger.info(f"waiting for {expect} servers with measured links: {measured} announced so far")
         stop.wait(POLL_S)
     return None
+
+
+def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, microbatches: int, planner: str,
+               stages: int | None, seed: int, expect: int, timeout_s: float, stop: threading.Event) -> Plan | None:
+    """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time.
+
+    Raises SwarmFileError or PlanningError when the announced swarm cannot be planned.
+    """
+    peers = wait_for_peers(dht, run_id=run_id, expect=expect, timeout_s=timeout_s, stop=stop)
+    if peers is None:
+        return None
+    swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
+    return make_plan(swarm, model_spec(model), batch_tokens=tokens, microbatches=microbatches, planner=planner,
+                     stages=stages, seed=seed)
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,

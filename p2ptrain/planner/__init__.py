@@ -54,4 +54,4 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     if layouts is None:
         raise PlanningError(f"the {planner} planner found no plan whose servers can hold {model.layers} layers of "
                             f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each")
-    return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner)
+    return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner, reliable=reliable)

@@ -97,6 +97,11 @@ class Evaluation:
         return self.lower_bound_s / self.batch_time_s if np.isfinite(self.batch_time_s) else 0.0
 
 
+def block(matrix: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """``matrix[np.ix_(rows, cols)]`` without ``np.ix_``'s checks, which dominate on the planners' hot path."""
+    return matrix[np.asarray(rows)[:, None], cols]
+
+
 def compute_shares(net: Network, workers: np.ndarray) -> np.ndarray:
     """The contract's row shares: proportional to compute."""
     c = net.flops[workers]
@@ -106,8 +111,8 @@ def compute_shares(net: Network, workers: np.ndarray) -> np.ndarray:
 def server_link_time(net: Network, wl: Workload, servers: np.ndarray, others: np.ndarray,
                      shares: np.ndarray) -> np.ndarray:
     """For each server j: min over x in ``others`` of a_{j,x} + p_j·A/b_{j,x} (its best server of the other role)."""
-    lat = net.latency[np.ix_(servers, others)]
-    inv = net.inv_bandwidth[np.ix_(servers, others)]
+    lat = block(net.latency, servers, others)
+    inv = block(net.inv_bandwidth, servers, others)
     return (lat + (shares * wl.message_bytes)[:, None] * inv).min(axis=1)
 
 
@@ -115,8 +120,8 @@ def client_link_time(net: Network, wl: Workload, fs: np.ndarray, bs: np.ndarray,
                      shares: np.ndarray) -> np.ndarray:
     """For each client u: its best FS -> u transfer plus its best u -> BS transfer."""
     load = (shares * wl.message_bytes)[None, :]
-    inbound = (net.latency[np.ix_(fs, clients)] + load * net.inv_bandwidth[np.ix_(fs, clients)]).min(axis=0)
-    outbound = (net.latency[np.ix_(clients, bs)].T + load * net.inv_bandwidth[np.ix_(clients, bs)].T).min(axis=0)
+    inbound = (block(net.latency, fs, clients) + load * block(net.inv_bandwidth, fs, clients)).min(axis=0)
+    outbound = (block(net.latency, clients, bs).T + load * block(net.inv_bandwidth, clients, bs).T).min(axis=0)
     return inbound + outbound
 
 
@@ -145,15 +150,14 @@ def data_parallel_time(net: Network, wl: Workload, stage: StageLayout) -> float:
 
 def inter_stage_time(net: Network, wl: Workload, bs_prev: np.ndarray, fs_next: np.ndarray) -> float:
     """C_k: mean over (b in B_{k-1}, f in F_k) of a_bf + A/b_bf."""
-    lat = net.latency[np.ix_(bs_prev, fs_next)]
-    inv = net.inv_bandwidth[np.ix_(bs_prev, fs_next)]
+    lat = block(net.latency, bs_prev, fs_next)
+    inv = block(net.inv_bandwidth, bs_prev, fs_next)
     return float((lat + wl.message_bytes * inv).mean())
 
 
 def link_extremes(net: Network, workers: np.ndarray) -> tuple[float, float]:
     """(largest latency, largest inverse bandwidth) over links between two distinct workers."""
-    sub = np.ix_(workers, workers)
-    return float(net.latency[sub].max()), float(net.inv_bandwidth[sub].max())
+    return float(block(net.latency, workers, workers).max()), float(block(net.inv_bandwidth, workers, workers).max())
 
 
 def averaging_time(net: Network, wl: Workload, workers: np.ndarray, layers: int) -> float:
@@ -174,6 +178,41 @@ def lower_bound(net: Network, wl: Workload) -> float:
     """LB = D·L·f / Σ_all c: all compute perfectly balanced, free network, no memory limit."""
     work = wl.batch_tokens * wl.model.layers * wl.model.flops_per_token_per_layer
     return float(work / net.flops.sum())
+
+
+def memory_lower_bound(net: Network, wl: Workload, reliable: np.ndarray) -> float:
+    """A lower bound on PT that, unlike LB, counts memory and the two reliable servers every stage needs.
+
+    Any plan has PT >= D·f·L_k / C_k for every stage k (C_k: its workers' compute; even time-set shares give some
+    worker at least its compute's share). Split the stages at a layer count c: the j stages holding at most c
+    layers hold at most j·c layers; the others hold more than c, so none of their workers has room for only c
+    layers or fewer, and they lack the reliable servers of the j small stages. Hence, for the plan's own j,
+    L - j·c <= PT/(D·f) · (compute of devices with room for more than c layers, minus the 2j least computing
+    reliable ones among them that the small stages may need). The bound takes, for each c, the j that favours
+    the plan most, and the largest result over c; c = 0 counts only devices that can hold a layer at all.
+    Free network and perfect balance otherwise, so it is never above the PT of a valid plan.
+    """
+    layers, per_layer = wl.model.layers, wl.batch_tokens * wl.model.flops_per_token_per_layer
+    caps = np.floor(net.memory / wl.model.memory_bytes_per_layer).astype(int)
+    reliable = np.asarray(reliable, dtype=bool)
+    k_max = min(int(reliable.sum()) // 2, layers)
+    worst = 0.0  # the largest lower bound on PT/(D·f) over the split points c
+    for c in [0, *sorted({int(x) for x in caps if 0 < x < layers})]:
+        high = caps > c
+        spare = np.sort(net.flops[reliable & high])  # reliable servers a small stage might take, least first
+        reliable_low = int((reliable & ~high).sum())
+        best = float("inf")  # the smallest bound over the plan's possible j
+        for j in range(k_max + 1 if c else 1):
+            rest = layers - j * c
+            if rest <= 0:
+                best = 0.0
+                break
+            taken = max(0, 2 * j - reliable_low)
+            if len(spare) - taken < 2:  # the big stages need a reliable FS and BS too
+                continue
+            best = min(best, rest / (net.flops[high].sum() - spare[:taken].sum()))
+        worst = max(worst, best)
+    return max(lower_bound(net, wl), float(per_layer * worst))
 
 
 def layout_problems(net: Network, wl: Workload, stages: Sequence[StageLayout]) -> list[str]:

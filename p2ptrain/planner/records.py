@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from p2ptrain.planner.cost import Evaluation, Network, StageLayout, Workload, evaluate
+from p2ptrain.planner.cost import Evaluation, Network, StageLayout, Workload, evaluate, memory_lower_bound
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,12 +34,13 @@ class Prediction:
     efficiency: float
     stage_times_s: tuple[float, ...]
     averaging_s: tuple[float, ...]
+    memory_lower_bound_s: float | None = None  # cost.memory_lower_bound: no plan of this swarm can beat it
 
     @classmethod
-    def of(cls, evaluation: Evaluation) -> "Prediction":
+    def of(cls, evaluation: Evaluation, *, memory_lower_bound_s: float | None = None) -> "Prediction":
         return cls(batch_time_s=evaluation.batch_time_s, lower_bound_s=evaluation.lower_bound_s,
                    efficiency=evaluation.efficiency, stage_times_s=evaluation.stage_times_s,
-                   averaging_s=evaluation.averaging_s)
+                   averaging_s=evaluation.averaging_s, memory_lower_bound_s=memory_lower_bound_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,9 @@ class Plan:
         return {"planner": self.planner, "stages": stages, "idle": list(self.idle),
                 "predicted": {"batch_time_s": p.batch_time_s, "lower_bound_s": p.lower_bound_s,
                               "efficiency": p.efficiency, "stage_times_s": list(p.stage_times_s),
-                              "averaging_s": list(p.averaging_s)}}
+                              "averaging_s": list(p.averaging_s),
+                              **({} if p.memory_lower_bound_s is None
+                                 else {"memory_lower_bound_s": p.memory_lower_bound_s})}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Plan":
@@ -73,7 +76,8 @@ class Plan:
         p = data["predicted"]
         predicted = Prediction(batch_time_s=float(p["batch_time_s"]), lower_bound_s=float(p["lower_bound_s"]),
                                efficiency=float(p["efficiency"]), stage_times_s=tuple(p["stage_times_s"]),
-                               averaging_s=tuple(p.get("averaging_s", ())))
+                               averaging_s=tuple(p.get("averaging_s", ())),
+                               memory_lower_bound_s=p.get("memory_lower_bound_s"))
         return cls(stages=stages, idle=tuple(data.get("idle", ())), predicted=predicted,
                    planner=str(data.get("planner", "")))
 
@@ -91,9 +95,11 @@ class Plan:
 
 
 def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence[StageLayout], *,
-               planner: str) -> Plan:
-    """Score index layouts with the cost model and name everything by device id."""
+               planner: str, reliable: np.ndarray | None = None) -> Plan:
+    """Score index layouts with the cost model and name everything by device id; with ``reliable``, also the
+    memory-aware lower bound."""
     evaluation = evaluate(net, wl, layouts)
+    bound = None if reliable is None else memory_lower_bound(net, wl, reliable)
     stages, start, placed = [], 0, set()
     for s in layouts:
         workers = [ids[i] for i in s.workers]
@@ -104,4 +110,5 @@ def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence
                                 shares=shares))
         start += s.layers
     idle = tuple(device for device in ids if device not in placed)
-    return Plan(stages=tuple(stages), idle=idle, predicted=Prediction.of(evaluation), planner=planner)
+    return Plan(stages=tuple(stages), idle=idle, predicted=Prediction.of(evaluation, memory_lower_bound_s=bound),
+                planner=planner)

@@ -8,12 +8,16 @@
 2. The best candidates go through a local search that moves single devices (to idle, to a near stage, FS <-> BS)
    and swaps adjacent stages, re-optimising all layer counts after every move; then stages are split or merged
    (K±1) and searched again while that helps. Work is bounded by counts of moves and scored plans, not by time.
-3. Row shares and layer counts by time (``shares.timed_layouts``).
+3. Iterated local search from the best plan: a few random moves, then the local search again with swaps of two
+   devices between near stages added (the move that keeps both stages' sizes), kept only if better; until a
+   run of kicks finds nothing.
+4. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import numpy as np
@@ -75,9 +79,32 @@ def reshape(engine: Engine, groups: list[Group], score: Score, *, rng: np.random
     return groups, score
 
 
+def perturb(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, kicks: int,
+            patience: int, rounds: int, kick_budget: int, strength: int = 3) -> tuple[list[Group], Score]:
+    """Iterated local search: from the best plan, make ``strength`` random feasible moves whatever they cost,
+    search locally again, and keep the result if it is better; at most ``kicks`` times, and stop after
+    ``patience`` kicks in a row that found nothing better."""
+    misses = 0
+    for _ in range(kicks):
+        trial = groups
+        for _ in range(strength):
+            options = [o for o in itertools.islice(engine.neighbours(trial, rng, 3, 6), 16)
+                       if np.isfinite(engine.score(o).pt)]
+            if options:
+                trial = options[int(rng.integers(len(options)))]
+        trial, trial_score = engine.improve(trial, rng=rng, rounds=rounds, budget=kick_budget, swaps=True)
+        if trial_score.better_than(score):
+            groups, score, misses = trial, trial_score, 0
+        else:
+            misses += 1
+            if misses == patience:
+                break
+    return groups, score
+
+
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
-                    rounds: int = 200, budget: int = 2000, starts: int = 2,
-                    screen: int = 3) -> list[StageLayout] | None:
+                    rounds: int = 200, budget: int = 2000, starts: int = 2, screen: int = 3,
+                    kicks: int = 24, patience: int = 6, kick_budget: int = 200) -> list[StageLayout] | None:
     rng = np.random.default_rng(seed)
     reliable = np.flatnonzero(engine.reliable)
     most = min(len(reliable) // 2, engine.layers)
@@ -113,6 +140,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
         if best is None or result[1].better_than(best[1]):
             best = result
     assert best is not None
+    best = perturb(engine, *best, rng=rng, kicks=kicks, patience=patience, rounds=rounds, kick_budget=kick_budget)
     plain = engine.layouts(best[0], best[1])
     timed = timed_layouts(engine, best[0])
     if timed is not None and evaluate(engine.net, engine.wl, timed).batch_time_s < \

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from p2ptrain.planner.cost import Network, StageLayout, Workload, compute_shares, link_times
+from p2ptrain.planner.cost import Network, StageLayout, Workload, block, compute_shares, link_times
 
 FS, BS, CLIENT = 0, 1, 2
 
@@ -95,9 +95,14 @@ class Curves:
 @dataclass(eq=False)
 class Score:
     pt: float                   # PT with the best integer layer counts
-    layers: tuple[int, ...]
     curves: Curves | None = None
     total: int = 0
+    table: np.ndarray | None = None  # stage x layer-count times the counts come from
+
+    @cached_property
+    def layers(self) -> tuple[int, ...]:
+        """The layer counts behind ``pt`` (computed only for the plans the search keeps)."""
+        return () if self.table is None else tuple(int(x) for x in allocate(self.table, self.total)[1])
 
     @cached_property
     def smooth(self) -> float:
@@ -110,7 +115,7 @@ class Score:
         return self.pt <= other.pt * (1 + 1e-12) and self.smooth < other.smooth * (1 - 1e-9)
 
 
-INFEASIBLE = Score(float("inf"), ())
+INFEASIBLE = Score(float("inf"))
 
 
 def smooth_time(hi: float, c: Curves, total: int) -> float:
@@ -135,6 +140,16 @@ def smooth_time(hi: float, c: Curves, total: int) -> float:
     return float(t0 + (t1 - t0) * (total - f0) / (f1 - f0))
 
 
+def best_time(h: np.ndarray, total: int) -> float:
+    """The PT of ``allocate`` alone (the search's hot path needs only this)."""
+    if h.shape[0] > total:
+        return float("inf")
+    first = float(h[:, 0].max())
+    if first == float("inf"):
+        return first
+    return max(first, float(np.partition(h.ravel(), total - 1)[total - 1]))
+
+
 def allocate(h: np.ndarray, total: int) -> tuple[float, np.ndarray]:
     """Integer layer counts (>= 1 each, summing to ``total``) minimising max_k h[k, L_k - 1].
 
@@ -142,13 +157,9 @@ def allocate(h: np.ndarray, total: int) -> tuple[float, np.ndarray]:
     larger of the worst one-layer stage and the total-th smallest entry of h; surplus counts are trimmed from the
     top.
     """
-    k = h.shape[0]
-    if k > total or not np.all(np.isfinite(h[:, 0])):
-        return float("inf"), np.zeros(k, dtype=int)
-    flat = h.ravel()
-    t = max(float(h[:, 0].max()), float(np.partition(flat, total - 1)[total - 1]))
+    t = best_time(h, total)
     if not np.isfinite(t):
-        return float("inf"), np.zeros(k, dtype=int)
+        return t, np.zeros(h.shape[0], dtype=int)
     counts = (h <= t).sum(axis=1)
     excess = int(counts.sum()) - total
     if excess > 0:
@@ -180,8 +191,7 @@ class Engine:
         workers = np.array(group.workers, dtype=int)
         links = link_times(net, wl, group.layout(1), compute_shares(net, workers))
         n = len(workers)
-        sub = np.ix_(workers, workers)
-        lat, inv = net.latency[sub], net.inv_bandwidth[sub]
+        lat, inv = block(net.latency, workers, workers), block(net.inv_bandwidth, workers, workers)
         a_max, inv_max = float(lat.max()), float(inv.max())
         ar_fixed = 2 * (n - 1) * a_max
         ar_per_layer = 2 * (n - 1) / n * wl.model.param_bytes_per_layer * inv_max
@@ -202,7 +212,7 @@ class Engine:
         cached = self._boundary.get(key)
         if cached is None:
             bs, fs = np.array(prev.bs), np.array(nxt.fs)
-            a = self.net.latency[np.ix_(bs, fs)] + self.wl.message_bytes * self.net.inv_bandwidth[np.ix_(bs, fs)]
+            a = block(self.net.latency, bs, fs) + self.wl.message_bytes * block(self.net.inv_bandwidth, bs, fs)
             cached = self._boundary[key] = float(a.mean())
         return cached
 
@@ -226,10 +236,10 @@ class Engine:
         steps = self.steps
         h = np.maximum(c.intercept[:, None] + c.slope[:, None] * steps, c.ar0[:, None] + c.ar1[:, None] * steps)
         h[steps[None, :] > c.cap[:, None]] = np.inf
-        pt, counts = allocate(h, self.layers)
+        pt = best_time(h, self.layers)
         if not np.isfinite(pt):
             return INFEASIBLE
-        return Score(pt, tuple(int(x) for x in counts), c, self.layers)
+        return Score(pt, c, self.layers, h)
 
     def layouts(self, groups: Sequence[Group], score: Score | None = None) -> list[StageLayout]:
         score = score or self.score(groups)
@@ -268,8 +278,8 @@ class Engine:
                 moved[k] = groups[k].adding(device, role)
                 yield moved
 
-    def neighbours(self, groups: list[Group], rng: np.random.Generator, fan: int,
-                   sample: int) -> Iterator[list[Group]]:
+    def neighbours(self, groups: list[Group], rng: np.random.Generator, fan: int, sample: int,
+                   swaps: bool = False) -> Iterator[list[Group]]:
         """Moves of the devices that bind each stage (slowest link, farthest pair, least memory), of a few random
         and a few idle devices, and swaps of adjacent stages; in random order."""
         home = {x: k for k, g in enumerate(groups) for x in g.workers}
@@ -296,14 +306,34 @@ class Engine:
                 yield groups[:k] + [groups[k + 1], groups[k]] + groups[k + 2:]
             else:
                 yield from self.relocations(groups, x, k, near, fan if k >= 0 else 2)
+                if swaps and k >= 0:
+                    yield from self.swaps(groups, x, k, near, fan, rng)
 
-    def improve(self, groups: list[Group], *, rng: np.random.Generator, rounds: int, budget: int,
+    def swaps(self, groups: list[Group], device: int, home: int, near: np.ndarray, fan: int,
+              rng: np.random.Generator) -> Iterator[list[Group]]:
+        """Plans in which ``device`` trades places (and roles) with a device of a near stage: the move that keeps
+        both stages' sizes, which single moves reach only through a worse plan."""
+        role = groups[home].role(device)
+        for k in self.targets(device, near, home, fan):
+            st = self.stats(groups[k])
+            partners = {st.worst, st.weakest, int(rng.choice(groups[k].workers))}
+            for other in partners:
+                other_role = groups[k].role(other)
+                if (other_role != CLIENT and not self.reliable[device]) or \
+                        (role != CLIENT and not self.reliable[other]):
+                    continue
+                moved = list(groups)
+                moved[home] = groups[home].without(device).adding(other, role)
+                moved[k] = groups[k].without(other).adding(device, other_role)
+                yield moved
+
+    def improve(self, groups: list[Group], *, rng: np.random.Generator, rounds: int, budget: int, swaps: bool = False,
                 fan: int = 3, sample: int = 6) -> tuple[list[Group], Score]:
         """First-improvement local search; stops after ``rounds`` accepted moves, ``budget`` scored neighbours, or
         when no neighbour is better (a count, not a clock, so the result depends only on the seed)."""
         best = self.score(groups)
         for _ in range(rounds):
-            for candidate in self.neighbours(groups, rng, fan, sample):
+            for candidate in self.neighbours(groups, rng, fan, sample, swaps):
                 budget -= 1
                 s = self.score(candidate)
                 if s.better_than(best):
