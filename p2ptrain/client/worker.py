@@ -17,6 +17,7 @@ import torch
 
 from p2ptrain.averaging import GroupMember, StageAllReduce
 from p2ptrain.models.llama import LlamaStage
+from p2ptrain.protocol.closure import judge
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.frontal import FrontalServer
@@ -107,21 +108,13 @@ class Worker:
         return None, polls
 
     async def _after_idle_poll(self, polls: dict[str, dict | None]) -> None:
-        """No task anywhere. Step once every FS of this epoch's layout has closed it, with the group that the
-        layout's first FS fixed, so that all workers of the stage average together."""
-        key = str(self.epoch)
-        closure = next((p["closures"][key] for p in polls.values() if p and key in p["closures"]), None)
-        if closure is None:
-            closed = [p["closed_epoch"] for p in polls.values() if p]
-            if closed and max(closed) >= self.epoch:
-                # the swarm closed this epoch so long ago that no FS remembers it: this worker joined late
-                self._catch_up(max(closed) + 1)
-            return
-        self.epoch_fs = tuple(closure["fs"])
-        if any(polls.get(fs) is None or polls[fs]["closed_epoch"] < self.epoch for fs in self.epoch_fs):
-            return
-        group = polls[self.epoch_fs[0]]["closures"][key]["group"]
-        await self._step([GroupMember(peer, client_mode) for peer, client_mode in group])
+        """No task anywhere: step, catch up, or wait, by ``protocol.closure.judge``."""
+        verdict = judge(self.epoch, polls, epoch_fs=self.epoch_fs)
+        self.epoch_fs = verdict.epoch_fs
+        if verdict.catch_up_to is not None:
+            self._catch_up(verdict.catch_up_to)
+        elif verdict.group is not None:
+            await self._step([GroupMember(peer, client_mode) for peer, client_mode in verdict.group])
 
     async def _ask(self, server: str, service: type, header: dict) -> Message | None:
         try:

@@ -17,7 +17,6 @@ refined plan is never worse than the paper's.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import numpy as np
@@ -79,32 +78,27 @@ def reshape(engine: Engine, groups: list[Group], score: Score, *, rng: np.random
     return groups, score
 
 
-def perturb(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, kicks: int,
+def perturb(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, budget: int,
             patience: int, rounds: int, kick_budget: int, strength: int = 3) -> tuple[list[Group], Score]:
     """Iterated local search: from the best plan, make ``strength`` random feasible moves whatever they cost,
-    search locally again, and keep the result if it is better; at most ``kicks`` times, and stop after
-    ``patience`` kicks in a row that found nothing better."""
-    misses = 0
-    for _ in range(kicks):
+    search locally again, and keep the result if it is better; until ``budget`` plans were scored, or
+    ``patience`` kicks in a row found nothing better."""
+    misses, stop = 0, engine.scored + budget
+    while engine.scored < stop and misses < patience:
         trial = groups
         for _ in range(strength):
-            options = [o for o in itertools.islice(engine.neighbours(trial, rng, 3, 6), 16)
-                       if np.isfinite(engine.score(o).pt)]
-            if options:
-                trial = options[int(rng.integers(len(options)))]
+            trial = next((o for o in engine.neighbours(trial, rng, 3, 6) if np.isfinite(engine.score(o).pt)), trial)
         trial, trial_score = engine.improve(trial, rng=rng, rounds=rounds, budget=kick_budget, swaps=True)
         if trial_score.better_than(score):
             groups, score, misses = trial, trial_score, 0
         else:
             misses += 1
-            if misses == patience:
-                break
     return groups, score
 
 
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
                     rounds: int = 200, budget: int = 2000, starts: int = 2, screen: int = 3,
-                    kicks: int = 24, patience: int = 6, kick_budget: int = 200) -> list[StageLayout] | None:
+                    kick_total: int = 2000, patience: int = 6, kick_budget: int = 200) -> list[StageLayout] | None:
     rng = np.random.default_rng(seed)
     reliable = np.flatnonzero(engine.reliable)
     most = min(len(reliable) // 2, engine.layers)
@@ -140,7 +134,8 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
         if best is None or result[1].better_than(best[1]):
             best = result
     assert best is not None
-    best = perturb(engine, *best, rng=rng, kicks=kicks, patience=patience, rounds=rounds, kick_budget=kick_budget)
+    best = perturb(engine, *best, rng=rng, budget=kick_total, patience=patience, rounds=rounds,
+                   kick_budget=kick_budget)
     plain = engine.layouts(best[0], best[1])
     timed = timed_layouts(engine, best[0])
     if timed is not None and evaluate(engine.net, engine.wl, timed).batch_time_s < \

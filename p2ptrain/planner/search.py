@@ -178,6 +178,7 @@ class Engine:
         self.reliable = np.asarray(reliable, dtype=bool)
         self.layers = wl.model.layers
         self._stats: dict[Group, GroupStats] = {}
+        self.scored = 0  # plans scored so far: the searches' budgets count these, not seconds
         self._boundary: dict[tuple[tuple[int, ...], tuple[int, ...]], float] = {}
         a = net.latency + wl.message_bytes * net.inv_bandwidth
         self.delay = (a + a.T) / 2  # the paper's edge label, one way: a + A/b averaged over both directions
@@ -228,6 +229,7 @@ class Engine:
         return Curves(intercept, slope, ar0, ar1, cap)
 
     def score(self, groups: Sequence[Group]) -> Score:
+        self.scored += 1
         if not groups or len(groups) > self.layers or not all(g.valid for g in groups):
             return INFEASIBLE
         c = self.curves(groups)
