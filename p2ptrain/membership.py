@@ -11,6 +11,8 @@ from p2ptrain.layout import Layout, StageServers
 
 logger = logging.getLogger(__name__)
 
+INCOMPLETE_PERIOD_S = 0.5
+
 
 class MembershipCache:
     def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float = 5.0):
@@ -23,8 +25,10 @@ class MembershipCache:
                 self.stages = await asyncio.to_thread(self.read)
             except Exception as e:
                 logger.warning(f"could not read stage membership: {e!r}")
+            # until every stage has an FS and a BS, look again soon: workers and the data source wait on this
+            period = self.period_s if self.layout() is not None else min(self.period_s, INCOMPLETE_PERIOD_S)
             try:
-                await asyncio.wait_for(stop.wait(), self.period_s)
+                await asyncio.wait_for(stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
 

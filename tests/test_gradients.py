@@ -3,6 +3,7 @@ one global batch equals the gradient one process computes for the same model on 
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -64,19 +65,33 @@ def test_one_worker_per_stage_matches_one_process(make_swarm, tmp_path):
         assert stage["tasks_redone"] == 0
 
 
+def stage_complete(report: dict, stage: int, *, fs: int, bs: int, workers: int) -> bool:
+    stages = report["stages"]
+    if len(stages) <= stage:
+        return False
+    s = stages[stage]
+    return len(s["fs"]) >= fs and len(s["bs"]) >= bs and len(s["workers"]) >= workers
+
+
 @pytest.mark.timeout(400)
 def test_two_fs_two_bs_three_workers_in_a_stage_match_one_process(make_swarm, tmp_path):
     """Stage 1 has 2 FS and 2 BS, and three workers: a client and two servers that also compute (the paper's
     partially collocated parameter servers), so rows are split over workers and segmented over servers."""
     dumps = tmp_path / "grads"
     swarm = make_swarm("grad3", [*RECIPE, "--dump-grads", str(dumps)])
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--compute")
     swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
     swarm.peer("fs1-0", "--role", "server", "--stage", "1", "--server-role", "fs", "--compute")
     swarm.peer("fs1-1", "--role", "server", "--stage", "1", "--server-role", "fs")
     swarm.peer("bs1-0", "--role", "server", "--stage", "1", "--server-role", "bs", "--compute")
     swarm.peer("bs1-1", "--role", "server", "--stage", "1", "--server-role", "bs")
     swarm.peer("client1", "--role", "client", "--stage", "1")
+    # the data source (stage 0's FS) starts once stage 1 is complete in the DHT, so that all three stage-1 workers
+    # (which look for their servers there) are polling before the first rows arrive
+    deadline = time.monotonic() + 180
+    while not stage_complete(swarm.status(), 1, fs=2, bs=2, workers=1):
+        assert time.monotonic() < deadline, "stage 1 did not come up\n" + swarm.logs()
+        time.sleep(1.0)
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--compute")
     report = swarm.wait_finished(timeout=360)
     check_dumps(dumps, {0: 1, 1: 3})
     stages = report["epochs"][0]["stages"]
