@@ -150,13 +150,34 @@ def wait_for_servers(dht: hivemind.DHT, run_id: str, count: int, timeout: float)
     raise AssertionError(f"{count} servers did not announce themselves within {timeout} s")
 
 
+def planned_swarm(make_swarm, run_id: str) -> tuple:
+    """A swarm and a planner key pair: (swarm, private key path, public key, path of the .pub file)."""
+    swarm = make_swarm(run_id, RECIPE)
+    planner_key = swarm.workdir / "planner.key"
+    public_key = load_or_create_identity(planner_key).local_public_key
+    return swarm, planner_key, public_key, str(public_key_path(planner_key))
+
+
+def check_trained_as_planned(report: dict, planned: list[dict], servers: list[str]) -> None:
+    """The status shows the plan's two stages with their FS and BS, every server in one role, and every epoch
+    trained with all its rows averaged."""
+    assert len(planned) == 2 and len(report["stages"]) == 2, report["stages"]
+    for stage, plan in zip(report["stages"], planned):
+        assert stage["fs"] == sorted(plan["fs"]) and stage["bs"] == sorted(plan["bs"]), (stage, plan)
+        assert stage["fs"] and stage["bs"]
+    roles = [p for s in report["stages"] for p in s["fs"] + s["bs"]]
+    assert sorted(roles) == sorted(servers), "every server takes exactly one role"
+    assert [e["epoch"] for e in report["epochs"]] == list(range(EPOCHS))
+    for epoch in report["epochs"]:
+        assert epoch["loss"] is not None
+        for stage in epoch["stages"]:
+            assert stage["rows_in_batch"] == ROWS * MICROBATCHES == stage["rows_averaged"], epoch
+
+
 @pytest.mark.timeout(420)
 def test_servers_take_their_places_from_the_signed_plan_and_the_swarm_trains(make_swarm):
     run_id = "live"
-    swarm = make_swarm(run_id, RECIPE)
-    planner_key = swarm.workdir / "planner.key"
-    planner_public_key = load_or_create_identity(planner_key).local_public_key
-    pub = str(public_key_path(planner_key))
+    swarm, planner_key, planner_public_key, pub = planned_swarm(make_swarm, run_id)
     for i in range(4):
         swarm.peer(f"server{i}", "--role", "server", "--compute", "--planner-key", pub)
     for i in range(2):
@@ -187,19 +208,7 @@ def test_servers_take_their_places_from_the_signed_plan_and_the_swarm_trains(mak
     finally:
         dht.shutdown()
 
-    assert len(planned) == 2 and len(report["stages"]) == 2, report["stages"]
-    for stage, plan in zip(report["stages"], planned):
-        assert stage["fs"] == sorted(plan["fs"]) and stage["bs"] == sorted(plan["bs"]), (stage, plan)
-        assert stage["fs"] and stage["bs"]
-    roles = [p for s in report["stages"] for p in s["fs"] + s["bs"]]
-    assert sorted(roles) == sorted(servers), "every server takes exactly one role"
-
-    assert [e["epoch"] for e in report["epochs"]] == list(range(EPOCHS))
-    for epoch in report["epochs"]:
-        assert epoch["loss"] is not None
-        for stage in epoch["stages"]:
-            assert stage["rows_in_batch"] == ROWS * MICROBATCHES == stage["rows_averaged"], epoch
-
+    check_trained_as_planned(report, planned, servers)
     logs = swarm.logs(tail=10**6)
     assert "written by a key that is not the planner's" in logs, "the rogue plan was not reported"
     assert logs.count("places this server in stage") == 4 and logs.count("places this client in stage") == 2
@@ -208,10 +217,7 @@ def test_servers_take_their_places_from_the_signed_plan_and_the_swarm_trains(mak
 @pytest.mark.timeout(420)
 def test_a_server_started_with_plan_places_the_swarm_and_itself(make_swarm):
     run_id = "selfplan"
-    swarm = make_swarm(run_id, RECIPE)
-    planner_key = swarm.workdir / "planner.key"
-    planner_public_key = load_or_create_identity(planner_key).local_public_key
-    pub = str(public_key_path(planner_key))
+    swarm, planner_key, planner_public_key, pub = planned_swarm(make_swarm, run_id)
     swarm.peer("server0", "--role", "server", "--compute", "--plan", "--planner-identity", str(planner_key),
                "--expect", "4", "--plan-stages", "2")
     for i in range(1, 4):
@@ -227,13 +233,6 @@ def test_a_server_started_with_plan_places_the_swarm_and_itself(make_swarm):
     finally:
         dht.shutdown()
     assert record is not None and record.plan["planner"] == "refined", "the planning server's plan is not in the DHT"
-    assert len(report["stages"]) == 2
-    for stage, plan in zip(report["stages"], record.plan["stages"]):
-        assert stage["fs"] == sorted(plan["fs"]) and stage["bs"] == sorted(plan["bs"]), (stage, plan)
-    assert sorted(p for s in report["stages"] for p in s["fs"] + s["bs"]) == sorted(servers)
-    assert [e["epoch"] for e in report["epochs"]] == list(range(EPOCHS))
-    for epoch in report["epochs"]:
-        for stage in epoch["stages"]:
-            assert stage["rows_in_batch"] == ROWS * MICROBATCHES == stage["rows_averaged"], epoch
+    check_trained_as_planned(report, record.plan["stages"], servers)
     logs = swarm.logs(tail=10**6)
     assert "published plan" in logs and logs.count("places this server in stage") == 4, logs[-3000:]
