@@ -295,7 +295,7 @@ def serve_plan(args: argparse.Namespace, dht: hivemind.DHT, signer: RSASignature
     config: RunConfig = args.config
     stages = args.plan_stages
     expect = args.expect if args.expect is not None else 2 * (stages or 1)
-    tokens = config.rows_per_microbatch * config.microbatches * config.seq_len
+    tokens = config.rows_per_epoch * config.seq_len
     plan = plan_swarm(dht, run_id=args.run_id, model=args.model, tokens=tokens, microbatches=config.microbatches,
                       planner=args.planner, stages=stages, seed=args.seed, expect=expect,
                       timeout_s=args.plan_timeout, stop=stop)
