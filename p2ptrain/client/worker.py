@@ -26,6 +26,7 @@ from p2ptrain.transport import Caller, Message
 logger = logging.getLogger(__name__)
 
 FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan")
+RETRIES = 3  # attempts at pushing a result whose reply was lost in transport
 
 
 @dataclass
@@ -139,8 +140,9 @@ class Worker:
         if self.is_last:
             loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
             if await self._push_input_grads(header, rows, grads, issuer=header["fs"]):
+                # the BS counts each row's loss once, so a retry after a lost reply is harmless
                 await self._call(header["bs"], BackwardServer, "rpc_push_outputs", Message(
-                    self._result_header(header, rows), {"loss": self._corrupt(loss.detach())}))
+                    self._result_header(header, rows), {"loss": self._corrupt(loss.detach())}), attempts=RETRIES)
             return
         outputs = await asyncio.to_thread(self._forward_compute, inputs)
         reply = await self._call(header["bs"], BackwardServer, "rpc_push_outputs", Message(
@@ -190,8 +192,10 @@ class Worker:
         """Send the input gradients to the FS; only once it accepts them do the parameter gradients count."""
         param_grads = grads[: len(self.params)]
         tensors = {} if self.is_first else {"grad": self._corrupt(grads[-1])}
+        # the FS answers a repeated push of a result it accepted with "accepted" again: if the first reply was lost,
+        # the retry tells this worker to count the gradients the FS already counted
         reply = await self._call(header["fs"], FrontalServer, "rpc_push_input_grads", Message(
-            {**self._result_header(header, rows), "issuer": issuer}, tensors))
+            {**self._result_header(header, rows), "issuer": issuer}, tensors), attempts=RETRIES)
         if reply is None or not reply.header.get("accepted"):
             return False
         if header["epoch"] != self.epoch:
@@ -219,12 +223,18 @@ class Worker:
             return torch.full_like(tensor, float("nan"))
         return tensor
 
-    async def _call(self, server: str, service: type, method: str, message: Message) -> Message | None:
-        try:
-            return await self.caller.call(server, service, method, message)
-        except Exception as e:
-            logger.warning(f"worker {self.worker_id}: {method} to {server} failed: {e!r}")
-            return None
+    async def _call(self, server: str, service: type, method: str, message: Message, *,
+                    attempts: int = 1) -> Message | None:
+        """The server's reply, or None if every attempt failed in transport (a refusal is a reply)."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self.caller.call(server, service, method, message)
+            except Exception as e:
+                logger.warning(f"worker {self.worker_id}: {method} to {server} failed (attempt {attempt} of "
+                               f"{attempts}): {e!r}")
+                if attempt < attempts:
+                    await asyncio.sleep(0.2 * attempt)
+        return None
 
     async def _step(self, group: list[GroupMember]) -> None:
         """The stage closed this epoch: average gradients with the group the stage's first FS fixed, then step."""

@@ -82,6 +82,10 @@ class BackwardServer(StageServer):
         header = message.header
         worker, task_id = header["worker"], header["task"]
         rows = Rows(*header["rows"])
+        if header["epoch"] <= self.closed_epoch:  # a retry whose first push got through: counted already
+            async for response in self.stream(self.reply({"accepted": False, "error": "duplicate"})):
+                yield response
+            return
         key, mb = self._microbatch(header)
         try:
             if mb.segment.intersect(rows) != rows:

@@ -60,6 +60,9 @@ class FrontalServer(StageServer):
         # workers that average it}; workers step only once every FS of the layout has closed the epoch
         self.closures: dict[str, dict] = {}
         self.contributors: dict[int, set[str]] = {}  # epoch -> workers whose results this FS accepted
+        # epoch -> (task, worker) of each accepted result, kept past closure: a worker whose reply was lost pushes
+        # again and must hear "accepted", not "duplicate", or the rows the FS counted would miss the average
+        self.accepted: dict[int, set[tuple[str, str]]] = {}
         self._task_counter = 0
 
     async def rpc_push_rows(
@@ -161,6 +164,10 @@ class FrontalServer(StageServer):
         message = await self.read(requests)
         header = message.header
         worker, task_id, issuer = header["worker"], header["task"], header["issuer"]
+        if (task_id, worker) in self.accepted.get(header["epoch"], ()):
+            async for response in self.stream(self.reply({"accepted": True, "again": True})):
+                yield response
+            return
         mb = self.microbatches.get((header["epoch"], header["microbatch"]))
         rows = Rows(*header["rows"])
         try:
@@ -185,6 +192,7 @@ class FrontalServer(StageServer):
             mb.grads[rows.relative_to(mb.segment)] = message.tensors["grad"]
         mb.grads_received.append(rows)
         self.contributors.setdefault(header["epoch"], set()).add(worker)
+        self.accepted.setdefault(header["epoch"], set()).add((task_id, worker))
         await self._report(issuer, task_id, worker, ok=True)
         async for response in self.stream(self.reply({"accepted": True})):
             yield response
@@ -247,6 +255,7 @@ class FrontalServer(StageServer):
                 "group": [[w, self._client_mode(w)] for w in sorted(workers)],
             }
             self.closures.pop(str(epoch - GROUPS_KEPT), None)
+            self.accepted.pop(epoch - GROUPS_KEPT, None)
             self.epoch_stats(epoch).finished = self.clock()
             for key in [key for key in self.microbatches if key[0] == epoch]:
                 del self.microbatches[key]

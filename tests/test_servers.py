@@ -1,0 +1,45 @@
+"""A frontal server driven in-process through its RPC handlers (the Caller's local shortcut, no network)."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from p2ptrain.layout import Layout, StageServers
+from p2ptrain.server.frontal import FrontalServer
+from p2ptrain.transport import Caller, Message
+
+SEQ, ROWS = 4, 4
+LAYOUT = Layout((StageServers(fs=("fs",), bs=("bs",)),))
+
+
+def _result(task: dict, worker: str) -> Message:
+    return Message({"task": task["task"], "worker": worker, "epoch": task["epoch"], "microbatch": task["microbatch"],
+                    "rows": task["rows"], "fs": "fs", "total_rows": ROWS, "layout": LAYOUT.to_header(),
+                    "microbatches_per_epoch": 1, "issuer": "fs"})
+
+
+def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_once():
+    async def scenario() -> None:
+        fs = FrontalServer(peer_id="fs", stage=0, num_stages=1, seq_len=SEQ, hidden_size=8, lease_timeout=30.0,
+                           codec="none")
+        fs.caller = caller = Caller(p2p=None, local={"fs": fs}, codec="none", timeout=10.0)
+        tokens = torch.randint(0, 256, (ROWS, SEQ))
+        pushed = await caller.call("fs", FrontalServer, "rpc_push_rows", Message(
+            {"epoch": 0, "microbatch": 0, "rows": [0, ROWS], "total_rows": ROWS, "layout": LAYOUT.to_header(),
+             "microbatches_per_epoch": 1}, {"inputs": tokens, "labels": tokens}))
+        assert pushed.header["accepted"]
+        task = (await caller.call("fs", FrontalServer, "rpc_take_task", Message(
+            {"worker": "w1", "compute": 1.0, "epoch": 0, "wait_s": 0.0}))).header
+        assert task["rows"] == [0, ROWS]
+
+        first = await caller.call("fs", FrontalServer, "rpc_push_input_grads", _result(task, "w1"))
+        assert first.header["accepted"] and fs.closed_epoch == 0  # all rows back: the epoch closed
+        again = await caller.call("fs", FrontalServer, "rpc_push_input_grads", _result(task, "w1"))
+        assert again.header["accepted"] and again.header["again"]
+        other = await caller.call("fs", FrontalServer, "rpc_push_input_grads", _result(task, "w2"))
+        assert not other.header["accepted"]  # someone else's copy of the same rows never counts
+        assert fs.epoch_stats(0).rows == ROWS
+        assert fs.closures["0"] == {"fs": ["fs"], "group": [["w1", False]]}
+
+    asyncio.run(scenario())
