@@ -42,4 +42,14 @@ def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_
         assert fs.epoch_stats(0).rows == ROWS
         assert fs.closures["0"] == {"fs": ["fs"], "group": [["w1", False]]}
 
+        # a worker that took its task without polling this FS (say, from another server) still joins the group
+        pushed = await caller.call("fs", FrontalServer, "rpc_push_rows", Message(
+            {"epoch": 1, "microbatch": 0, "rows": [0, ROWS], "total_rows": ROWS, "layout": LAYOUT.to_header(),
+             "microbatches_per_epoch": 1}, {"inputs": tokens, "labels": tokens}))
+        task = (await caller.call("fs", FrontalServer, "rpc_take_task", Message(
+            {"worker": "w1", "compute": 1.0, "epoch": 1, "wait_s": 0.0}))).header
+        fs.state.workers.pop("w1")
+        assert (await caller.call("fs", FrontalServer, "rpc_push_input_grads", _result(task, "w1"))).header["accepted"]
+        assert fs.closures["1"]["group"] == [["w1", False]]
+
     asyncio.run(scenario())

@@ -210,7 +210,7 @@ class Worker:
             "task": header["task"], "worker": self.worker_id, "epoch": header["epoch"],
             "microbatch": header["microbatch"], "rows": [rows.start, rows.end], "fs": header["fs"],
             "total_rows": header["total_rows"], "layout": header["layout"],
-            "microbatches_per_epoch": header["microbatches_per_epoch"],
+            "microbatches_per_epoch": header["microbatches_per_epoch"], "client_mode": self.client_mode,
         }
 
     def _corrupt(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,14 @@ class StageServer(ServicerBase):
         info.client_mode = bool(header.get("client_mode", False))
         return info
 
+    def see_result(self, worker: str, *, epoch: int, client_mode: bool) -> None:
+        """A worker that hands in a result is alive, even if it has not polled this server lately (it may have
+        taken all its work from another server of the stage)."""
+        info = self.state.workers.get(worker)
+        if info is None:
+            info = self.state.workers[worker] = WorkerInfo(compute=1.0, last_seen=0.0, epoch=epoch)
+        info.last_seen, info.client_mode = self.clock(), client_mode
+
     def active_workers(self, *, within_s: float = 30.0) -> dict[str, float]:
         now = self.clock()
         return {

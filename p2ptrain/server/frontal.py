@@ -192,6 +192,7 @@ class FrontalServer(StageServer):
             mb.grads[rows.relative_to(mb.segment)] = message.tensors["grad"]
         mb.grads_received.append(rows)
         self.contributors.setdefault(header["epoch"], set()).add(worker)
+        self.see_result(worker, epoch=header["epoch"], client_mode=bool(header.get("client_mode", False)))
         self.accepted.setdefault(header["epoch"], set()).add((task_id, worker))
         await self._report(issuer, task_id, worker, ok=True)
         async for response in self.stream(self.reply({"accepted": True})):
