@@ -42,6 +42,9 @@ async def unpack(stream: AsyncIterator[Proto] | Iterable[Proto]) -> Message:
         raise ConnectionError("the peer sent an empty stream")
     meta = msgpack.unpackb(protos[0].metadata, raw=False)
     chunks = [chunk for proto in protos[1:] for chunk in proto.tensors]
+    announced = sum(num_chunks for _, num_chunks in meta["tensors"])
+    if len(chunks) < announced:  # a transport failure like an empty stream: the caller may retry
+        raise ConnectionError(f"the stream ended early: {len(chunks)} of {announced} tensor chunks arrived")
     tensors, position = {}, 0
     for name, num_chunks in meta["tensors"]:
         tensors[name] = deserialize(chunks[position : position + num_chunks])

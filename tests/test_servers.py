@@ -1,13 +1,16 @@
-"""A frontal server driven in-process through its RPC handlers (the Caller's local shortcut, no network)."""
+"""A frontal server driven in-process through its RPC handlers (the Caller's local shortcut, no network), and
+the message framing under a stream that ends early."""
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
+from hivemind.proto import runtime_pb2
 
 from p2ptrain.layout import Layout, StageServers
 from p2ptrain.server.frontal import FrontalServer
-from p2ptrain.transport import Caller, Message
+from p2ptrain.transport import Caller, Message, pack, unpack
 
 SEQ, ROWS = 4, 4
 LAYOUT = Layout((StageServers(fs=("fs",), bs=("bs",)),))
@@ -53,3 +56,14 @@ def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_
         assert fs.closures["1"]["group"] == [["w1", False]]
 
     asyncio.run(scenario())
+
+
+def test_a_stream_cut_short_is_a_connection_error_the_caller_can_retry():
+    x = torch.randn(600_000)
+    protos = pack(Message({"a": 1}, {"x": x}), codec="none", proto=runtime_pb2.ExpertRequest)
+    assert len(protos) > 2  # the header, then chunks of at most 1 MiB
+    assert torch.equal(asyncio.run(unpack(protos)).tensors["x"], x)
+    with pytest.raises(ConnectionError, match="ended early"):
+        asyncio.run(unpack(protos[:-1]))
+    with pytest.raises(ConnectionError, match="empty stream"):
+        asyncio.run(unpack([]))
