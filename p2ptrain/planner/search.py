@@ -283,7 +283,8 @@ class Engine:
     def neighbours(self, groups: list[Group], rng: np.random.Generator, fan: int, sample: int,
                    swaps: bool = False) -> Iterator[list[Group]]:
         """Moves of the devices that bind each stage (slowest link, farthest pair, least memory), of a few random
-        and a few idle devices, and swaps of adjacent stages; in random order."""
+        and a few idle devices, and swaps of adjacent stages; with ``swaps``, also trades of a placed device with
+        one of a near stage; in random order."""
         home = {x: k for k, g in enumerate(groups) for x in g.workers}
         idle = [x for x in range(self.net.size) if x not in home]
         movers: dict[int, int] = {}

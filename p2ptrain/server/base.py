@@ -74,10 +74,14 @@ class StageServer(ServicerBase):
         self.state.pool.add(task)
         self.task_added.set()
 
-    def see_worker(self, header: dict) -> WorkerInfo:
-        info = self.state.workers.get(header["worker"])
+    def _worker(self, worker: str, epoch: int) -> WorkerInfo:
+        info = self.state.workers.get(worker)
         if info is None:
-            info = self.state.workers[header["worker"]] = WorkerInfo(compute=1.0, last_seen=0.0, epoch=0)
+            info = self.state.workers[worker] = WorkerInfo(compute=1.0, last_seen=0.0, epoch=epoch)
+        return info
+
+    def see_worker(self, header: dict) -> WorkerInfo:
+        info = self._worker(header["worker"], int(header["epoch"]))
         info.compute, info.epoch, info.last_seen = float(header.get("compute", 1.0)), int(header["epoch"]), self.clock()
         info.client_mode = bool(header.get("client_mode", False))
         return info
@@ -85,9 +89,7 @@ class StageServer(ServicerBase):
     def see_result(self, worker: str, *, epoch: int, client_mode: bool) -> None:
         """A worker that hands in a result is alive, even if it has not polled this server lately (it may have
         taken all its work from another server of the stage)."""
-        info = self.state.workers.get(worker)
-        if info is None:
-            info = self.state.workers[worker] = WorkerInfo(compute=1.0, last_seen=0.0, epoch=epoch)
+        info = self._worker(worker, epoch)
         info.last_seen, info.client_mode = self.clock(), client_mode
 
     def active_workers(self, *, within_s: float = 30.0) -> dict[str, float]:

@@ -59,7 +59,6 @@ class FrontalServer(StageServer):
         # epoch -> {"fs": the stage's FS in that epoch's layout, "group": [[peer id, client mode], ...] of the
         # workers that average it}; workers step only once every FS of the layout has closed the epoch
         self.closures: dict[str, dict] = {}
-        self.contributors: dict[int, set[str]] = {}  # epoch -> workers whose results this FS accepted
         # epoch -> (task, worker) of each accepted result, kept past closure: a worker whose reply was lost pushes
         # again and must hear "accepted", not "duplicate", or the rows the FS counted would miss the average
         self.accepted: dict[int, set[tuple[str, str]]] = {}
@@ -191,7 +190,6 @@ class FrontalServer(StageServer):
                 mb.grads = torch.zeros(len(mb.segment), self.seq_len, self.hidden_size)
             mb.grads[rows.relative_to(mb.segment)] = message.tensors["grad"]
         mb.grads_received.append(rows)
-        self.contributors.setdefault(header["epoch"], set()).add(worker)
         self.see_result(worker, epoch=header["epoch"], client_mode=bool(header.get("client_mode", False)))
         self.accepted.setdefault(header["epoch"], set()).add((task_id, worker))
         await self._report(issuer, task_id, worker, ok=True)
@@ -248,12 +246,13 @@ class FrontalServer(StageServer):
             epoch = self.closed_epoch
             # workers poll every FS of their stage, so this FS has seen the live ones lately; one whose results it
             # accepted may have been busy with backward work since, and counts unless silent for long
-            contributors = self.contributors.pop(epoch, set()) & set(self.active_workers(within_s=CONTRIBUTOR_SEEN_S))
+            contributors = {w for _, w in self.accepted.get(epoch, ())} & set(self.active_workers(
+                within_s=CONTRIBUTOR_SEEN_S))
             workers = {*self.active_workers(within_s=WORKER_SEEN_S), *contributors}
             layout = next(mb.layout for key, mb in self.microbatches.items() if key[0] == epoch)
             self.closures[str(epoch)] = {
                 "fs": list(layout.stages[self.stage].fs),
-                "group": [[w, self._client_mode(w)] for w in sorted(workers)],
+                "group": [[w, self.state.workers[w].client_mode] for w in sorted(workers)],
             }
             self.closures.pop(str(epoch - GROUPS_KEPT), None)
             self.accepted.pop(epoch - GROUPS_KEPT, None)
@@ -263,10 +262,6 @@ class FrontalServer(StageServer):
             self.state.pool.forget_epoch(epoch)
             self.completed.pop(epoch, None)
             logger.info(f"stage {self.stage} FS: epoch {epoch} closed")
-
-    def _client_mode(self, worker: str) -> bool:
-        info = self.state.workers.get(worker)
-        return info is not None and info.client_mode
 
     def in_flight(self) -> int:
         return sum(1 for mb in self.microbatches.values() if not mb.done)
