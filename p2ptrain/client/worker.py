@@ -113,7 +113,7 @@ class Worker:
         verdict = judge(self.epoch, polls, epoch_fs=self.epoch_fs)
         self.epoch_fs = verdict.epoch_fs
         if verdict.catch_up_to is not None:
-            self._catch_up(verdict.catch_up_to)
+            self._advance(verdict.catch_up_to)
         elif verdict.group is not None:
             await self._step([GroupMember(peer, client_mode) for peer, client_mode in verdict.group])
 
@@ -245,7 +245,7 @@ class Worker:
                              f"its {rows} accepted rows are lost")
             else:  # joined as the epoch closed: nothing of it to hand in
                 logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping it")
-            self._catch_up(epoch + 1)
+            self._advance(epoch + 1)
             return
         tokens = rows * self.seq_len
         # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
@@ -261,20 +261,17 @@ class Worker:
         if self.dump_dir is not None:
             self._dump_averaged_grads(epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        for accumulated in self.accumulated:
-            accumulated.zero_()
-        self.rows_accumulated = 0
-        self.cache.clear()
         now = time.monotonic()
         self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged_with=result.group_size,
                                               averaged=result.ok, seconds=now - self._epoch_started))
         self._epoch_started = now
-        self.epoch, self.epoch_fs = epoch + 1, ()
+        self._advance(epoch + 1)
         logger.info(f"worker {self.worker_id}: stage {self.stage} stepped to epoch {self.epoch} ({rows} rows, "
                     f"averaged in a group of {result.group_size})")
 
-    def _catch_up(self, epoch: int) -> None:
-        """Move to `epoch` without stepping: whatever this worker holds of the current epoch is not averaged."""
+    def _advance(self, epoch: int) -> None:
+        """Move to `epoch`, dropping what this worker holds of the current one: averaged by a step just taken, or
+        never to be averaged (a worker that catches up or was left out)."""
         for accumulated in self.accumulated:
             accumulated.zero_()
         self.rows_accumulated = 0
