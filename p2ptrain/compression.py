@@ -10,22 +10,25 @@ dtype, shape, codec and chunk count, the rest only bytes, as hivemind's `split_f
   hivemind's own 8-bit codecs cannot decode under numpy >= 2.4 (DESIGN §7), so the message is ours:
   compression=BLOCKWISE_8BIT, dtype/size of the original tensor, buffer = float32 absmax of every block
   followed by one uint8 code per element. The 256-entry code map is not sent: both sides rebuild it with
-  `create_dynamic_map()`. Error bound: see `INT8_ERROR_BOUND`.
+  `create_dynamic_map()`. Error bound: see `int8_error_bound`. bitsandbytes is imported on the first int8
+  tensor only: it takes seconds to import, and peers that do not use int8 need none of it.
 
 Integer and bool tensors are always sent uncompressed, whatever the codec.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from functools import cache
+from types import ModuleType
 
 import numpy as np
 import torch
-from bitsandbytes import functional as bnbf
 from hivemind.compression.serialization import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-CODECS = ("none", "fp16", "int8")
+from p2ptrain.config import CODECS
 
 # One message per MiB: far below the 4 MiB per-message limit of hivemind's P2P (DESIGN §7), and few enough
 # messages that per-message overhead does not matter for activation-sized tensors.
@@ -36,22 +39,40 @@ CHUNK_BYTES = 2**20
 # (0.254x vs 0.250x of fp32); 64 gains little more and costs 6% more bytes.
 INT8_BLOCKSIZE = 256
 
-_DYNAMIC_MAP = bnbf.create_dynamic_map(signed=True).to(torch.float32)
 
 
-def _int8_error_bound(code: torch.Tensor) -> float:
-    """The largest gap between neighbouring points of [-1, code..., 1].
+class _KernelsNotice(logging.Filter):
+    """bitsandbytes warns on import, on every CPU with AVX512-BF16, that an optional Hub kernel package for 4-bit
+    matmuls is missing; p2ptrain uses only its 8-bit blockwise quantization, which needs no such kernel."""
 
-    A normalized value x/absmax lies in [-1, 1] and is encoded as one of the two code points that bracket it
-    (or the nearest end of the map). Exact nearest rounding would halve this, but the CPU kernel picks the
-    farther neighbour for values within ~1e-5 of a midpoint, so only the bracket is guaranteed.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+@cache
+def _bnb() -> ModuleType:
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_KernelsNotice())
+    from bitsandbytes import functional
+
+    return functional
+
+
+@cache
+def _dynamic_map() -> torch.Tensor:
+    return _bnb().create_dynamic_map(signed=True).to(torch.float32)
+
+
+@cache
+def int8_error_bound() -> float:
+    """Per element, |x - decode(encode(x))| <= this x absmax(|x| over x's block); ~0.014 for the map.
+
+    It is the largest gap between neighbouring points of [-1, code..., 1]: a normalized value x/absmax lies in
+    [-1, 1] and is encoded as one of the two code points that bracket it (or the nearest end of the map). Exact
+    nearest rounding would halve this, but the CPU kernel picks the farther neighbour for values within ~1e-5 of a
+    midpoint, so only the bracket is guaranteed.
     """
-    points = torch.cat([torch.tensor([-1.0, 1.0]), code.double()]).sort().values
+    points = torch.cat([torch.tensor([-1.0, 1.0]), _dynamic_map().double()]).sort().values
     return float((points[1:] - points[:-1]).max())
-
-
-# Per element: |x - decode(encode(x))| <= INT8_ERROR_BOUND * absmax(|x| over x's block); ~0.014 for the map.
-INT8_ERROR_BOUND = _int8_error_bound(_DYNAMIC_MAP)
 
 _PROTO_CODEC = {
     "none": runtime_pb2.CompressionType.NONE,
@@ -114,8 +135,10 @@ def encoded_nbytes(parts: Sequence[runtime_pb2.Tensor]) -> int:
     return sum(len(part.buffer) for part in parts)
 
 
-def check_tensor(tensor: torch.Tensor, *, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
-    """Raise BadTensorError unless `tensor` has exactly `shape` and `dtype` and only finite values."""
+def check_tensor(tensor: torch.Tensor | None, *, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
+    """Raise BadTensorError unless `tensor` is there and has exactly `shape` and `dtype` and only finite values."""
+    if tensor is None:
+        raise BadTensorError(f"{what}: missing")
     if tuple(tensor.shape) != tuple(shape):
         raise BadTensorError(f"{what}: expected shape {tuple(shape)}, got {tuple(tensor.shape)}")
     if tensor.dtype != dtype:
@@ -129,7 +152,7 @@ def _encode_int8(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     flat = tensor.reshape(-1).contiguous()
     if flat.dtype == torch.float64:
         flat = flat.to(torch.float32)  # bitsandbytes quantizes 16/32-bit floats only
-    codes, state = bnbf.quantize_blockwise(flat, code=_DYNAMIC_MAP, blocksize=INT8_BLOCKSIZE)
+    codes, state = _bnb().quantize_blockwise(flat, code=_dynamic_map(), blocksize=INT8_BLOCKSIZE)
     absmax = state.absmax.to(torch.float32).numpy().astype("<f4", copy=False)
     return runtime_pb2.Tensor(
         compression=runtime_pb2.CompressionType.BLOCKWISE_8BIT,
@@ -154,5 +177,5 @@ def _decode_int8(message: runtime_pb2.Tensor) -> torch.Tensor:
     absmax = torch.from_numpy(np.frombuffer(raw, dtype="<f4", count=blocks).astype(np.float32))
     codes = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, offset=4 * blocks, count=numel))
     # without a QuantState, bitsandbytes dequantizes to float32
-    values = bnbf.dequantize_blockwise(codes, absmax=absmax, code=_DYNAMIC_MAP, blocksize=INT8_BLOCKSIZE)
+    values = _bnb().dequantize_blockwise(codes, absmax=absmax, code=_dynamic_map(), blocksize=INT8_BLOCKSIZE)
     return values.reshape(shape).to(dtype)

@@ -1,43 +1,151 @@
-"""The run's recipe as every peer sees it: model, stages, batch, data, optimizer. All peers of a run get the same."""
+"""The two configs of a peer, both torch-free:
+
+- `RunConfig`, the run's recipe as every peer sees it (model, stages, batch, data, optimizer, wire codec): every
+  peer of a run must be given the same one, and it is read once and shared, never carried on messages.
+- `RuntimeConfig`, every timeout, retry, backoff, lease and poll period of the runtime in one place with its
+  default, as Petals keeps its client's in one config.
+"""
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
-from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaConfig
+from p2ptrain.models import TRAINABLE, ModelConfig, model_config
+
+CODECS: tuple[str, ...] = ("none", "fp16", "int8")  # codecs of activations and gradients on the wire
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-@dataclass(frozen=True)
+def check_run_id(run_id: str) -> None:
+    """A run id prefixes DHT keys: letters, digits and a few marks only."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise ConfigError("run_id", run_id, "use 1 to 64 letters, digits, '.', '_' or '-'")
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work: `field` names it (so a command line can name its flag), `problem` says
+    what to fix."""
+
+    def __init__(self, field: str, value: object, problem: str):
+        super().__init__(f"{field} = {value!r}: {problem}")
+        self.field, self.value, self.problem = field, value, problem
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    run_id: str
-    model: str
-    num_stages: int
-    rows_per_microbatch: int
-    microbatches: int
-    seq_len: int
+    run_id: str = "p2ptrain"  # prefix of the swarm's DHT keys
+    model: str = "llama-tiny"  # a preset of p2ptrain.models.TRAINABLE
+    num_stages: int = 2
+    rows_per_microbatch: int = 8
+    microbatches: int = 4  # per global batch (epoch)
+    seq_len: int = 64
     seed: int = 0
     lr: float = 3e-3
-    compression: str = "none"
+    weight_decay: float = 0.01  # AdamW's, on matrices and embeddings only (StageModel.optimizer_groups)
+    compression: str = "none"  # codec of activations and gradients: one of CODECS
+    data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
 
     def __post_init__(self) -> None:
-        if self.model not in LLAMA_CONFIGS:
-            raise ValueError(f"unknown model {self.model!r}: choose one of {', '.join(LLAMA_CONFIGS)}")
-        if not 1 <= self.num_stages <= self.llama.num_layers:
-            raise ValueError(f"--num-stages must be between 1 and the model's {self.llama.num_layers} layers")
-        if self.seq_len > self.llama.max_seq_len:
-            raise ValueError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {self.llama.max_seq_len}")
+        check_run_id(self.run_id)
+        if self.model not in TRAINABLE:
+            raise ConfigError("model", self.model, f"unknown model; choose one of {', '.join(TRAINABLE)}")
+        layers = self.model_config.num_layers
+        if not 1 <= self.num_stages <= layers:
+            raise ConfigError("num_stages", self.num_stages, f"must be between 1 and the model's {layers} layers")
+        for name in ("rows_per_microbatch", "microbatches", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be at least 1")
+        if self.seq_len > self.model_config.max_seq_len:
+            raise ConfigError("seq_len", self.seq_len, f"exceeds the model's max_seq_len {self.model_config.max_seq_len}")
+        if self.seed < 0:
+            raise ConfigError("seed", self.seed, "must be 0 or more")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError("lr", self.lr, "must be a positive number")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError("weight_decay", self.weight_decay, "must be 0 or more")
+        if self.compression not in CODECS:
+            raise ConfigError("compression", self.compression, f"unknown codec; choose one of {', '.join(CODECS)}")
+        if self.data is not None:
+            self._check_data(Path(self.data))
+
+    def _check_data(self, path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError("data", self.data, "no such file; give a local UTF-8 text file")
+        try:
+            with path.open("rb") as f:
+                size = len(f.read(self.seq_len + 1))
+        except OSError as e:
+            raise ConfigError("data", self.data, f"cannot be read ({e.strerror})") from None
+        if size < self.seq_len + 1:  # byte-level tokens: one per byte
+            raise ConfigError("data", self.data, f"{size} bytes, too short for one sequence of {self.seq_len} + 1 "
+                                                 "tokens")
 
     @property
-    def llama(self) -> LlamaConfig:
-        return LLAMA_CONFIGS[self.model]
+    def model_config(self) -> ModelConfig:
+        return model_config(self.model)
 
     @property
     def rows_per_epoch(self) -> int:
         return self.rows_per_microbatch * self.microbatches
 
+    @property
+    def tokens_per_epoch(self) -> int:
+        return self.rows_per_epoch * self.seq_len
+
     def stage_layers(self, stage: int) -> tuple[int, int]:
         """Layers [start, end) of a stage when the layers are split evenly (a plan may set them instead)."""
         if not 0 <= stage < self.num_stages:
-            raise ValueError(f"stage {stage} is not in 0..{self.num_stages - 1}")
-        base, extra = divmod(self.llama.num_layers, self.num_stages)
+            raise ConfigError("stage", stage, f"not in 0..{self.num_stages - 1} (the run has {self.num_stages} stages)")
+        base, extra = divmod(self.model_config.num_layers, self.num_stages)
         start = stage * base + min(stage, extra)
         return start, start + base + (1 if stage < extra else 0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """Timeouts, retries, backoffs, leases and poll periods, in seconds unless named otherwise. The defaults suit a
+    loopback swarm and a slow WAN alike; `python -m p2ptrain.peer` sets the lease and averaging timeouts."""
+
+    # transport
+    rpc_timeout_s: float = 60.0  # longest one RPC may take, transfer included
+    push_attempts: int = 3  # a worker pushes a result this many times when its reply is lost in transport
+    push_backoff_s: float = 0.2  # ...sleeping this times the attempt number between tries
+    # workers
+    unreachable_backoff_s: float = 0.2  # after a server did not answer a task poll
+    no_servers_wait_s: float = 0.5  # a worker that knows no FS of its stage looks again after this
+    fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work
+    bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
+    averaging_timeout_s: float = 30.0  # longest one all-reduce round may take
+    # servers
+    lease_timeout_s: float = 30.0  # a task whose worker sent no result in this long goes back to the pool
+    worker_seen_s: float = 5.0  # an FS counts a worker into the averaging group if it polled within this long...
+    contributor_seen_s: float = 30.0  # ...or if it handed in rows of the epoch and polled within this long
+    active_worker_s: float = 30.0  # an FS sizes tasks for the workers that polled within this long
+    refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no more tasks
+    closures_kept: int = 4  # epochs an FS remembers the averaging group of, for workers still finishing one
+    feeder_poll_s: float = 0.01  # how often the data source looks whether it may feed the next microbatch
+    # DHT
+    record_period_s: float = 10.0  # a peer re-stores its records this often...
+    record_ttl_s: float = 30.0  # ...and they expire this long after the last store
+    membership_period_s: float = 5.0  # a peer re-reads who serves each stage this often...
+    membership_retry_s: float = 0.5  # ...and this often while a stage lacks an FS or a BS
+    metrics_period_s: float = 3.0  # a peer publishes its training metrics this often when they changed
+    # live planning
+    plan_poll_s: float = 2.0  # a peer waiting for a plan reads the DHT this often
+    probe_timeout_s: float = 10.0  # longest one link measurement may take
+    progress_every_s: float = 15.0  # waiting peers and planners log their progress this often
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            minimum = 1 if name in ("push_attempts", "refusals_before_ban", "closures_kept") else 0
+            if not (math.isfinite(value) and value >= minimum):
+                raise ConfigError(name, value, f"must be at least {minimum}")
+        if not 0 < self.record_period_s < self.record_ttl_s:
+            raise ConfigError("record_period_s", self.record_period_s, "need 0 < record_period_s < record_ttl_s, or "
+                                                                       "records lapse")
+        for name in ("rpc_timeout_s", "lease_timeout_s", "averaging_timeout_s", "probe_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, getattr(self, name), "must be positive")

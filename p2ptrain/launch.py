@@ -1,6 +1,8 @@
 """`python -m p2ptrain.launch [peers/local.toml]`: the main job. Starts a whole swarm on this machine, one real
 process per peer on 127.0.0.1 (a bootstrap node, then the FS and BS of every stage and the clients, placed by
 the planner from the swarm file), shows training progress, and stops every process at the end or on Ctrl-C.
+
+Every option is checked, and the swarm planned, before any process starts: a bad option exits with status 2.
 """
 from __future__ import annotations
 
@@ -14,17 +16,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hivemind
 from tqdm import tqdm
 
-from p2ptrain.dht import make_validators
-from p2ptrain.planner import make_plan
+from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS, count, positive, refusing, run_id
+from p2ptrain.config import CODECS, RunConfig
+from p2ptrain.models import TRAINABLE
+from p2ptrain.planner import PlanningError, make_plan
 from p2ptrain.planner.presets import model_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
-from p2ptrain.status import collect
 
 DEFAULT_PEERS = Path(__file__).resolve().parent.parent / "peers" / "local.toml"
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 @dataclass
@@ -94,17 +95,18 @@ def peer_commands(plan: dict, common: list[str]) -> dict[str, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m p2ptrain.launch", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m p2ptrain.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("peers", nargs="?", default=str(DEFAULT_PEERS), help="swarm file (default: peers/local.toml)")
-    parser.add_argument("--epochs", type=int, default=30, help="global batches to train")
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (the planner places the devices)")
-    parser.add_argument("--model", default="llama-tiny")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--compression", choices=("none", "fp16", "int8"), default="none")
+    parser.add_argument("--epochs", type=count, default=30, help="global batches to train")
+    parser.add_argument("--stages", type=count, default=2, help="pipeline stages (the planner places the devices)")
+    parser.add_argument("--model", default="llama-tiny", choices=TRAINABLE)
+    parser.add_argument("--seq-len", type=count, default=64)
+    parser.add_argument("--compression", choices=CODECS, default="none")
     parser.add_argument("--data", help="a local text file (default: the embedded corpus)")
-    parser.add_argument("--run-id", default="p2ptrain-local")
-    parser.add_argument("--workdir", help="where the peers' logs go (default: a temporary directory)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--run-id", type=run_id, default="p2ptrain-local")
+    parser.add_argument("--workdir", type=Path, help="where the peers' logs go (default: a temporary directory)")
+    parser.add_argument("--timeout", type=positive, default=1800.0, help="give up after this many seconds")
     return parser
 
 
@@ -113,19 +115,29 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         swarm_file = load_swarm(args.peers)
-    except (SwarmFileError, OSError) as e:
+    except SwarmFileError as e:
         parser.error(str(e))
     tokens, microbatches = swarm_file.batch_tokens or 4096, swarm_file.microbatches or 4
     rows = tokens // (microbatches * args.seq_len)
     if rows < 1:
-        parser.error(f"{args.peers}: [batch] tokens = {tokens} is less than one row per microbatch; raise it")
-    plan = make_plan(swarm_file, model_spec(args.model), batch_tokens=tokens, microbatches=microbatches,
-                     planner="refined", stages=args.stages).to_json()
+        parser.error(f"{args.peers}: [batch] tokens = {tokens} is less than one row per microbatch of --seq-len "
+                     f"{args.seq_len}; raise it or lower --seq-len")
+    with refusing(parser, {**RECIPE_FLAGS, "num_stages": "--stages"}):  # what every peer will check, checked first
+        config = RunConfig(run_id=args.run_id, model=args.model, num_stages=args.stages, rows_per_microbatch=rows,
+                           microbatches=microbatches, seq_len=args.seq_len, compression=args.compression,
+                           data=args.data)
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        parser.error(f"--workdir {args.workdir}: is a file; give a folder")
+    try:
+        plan = make_plan(swarm_file, model_spec(args.model), batch_tokens=tokens, microbatches=microbatches,
+                         planner="refined", stages=args.stages).to_json()
+    except PlanningError as e:
+        parser.error(f"{args.peers}: {e}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    common = ["--run-id", args.run_id, "--model", args.model, "--seq-len", str(args.seq_len), "--batch-rows",
+    common = ["--run-id", config.run_id, "--model", config.model, "--seq-len", str(config.seq_len), "--batch-rows",
               str(rows), "--microbatches", str(microbatches), "--epochs", str(args.epochs), "--compression",
-              args.compression, "--host-maddrs", LOOPBACK, *(["--data", args.data] if args.data else [])]
+              config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else [])]
     swarm = Swarm(workdir=workdir)
     interrupted = False
     try:
@@ -152,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
     """Follow the swarm through the DHT with a progress bar until the data source finishes."""
+    import hivemind
+
+    from p2ptrain.dht import make_validators
+    from p2ptrain.status import collect
+
     dht = hivemind.DHT(initial_peers=initial, client_mode=True, start=True,
                        record_validators=make_validators(args.run_id))
     deadline = time.monotonic() + args.timeout

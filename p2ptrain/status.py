@@ -21,13 +21,19 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-import hivemind
+from p2ptrain.cli import check_maddrs, run_id
+from p2ptrain.config import RunConfig
 
-from p2ptrain.dht import get_metrics, get_peers, get_stage_members, make_validators
+if TYPE_CHECKING:
+    import hivemind
 
 
 def collect(dht: hivemind.DHT, run_id: str) -> dict:
+    """The report (see the module docstring) of run `run_id`, read through `dht`."""
+    from p2ptrain.dht import get_metrics, get_peers, get_stage_members  # hivemind: not for --help
+
     peers = get_peers(dht, run_id)
     metrics = get_metrics(dht, run_id)
     stages_seen = [p.stage for p in peers if p.stage is not None] + [m.stage for m in metrics if m.stage is not None]
@@ -116,9 +122,14 @@ def render(report: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m p2ptrain.status", description="Show a swarm's progress.")
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of any peers of the swarm")
-    parser.add_argument("--run-id", default="p2ptrain")
+    parser.add_argument("--run-id", type=run_id, default=RunConfig.run_id)
     parser.add_argument("--json", action="store_true", help="print the report as JSON (fields: see module doc)")
     args = parser.parse_args(argv)
+    check_maddrs(parser, "--initial-peers", args.initial_peers)
+    import hivemind
+
+    from p2ptrain.dht import make_validators
+
     try:
         dht = hivemind.DHT(initial_peers=args.initial_peers, client_mode=True, start=True,
                            record_validators=make_validators(args.run_id))

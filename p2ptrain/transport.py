@@ -1,57 +1,165 @@
-"""Messages over hivemind's libp2p streaming RPCs: a msgpack header plus named tensors.
+"""Typed messages over hivemind's libp2p streaming RPCs: a msgpack header plus named tensors.
 
 Tensors always travel as streams of chunks of at most 1 MiB: hivemind refuses unary requests over 4 MiB and a unary
 response over 4 MiB hangs the caller (DESIGN §7). Streaming stubs take no timeout, so every call is wrapped.
+
+A servicer (`Service`) decodes every request into its `protocol.messages` type before its handler sees it. A request
+that does not decode, or that the handler refuses (`Refused`), is answered with a refusal naming the reason and
+logged as a warning naming the sender; no exception escapes a handler. The caller (`Caller.call`) gets the typed
+reply, or `Refused` with the server's reason.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import typing
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import torch
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.compression import deserialize, serialize
+from p2ptrain.protocol.messages import Message, MessageError, Request
 
 Proto = TypeVar("Proto", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
+# what every handler takes and returns: hivemind reads these hints to register streaming handlers, and it knows
+# typing's AsyncIterator only, not collections.abc's
+Requests = typing.AsyncIterator[runtime_pb2.ExpertRequest]
+Responses = typing.AsyncIterator[runtime_pb2.ExpertResponse]
+R = TypeVar("R", bound=Request)
+
+REFUSED = "refused"  # the one header key of a refusal; no message has a field of that name
+
+
+class Refused(Exception):
+    """The peer refused the request (malformed, or not acceptable now); the text is its reason.
+
+    Handlers raise it to refuse; `Caller.call` raises it when the peer refused."""
 
 
 @dataclass
-class Message:
+class Envelope:
+    """What travels: a header and named tensors, before they are read as a typed message."""
+
     header: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def pack(message: Message, *, codec: str, proto: type[Proto]) -> list[Proto]:
+@dataclass(frozen=True)
+class LocalCall:
+    """The context of a call that a `Caller` hands straight to a servicer in its own process."""
+
+    sender: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A handler's reply, and work to do once it is sent (the caller's stream stays open until that work is done)."""
+
+    reply: Message
+    then: Callable[[], Awaitable[None]] | None = None
+
+
+def pack(envelope: Envelope, *, codec: str, proto: type[Proto]) -> list[Proto]:
     """Header first, then each tensor's chunks; integer tensors are never compressed."""
     layout, chunks = [], []
-    for name, tensor in message.tensors.items():
+    for name, tensor in envelope.tensors.items():
         parts = serialize(tensor.detach().contiguous(), codec)
         layout.append([name, len(parts)])
         chunks.extend(parts)
-    meta = msgpack.packb({"header": message.header, "tensors": layout}, use_bin_type=True)
+    meta = msgpack.packb({"header": envelope.header, "tensors": layout}, use_bin_type=True)
     return [proto(metadata=meta)] + [proto(tensors=[chunk]) for chunk in chunks]
 
 
-async def unpack(stream: AsyncIterator[Proto] | Iterable[Proto]) -> Message:
+async def unpack(stream: AsyncIterator[Proto] | Iterable[Proto]) -> Envelope:
+    """Read a whole message. ConnectionError if the stream ended early (the caller may retry); MessageError if what
+    arrived is not a message."""
     protos = [item async for item in stream] if hasattr(stream, "__aiter__") else list(stream)
     if not protos:
         raise ConnectionError("the peer sent an empty stream")
-    meta = msgpack.unpackb(protos[0].metadata, raw=False)
+    try:
+        meta = msgpack.unpackb(protos[0].metadata, raw=False)
+        header, layout = meta["header"], [(str(name), int(count)) for name, count in meta["tensors"]]
+    except Exception as e:  # msgpack raises several types for garbage
+        raise MessageError(f"not a message: {e!r}") from None
+    if not isinstance(header, dict):
+        raise MessageError(f"not a message: the header is a {type(header).__name__}")
     chunks = [chunk for proto in protos[1:] for chunk in proto.tensors]
-    announced = sum(num_chunks for _, num_chunks in meta["tensors"])
+    announced = sum(count for _, count in layout)
     if len(chunks) < announced:  # a transport failure like an empty stream: the caller may retry
         raise ConnectionError(f"the stream ended early: {len(chunks)} of {announced} tensor chunks arrived")
+    if len(chunks) > announced or any(count < 1 for _, count in layout):
+        raise MessageError(f"the message announced {announced} tensor chunks but {len(chunks)} arrived")
     tensors, position = {}, 0
-    for name, num_chunks in meta["tensors"]:
-        tensors[name] = deserialize(chunks[position : position + num_chunks])
-        position += num_chunks
-    if position != len(chunks):
-        raise ValueError(f"the message announced {position} tensor chunks but {len(chunks)} arrived")
-    return Message(header=meta["header"], tensors=tensors)
+    for name, count in layout:
+        try:
+            tensors[name] = deserialize(chunks[position : position + count])
+        except Exception as e:  # a corrupt tensor: wrong sizes, unknown dtype or codec
+            raise MessageError(f"tensor {name!r} does not decode: {e}") from None
+        position += count
+    return Envelope(header=header, tensors=tensors)
+
+
+def handle_name(service: str, method: str, namespace: str | None = None) -> str:
+    return f"{namespace}::{service}.{method}" if namespace else f"{service}.{method}"
+
+
+class Service(ServicerBase):
+    """A p2ptrain servicer: its handlers are registered as ``{service}.{method}``, so callers name the service
+    without importing its class, and `serve` gives every handler typed requests and refusals."""
+
+    service: ClassVar[str]
+
+    def __init__(self, *, peer_id: str, name: str, codec: str):
+        self.peer_id, self.name, self.codec = peer_id, name, codec  # name: how logs call this servicer
+        self.logger = logging.getLogger(type(self).__module__)
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        return handle_name(cls.service, method_name, namespace)
+
+    async def serve(self, requests: Requests, context: P2PContext | LocalCall, kind: type[R],
+                    handler: Callable[[R, str], Awaitable[Message | Answer]]) -> Responses:
+        """Decode a `kind` request, run `handler(request, sender)` and stream its reply, or a refusal.
+
+        `sender` is the peer id libp2p authenticated, or the calling peer's own for a call within its process.
+        """
+        sender = context.sender if isinstance(context, LocalCall) else context.remote_id.to_base58()
+        answer = None
+        try:
+            envelope = await unpack(requests)
+            request = kind.from_header(envelope.header, envelope.tensors)
+            answer = await handler(request, sender)
+            if not isinstance(answer, Answer):
+                answer = Answer(answer)
+            responses = self.pack(answer.reply)
+        except ConnectionError as e:  # the request never fully arrived: nobody is left to answer
+            self.logger.warning(f"{self.name}: {kind.__name__} from {sender} broke off: {e}")
+            return
+        except (MessageError, Refused) as e:
+            self.logger.warning(f"{self.name}: refused {kind.__name__} from {sender}: {e}")
+            responses = self.refusal(str(e))
+        except Exception as e:  # a bug here must not end the handler silently or stall the caller until timeout
+            self.logger.exception(f"{self.name}: failed on {kind.__name__} from {sender}")
+            responses = self.refusal(f"internal error: {e!r}")
+            answer = None
+        for response in responses:
+            yield response
+        if answer is not None and answer.then is not None:
+            try:
+                await answer.then()
+            except Exception:
+                self.logger.exception(f"{self.name}: follow-up of {kind.__name__} from {sender} failed")
+
+    def pack(self, reply: Message) -> list[runtime_pb2.ExpertResponse]:
+        return pack(Envelope(reply.to_header(), reply.tensors()), codec=self.codec, proto=runtime_pb2.ExpertResponse)
+
+    def refusal(self, reason: str) -> list[runtime_pb2.ExpertResponse]:
+        return pack(Envelope({REFUSED: reason}), codec="none", proto=runtime_pb2.ExpertResponse)
 
 
 async def _aiter(items: list[Proto]) -> AsyncIterator[Proto]:
@@ -60,24 +168,37 @@ async def _aiter(items: list[Proto]) -> AsyncIterator[Proto]:
 
 
 class Caller:
-    """Calls the rpc_* handlers of servicers on other peers; calls to this peer itself go straight to the handler."""
+    """Calls the handlers of `Service`s on other peers, as peer `peer_id`; calls to a service in this process
+    (`add_local`) go straight to the handler, without the network."""
 
-    def __init__(self, *, p2p: P2P, local: dict[str, Any], codec: str, timeout: float):
-        self.p2p, self.local, self.codec, self.timeout = p2p, local, codec, timeout
+    def __init__(self, *, p2p: P2P | None, peer_id: str, codec: str, timeout: float,
+                 local: dict[tuple[str, str], Service] | None = None):
+        self.p2p, self.peer_id, self.codec, self.timeout = p2p, peer_id, codec, timeout
+        self.local = {} if local is None else local  # (peer id, service) -> servicer; tests share one across peers
 
-    async def call(self, peer: str, service: type, method: str, message: Message, *, timeout: float | None = None) -> Message:
-        return await asyncio.wait_for(self._call(peer, service, method, message), timeout or self.timeout)
+    def add_local(self, servicer: Service) -> None:
+        self.local[(servicer.peer_id, servicer.service)] = servicer
 
-    async def _call(self, peer: str, service: type, method: str, message: Message) -> Message:
-        requests = pack(message, codec=self.codec, proto=runtime_pb2.ExpertRequest)
-        servicer = self.local.get(peer)
-        if isinstance(servicer, service):
-            responses = getattr(servicer, method)(_aiter(requests), None)
+    async def call(self, peer: str, service: str, request: Request, *, timeout: float | None = None) -> Any:
+        """The typed reply (of type ``request.reply``); Refused if the peer refused, MessageError if its reply is not
+        one, ConnectionError or TimeoutError if the transport failed."""
+        envelope = await self.exchange(peer, service, request.method, Envelope(request.to_header(),
+                                                                               request.tensors()), timeout=timeout)
+        if REFUSED in envelope.header:
+            raise Refused(str(envelope.header[REFUSED]))
+        return request.reply.from_header(envelope.header, envelope.tensors)
+
+    async def exchange(self, peer: str, service: str, method: str, envelope: Envelope, *,
+                       timeout: float | None = None) -> Envelope:
+        """One call with untyped envelopes (benchmarks time the transport with it)."""
+        return await asyncio.wait_for(self._exchange(peer, service, method, envelope), timeout or self.timeout)
+
+    async def _exchange(self, peer: str, service: str, method: str, envelope: Envelope) -> Envelope:
+        requests = pack(envelope, codec=self.codec, proto=runtime_pb2.ExpertRequest)
+        servicer = self.local.get((peer, service))
+        if servicer is not None:
+            responses = getattr(servicer, method)(_aiter(requests), LocalCall(sender=self.peer_id))
         else:
-            stub = service.get_stub(self.p2p, PeerID.from_base58(peer))
-            responses = await getattr(stub, method)(_aiter(requests))
+            responses = await self.p2p.iterate_protobuf_handler(
+                PeerID.from_base58(peer), handle_name(service, method), _aiter(requests), runtime_pb2.ExpertResponse)
         return await unpack(responses)
-
-
-def respond(message: Message, *, codec: str) -> list[runtime_pb2.ExpertResponse]:
-    return pack(message, codec=codec, proto=runtime_pb2.ExpertResponse)

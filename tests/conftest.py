@@ -10,8 +10,9 @@ from pathlib import Path
 import hivemind
 import pytest
 
+from p2ptrain.cli import LOOPBACK
 from p2ptrain.dht import make_validators
-from p2ptrain.launch import LOOPBACK, Swarm
+from p2ptrain.launch import Swarm
 from p2ptrain.status import collect
 
 

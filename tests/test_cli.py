@@ -20,13 +20,13 @@ def run_main(capsys, module: str, *args: str) -> tuple[int, str]:
     (["p2ptrain.peer", "--role", "server", "--stage", "0"], "--server-role fs or --server-role bs"),
     (["p2ptrain.peer", "--role", "client"], "needs --stage K"),
     (["p2ptrain.peer", "--role", "client", "--stage", "0", "--server-role", "fs"], "for --role server only"),
-    (["p2ptrain.peer", "--role", "client", "--stage", "2", "--num-stages", "2"], "stage 2 is not in 0..1"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "2", "--num-stages", "2"], "--stage 2: not in 0..1"),
     (["p2ptrain.peer", "--role", "client", "--stage", "0", "--layers", "3:9"], "--layers 3:9"),
-    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--data", "/nonexistent.txt"], "no such file"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
     (["p2ptrain.peer", "--role", "client", "--stage", "0", "--compression", "int4"], "invalid choice: 'int4'"),
     (["p2ptrain.peer", "--role", "client", "--stage", "0", "--bogus"], "unrecognized arguments: --bogus"),
     (["p2ptrain.status"], "--initial-peers"),
-    (["p2ptrain.launch", "--stages", "x"], "invalid int value: 'x'"),
+    (["p2ptrain.launch", "--stages", "x"], "argument --stages: 'x' is not a whole number"),
 ])
 def test_bad_flags_exit_2_naming_the_problem(capsys, args, expected):
     code, err = run_main(capsys, *args)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from bitsandbytes import functional as bnbf
@@ -8,14 +10,14 @@ from hivemind.proto import runtime_pb2
 from p2ptrain.compression import (
     CODECS,
     INT8_BLOCKSIZE,
-    INT8_ERROR_BOUND,
     BadTensorError,
     check_tensor,
     deserialize,
-    deserialize_many,
     encoded_nbytes,
+    int8_error_bound,
     serialize,
 )
+from p2ptrain.transport import Envelope, pack, unpack
 
 
 def _blockwise_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -62,8 +64,8 @@ def test_fp16_roundtrip_error() -> None:
 def test_int8_bound_is_derived_from_the_code_map() -> None:
     code = bnbf.create_dynamic_map(signed=True).double().sort().values
     points = torch.cat([torch.tensor([-1.0], dtype=torch.float64), code, torch.tensor([1.0], dtype=torch.float64)])
-    assert INT8_ERROR_BOUND == pytest.approx(float((points[1:] - points[:-1]).max()))
-    assert 0 < INT8_ERROR_BOUND < 0.05  # a loose bound would make the next test meaningless
+    assert int8_error_bound() == pytest.approx(float((points[1:] - points[:-1]).max()))
+    assert 0 < int8_error_bound() < 0.05  # a loose bound would make the next test meaningless
 
 
 @pytest.mark.parametrize("kind", ["normal", "student_t", "outlier_channels"])
@@ -80,7 +82,7 @@ def test_int8_error_bound_holds(kind: str) -> None:
     out = deserialize(serialize(x, "int8"))
     assert out.dtype == torch.float32 and out.shape == x.shape
     err = (out - x).abs().reshape(-1)
-    bound = INT8_ERROR_BOUND * _blockwise_absmax(x.contiguous()) + 1e-7
+    bound = int8_error_bound() * _blockwise_absmax(x.contiguous()) + 1e-7
     assert torch.all(err <= bound), float((err / bound).max())
     # the codec does real work: far better than coding every value as 0
     assert float(err.norm() / x.norm()) < 0.03
@@ -102,15 +104,15 @@ def test_int8_bytes_and_edge_cases() -> None:
 
 def test_chunking_and_many_tensors() -> None:
     gen = torch.Generator().manual_seed(7)
-    tensors = [torch.randn(100, 100, generator=gen), torch.arange(10), torch.randn(3, generator=gen)]
-    codecs = ["int8", "fp16", "none"]
-    stream = [part for t, c in zip(tensors, codecs) for part in serialize(t, c, chunk_size_bytes=1000)]
-    assert len(stream) > len(tensors)
-    assert all(len(part.buffer) <= 1000 for part in stream)
-    out = deserialize_many(stream)
-    assert [o.shape for o in out] == [t.shape for t in tensors]
-    assert torch.equal(out[1], tensors[1]) and torch.equal(out[2], tensors[2])
-    first = serialize(tensors[0], "int8", chunk_size_bytes=1000)
+    tensors = {"a": torch.randn(100, 100, generator=gen), "b": torch.arange(10), "c": torch.randn(3, generator=gen)}
+    parts = serialize(tensors["a"], "int8", chunk_size_bytes=1000)
+    assert len(parts) > 1 and all(len(part.buffer) <= 1000 for part in parts)
+    for codec in CODECS:
+        protos = pack(Envelope({"n": 1}, tensors), codec=codec, proto=runtime_pb2.ExpertRequest)
+        out = asyncio.run(unpack(protos))
+        assert out.header == {"n": 1} and [o.shape for o in out.tensors.values()] == [t.shape for t in tensors.values()]
+        assert torch.equal(out.tensors["b"], tensors["b"])  # integers always travel exact
+    first = serialize(tensors["a"], "int8", chunk_size_bytes=1000)
     with pytest.raises(ValueError, match="chunks"):
         deserialize(first[:-1])
 

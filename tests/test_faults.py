@@ -33,7 +33,7 @@ def test_corrupted_results_are_refused_and_redone_by_another_worker(make_swarm):
     report = swarm.wait_finished(timeout=300)
 
     fs1_log = (swarm.workdir / "fs1.log").read_text()
-    refusals = [line for line in fs1_log.splitlines() if "refused the result of task" in line]
+    refusals = [line for line in fs1_log.splitlines() if "refused PushInputGrads" in line and "result of task" in line]
     assert any("input gradients" in line and "shape" in line for line in refusals), fs1_log[-3000:]
     assert any("input gradients" in line and "dtype" in line for line in refusals), fs1_log[-3000:]
     assert any("input gradients" in line and ("NaN" in line or "Inf" in line) for line in refusals), fs1_log[-3000:]

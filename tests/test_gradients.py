@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from p2ptrain.data import TextSource
-from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaStage
+from p2ptrain.models import build_stage, model_config
 
 MODEL, ROWS, MICROBATCHES, SEQ, SEED = "llama-tiny", 6, 2, 32, 3
 RECIPE = ["--model", MODEL, "--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES),
@@ -18,8 +18,8 @@ RECIPE = ["--model", MODEL, "--num-stages", "2", "--batch-rows", str(ROWS), "--m
 
 def reference_grads() -> dict[str, torch.Tensor]:
     """One process, the whole model, the whole global batch, mean token loss."""
-    config = LLAMA_CONFIGS[MODEL]
-    model = LlamaStage(config, start=0, end=config.num_layers, seed=SEED)
+    config = model_config(MODEL)
+    model = build_stage(config, start=0, end=config.num_layers, seed=SEED)
     source = TextSource(seq_len=SEQ, seed=SEED)
     for index in range(MICROBATCHES):
         inputs, labels = source.microbatch(0, index, ROWS)

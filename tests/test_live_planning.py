@@ -114,12 +114,12 @@ def test_the_planner_identity_round_trips_and_peers_refuse_a_file_without_a_key(
     (["p2ptrain.plan", "peers/local.toml", "--publish"], "--publish is for live planning"),
     (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--publish"], "needs --planner-identity"),
     (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--batch-tokens", "64"], "--batch-tokens is for"),
-    (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model", "albert-xxlarge"], "Llama presets"),
+    (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model", "albert-xxlarge"], "can train only"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "/nonexistent.pub"], "--planner-key"),
     (["p2ptrain.peer", "--role", "server", "--plan"], "--plan needs --planner-identity"),
     (["p2ptrain.peer", "--role", "client", "--plan", "--planner-identity", "k"], "--plan is for a server"),
     (["p2ptrain.peer", "--role", "server", "--stage", "0", "--server-role", "fs", "--expect", "4"], "go with --plan"),
-    (["p2ptrain.peer", "--role", "server", "--stage", "0", "--server-role", "fs", "--planner-key", "k.pub"],
+    (["p2ptrain.peer", "--role", "server", "--stage", "0", "--server-role", "fs", "--planner-key", __file__],
      "without --stage"),
 ])
 def test_bad_live_planning_flags_exit_2(capsys, args, expected):

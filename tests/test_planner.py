@@ -7,12 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from p2ptrain.models.llama import LLAMA_CONFIGS, Block
+from p2ptrain.models import model_config
+from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, make_plan, model_spec
 from p2ptrain.planner.baselines import random_layout
 from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate, lower_bound, memory_lower_bound
 from p2ptrain.planner.generate import geo_swarm
-from p2ptrain.planner.presets import ALBERT_CONFIGS, ModelSpec, albert_layer_params, llama_layer_params
+from p2ptrain.planner.presets import ModelSpec
 from p2ptrain.planner.search import Engine, allocate
 from p2ptrain.planner.swarmfile import load_swarm
 
@@ -20,9 +21,9 @@ PEERS = Path(__file__).parent.parent / "peers"
 
 
 def test_llama_preset_counts_the_parameters_the_model_builds() -> None:
-    config = LLAMA_CONFIGS["llama-tiny"]
+    config = model_config("llama-tiny")
     params = sum(p.numel() for p in Block(config).parameters())
-    assert llama_layer_params(config) == params
+    assert config.layer_parameters() == params
     spec = model_spec("llama-tiny")
     attention = 4 * config.hidden_size * (config.max_seq_len + 1) / 2
     assert spec.flops_per_token_per_layer == pytest.approx(3 * (2 * params + attention))
@@ -33,7 +34,7 @@ def test_llama_preset_counts_the_parameters_the_model_builds() -> None:
 
 def test_albert_and_offload_modes() -> None:
     # ALBERT-xxlarge has about 235M parameters, nearly all in its one shared block
-    assert 200e6 < albert_layer_params(ALBERT_CONFIGS["albert-xxlarge"]) < 235e6
+    assert 200e6 < model_config("albert-xxlarge").layer_parameters() < 235e6
     none, opt, full = (model_spec("llama-33b", precision="fp64", offload=o) for o in ("none", "optimizer", "all"))
     assert none.memory_bytes_per_layer > opt.memory_bytes_per_layer > full.memory_bytes_per_layer
     assert full.memory_bytes_per_layer == 6656 * 2048 * 8

@@ -3,6 +3,7 @@ import pytest
 
 from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.ledger import Ledger
+from p2ptrain.protocol.messages import Closure, GroupMember, TaskReply
 from p2ptrain.protocol.rows import Rows, route, segments, split_by_compute
 from p2ptrain.protocol.taskpool import Kind, Task, TaskPool
 
@@ -100,28 +101,31 @@ def test_closing_an_epoch_drops_its_leftover_tasks():
     assert pool.take("a", now=0.0, epoch=0) is None
 
 
-def _reply(closed: int, closures: dict | None = None) -> dict:
-    return {"closed_epoch": closed, "closures": closures or {}}
+def _reply(closed: int, *closures: Closure) -> TaskReply:
+    return TaskReply(closed_epoch=closed, closures=closures)
 
 
-CLOSURE = {"fs": ["fs-a", "fs-b"], "group": [["w1", False], ["w2", True]]}
+W1, W2 = GroupMember(peer_id="w1", client_mode=False), GroupMember(peer_id="w2", client_mode=True)
+CLOSURE = Closure(epoch=3, fs=("fs-a", "fs-b"), group=(W1, W2))
 
 
 def test_a_worker_waits_for_every_fs_of_the_epoch_layout_even_one_the_dht_misses():
     # fs-b is in epoch 3's layout but was not polled (missing from the DHT for a moment): no step yet
-    verdict = judge(3, {"fs-a": _reply(3, {"3": CLOSURE})})
+    verdict = judge(3, {"fs-a": _reply(3, CLOSURE)})
     assert verdict.group is None and verdict.catch_up_to is None and verdict.epoch_fs == ("fs-a", "fs-b")
-    assert judge(3, {"fs-a": _reply(3, {"3": CLOSURE}), "fs-b": _reply(2)}).group is None
-    assert judge(3, {"fs-a": _reply(3, {"3": CLOSURE}), "fs-b": None}).group is None
+    assert judge(3, {"fs-a": _reply(3, CLOSURE), "fs-b": _reply(2)}).group is None
+    assert judge(3, {"fs-a": _reply(3, CLOSURE), "fs-b": None}).group is None
 
 
 def test_a_worker_steps_with_the_group_of_the_layouts_first_fs():
-    other = {"fs": ["fs-a", "fs-b"], "group": [["w1", False]]}  # fs-b saw fewer workers
-    verdict = judge(3, {"fs-b": _reply(3, {"3": other}), "fs-a": _reply(4, {"3": CLOSURE})})
-    assert verdict.group == [("w1", False), ("w2", True)]
+    other = Closure(epoch=3, fs=("fs-a", "fs-b"), group=(W1,))  # fs-b saw fewer workers
+    verdict = judge(3, {"fs-b": _reply(3, other), "fs-a": _reply(4, CLOSURE)})
+    assert verdict.group == (W1, W2)
 
 
 def test_a_worker_waits_while_its_epoch_is_open_and_catches_up_when_it_is_long_gone():
     assert judge(3, {"fs-a": _reply(2)}, epoch_fs=("fs-a",)) == Verdict(epoch_fs=("fs-a",))
-    assert judge(0, {"fs-a": _reply(9, {"9": CLOSURE}), "fs-b": None}).catch_up_to == 10
+    assert judge(0, {"fs-a": _reply(9, Closure(epoch=9, fs=("fs-a",), group=(W1,))), "fs-b": None}).catch_up_to == 10
     assert judge(0, {"fs-a": None}).catch_up_to is None
+    # every FS of the layout closed the epoch, but the first one so long ago that it forgot the group: too late
+    assert judge(3, {"fs-a": _reply(9), "fs-b": _reply(9, CLOSURE)}).catch_up_to == 10

@@ -7,6 +7,7 @@ result never reaches the average: every row's gradient counts exactly once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -15,18 +16,28 @@ from typing import Callable
 
 import torch
 
-from p2ptrain.averaging import GroupMember, StageAllReduce
-from p2ptrain.models.llama import LlamaStage
+from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.closure import judge
+from p2ptrain.protocol.messages import (
+    BACKWARD_SERVER,
+    FRONTAL_SERVER,
+    FetchInputs,
+    GroupMember,
+    Message,
+    PushInputGrads,
+    PushOutputs,
+    Request,
+    TakeTask,
+    TaskOffer,
+    TaskReply,
+)
 from p2ptrain.protocol.rows import Rows
-from p2ptrain.server.backward import BackwardServer
-from p2ptrain.server.frontal import FrontalServer
-from p2ptrain.transport import Caller, Message
+from p2ptrain.protocol.taskpool import Kind
+from p2ptrain.transport import Caller, Refused
 
 logger = logging.getLogger(__name__)
-
-FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan")
-RETRIES = 3  # attempts at pushing a result whose reply was lost in transport
 
 
 @dataclass
@@ -47,16 +58,24 @@ class ForwardState:
 
 
 class Worker:
+    """The task loop of one worker of one stage.
+
+    Owns its stage model, optimizer and the gradients it accumulated this epoch (counted only once a server accepted
+    the result they belong to), and the forward activations it keeps for its own backward tasks. It reaches servers
+    only through its caller (pulling tasks, pushing results) and the stage's other workers only through the
+    all-reduce in `averager`.
+    """
+
     def __init__(
-        self, *, worker_id: str, stage: int, num_stages: int, model: LlamaStage, optimizer: torch.optim.Optimizer,
-        averager: StageAllReduce, caller: Caller, servers: Callable[[], tuple[list[str], list[str]]],
-        compute: float, seq_len: int, client_mode: bool = False, fault: str = "none", dump_dir: str | None = None,
+        self, *, worker_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, model: StageModel,
+        optimizer: torch.optim.Optimizer, averager: StageAllReduce, caller: Caller,
+        servers: Callable[[], tuple[list[str], list[str]]], compute: float, client_mode: bool = False,
+        fault: str = "none", dump_dir: Path | None = None,
     ):
-        self.worker_id, self.stage, self.num_stages = worker_id, stage, num_stages
+        self.worker_id, self.stage, self.config, self.settings = worker_id, stage, config, settings
         self.model, self.optimizer, self.averager, self.caller = model, optimizer, averager, caller
-        self.servers, self.compute = servers, compute
-        self.seq_len, self.client_mode, self.fault = seq_len, client_mode, fault
-        self.dump_dir = Path(dump_dir) if dump_dir else None
+        self.servers, self.compute, self.client_mode, self.fault = servers, compute, client_mode, fault
+        self.dump_dir = dump_dir
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
         self.rows_accumulated = 0
@@ -72,7 +91,7 @@ class Worker:
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.stage == self.config.num_stages - 1
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -80,75 +99,78 @@ class Worker:
             # the FS of this epoch's layout are polled even if the DHT briefly misses one: each must close the epoch
             fs_list = sorted({*fs_list, *self.epoch_fs})
             if not fs_list:
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(self.settings.no_servers_wait_s)
                 continue
-            task, polls = await self._take(fs_list, bs_list)
-            if task is not None:
-                await self._run_task(task)
+            reply, polls = await self._take(fs_list, bs_list)
+            if reply is not None:
+                await self._run_task(reply)
             else:
                 await self._after_idle_poll(polls)
 
-    async def _take(self, fs_list: list[str], bs_list: list[str]) -> tuple[Message | None, dict[str, dict | None]]:
+    async def _take(self, fs_list: list[str], bs_list: list[str]) -> tuple[TaskReply | None, dict[str, TaskReply | None]]:
         """Backward work first (it frees memory and unblocks the pipeline), then forward work; long-poll the FS.
 
         With no task, also returns each FS's reply (its last closed epoch and its recent closures), None where
         an FS could not be reached.
         """
-        request = {"worker": self.worker_id, "compute": self.compute, "epoch": self.epoch,
-                   "client_mode": self.client_mode}
+        request = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode)
         for bs in bs_list:
-            reply = await self._ask(bs, BackwardServer, {**request, "wait_s": 0.0})
-            if reply is not None and reply.header.get("task"):
+            reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(request, wait_s=self.settings.bs_poll_wait_s))
+            if reply is not None and reply.task is not None:
                 return reply, {}
-        polls: dict[str, dict | None] = {}
+        polls: dict[str, TaskReply | None] = {}
         for fs in fs_list:
-            reply = await self._ask(fs, FrontalServer, {**request, "wait_s": 0.1})
-            if reply is not None and reply.header.get("task"):
+            reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(request, wait_s=self.settings.fs_poll_wait_s))
+            if reply is not None and reply.task is not None:
                 return reply, {}
-            polls[fs] = None if reply is None else reply.header
+            polls[fs] = reply
         return None, polls
 
-    async def _after_idle_poll(self, polls: dict[str, dict | None]) -> None:
+    async def _after_idle_poll(self, polls: dict[str, TaskReply | None]) -> None:
         """No task anywhere: step, catch up, or wait, by ``protocol.closure.judge``."""
         verdict = judge(self.epoch, polls, epoch_fs=self.epoch_fs)
         self.epoch_fs = verdict.epoch_fs
         if verdict.catch_up_to is not None:
             self._advance(verdict.catch_up_to)
         elif verdict.group is not None:
-            await self._step([GroupMember(peer, client_mode) for peer, client_mode in verdict.group])
+            await self._step(verdict.group)
 
-    async def _ask(self, server: str, service: type, header: dict) -> Message | None:
+    async def _ask(self, server: str, service: str, request: TakeTask) -> TaskReply | None:
         try:
-            return await self.caller.call(server, service, "rpc_take_task", Message(header))
+            return await self.caller.call(server, service, request)
+        except Refused as e:
+            logger.warning(f"worker {self.worker_id}: {server} refused a task poll: {e}")
         except Exception as e:
             logger.warning(f"worker {self.worker_id}: could not reach {server}: {e!r}")
-            await asyncio.sleep(0.2)
-            return None
+        await asyncio.sleep(self.settings.unreachable_backoff_s)
+        return None
 
-    async def _run_task(self, task: Message) -> None:
-        if task.header["kind"] == "forward":
-            await self._forward(task)
+    async def _run_task(self, reply: TaskReply) -> None:
+        if reply.task.kind == Kind.FORWARD:
+            await self._forward(reply.task, reply.inputs, reply.labels)
         else:
-            await self._backward(task)
+            await self._backward(reply.task, reply.grad)
 
-    async def _forward(self, task: Message) -> None:
-        header, inputs, labels = task.header, task.tensors["inputs"], task.tensors["labels"]
-        rows = Rows(*header["rows"])
-        self.epoch_fs = tuple(header["layout"][self.stage][0])
+    async def _forward(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.epoch_fs = offer.layout.stages[self.stage].fs
         if not self.is_first:
             inputs.requires_grad_(True)
         if self.is_last:
             loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
-            if await self._push_input_grads(header, rows, grads, issuer=header["fs"]):
+            if await self._push_input_grads(offer, grads, issuer=offer.fs):
                 # the BS counts each row's loss once, so a retry after a lost reply is harmless
-                await self._call(header["bs"], BackwardServer, "rpc_push_outputs", Message(
-                    self._result_header(header, rows), {"loss": self._corrupt(loss.detach())}), attempts=RETRIES)
+                await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=self._corrupt(loss.detach())),
+                                 attempts=self.settings.push_attempts)
             return
         outputs = await asyncio.to_thread(self._forward_compute, inputs)
-        reply = await self._call(header["bs"], BackwardServer, "rpc_push_outputs", Message(
-            self._result_header(header, rows), {"outputs": self._corrupt(outputs.detach()), "labels": labels}))
-        if reply is not None and reply.header.get("accepted"):
-            self.cache[header["task"]] = ForwardState(rows=rows, inputs=inputs, outputs=outputs)
+        result = self._outputs(offer, outputs=self._corrupt(outputs.detach()), labels=labels)
+        if await self._call(offer.bs, BACKWARD_SERVER, result) is not None:
+            self.cache[offer.task] = ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
+
+    def _outputs(self, offer: TaskOffer, **tensors: torch.Tensor) -> PushOutputs:
+        return PushOutputs(task=offer.task, worker=self.worker_id, epoch=offer.epoch, microbatch=offer.microbatch,
+                           rows=offer.rows, total_rows=offer.total_rows, layout=offer.layout, fs=offer.fs,
+                           client_mode=self.client_mode, **tensors)
 
     def _forward_compute(self, inputs: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
@@ -160,61 +182,51 @@ class Worker:
             targets = self.params + ([] if self.is_first else [inputs])
             return loss, list(torch.autograd.grad(loss, targets))
 
-    async def _backward(self, task: Message) -> None:
-        header, grad = task.header, task.tensors["grad"]
-        rows = Rows(*header["rows"])
-        state = self.cache.pop(header["forward_task"], None)
-        if state is None or state.rows != rows:
-            state = await self._recompute(header, rows)
+    async def _backward(self, offer: TaskOffer, grad: torch.Tensor) -> None:
+        state = self.cache.pop(offer.forward_task, None)
+        if state is None or state.rows != offer.rows:
+            state = await self._recompute(offer)
             if state is None:
                 return
         grads = await asyncio.to_thread(self._backward_compute, state, grad)
-        await self._push_input_grads(header, rows, grads, issuer=header["bs"])
+        await self._push_input_grads(offer, grads, issuer=offer.bs)
 
-    async def _recompute(self, header: dict, rows: Rows) -> ForwardState | None:
+    async def _recompute(self, offer: TaskOffer) -> ForwardState | None:
         """Redo the forward pass from the inputs the FS keeps: this task's forward was done elsewhere."""
-        reply = await self._call(header["fs"], FrontalServer, "rpc_fetch_inputs", Message(
-            {"epoch": header["epoch"], "microbatch": header["microbatch"], "rows": [rows.start, rows.end]}))
-        if reply is None or not reply.header.get("found"):
-            logger.warning(f"worker {self.worker_id}: inputs of {header['task']} are gone")
+        stored = await self._call(offer.fs, FRONTAL_SERVER, FetchInputs(epoch=offer.epoch, microbatch=offer.microbatch,
+                                                                        rows=offer.rows))
+        if stored is None:
+            logger.warning(f"worker {self.worker_id}: inputs of {offer.task} are gone")
             return None
-        inputs = reply.tensors["inputs"]
+        inputs = stored.inputs
         if not self.is_first:
             inputs.requires_grad_(True)
         outputs = await asyncio.to_thread(self._forward_compute, inputs)
-        return ForwardState(rows=rows, inputs=inputs, outputs=outputs)
+        return ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
 
     def _backward_compute(self, state: ForwardState, grad: torch.Tensor) -> list[torch.Tensor]:
         targets = self.params + ([] if self.is_first else [state.inputs])
         return list(torch.autograd.grad(state.outputs, targets, grad_outputs=grad))
 
-    async def _push_input_grads(self, header: dict, rows: Rows, grads: list[torch.Tensor], *, issuer: str) -> bool:
+    async def _push_input_grads(self, offer: TaskOffer, grads: list[torch.Tensor], *, issuer: str) -> bool:
         """Send the input gradients to the FS; only once it accepts them do the parameter gradients count."""
         param_grads = grads[: len(self.params)]
-        tensors = {} if self.is_first else {"grad": self._corrupt(grads[-1])}
         # the FS answers a repeated push of a result it accepted with "accepted" again: if the first reply was lost,
         # the retry tells this worker to count the gradients the FS already counted
-        reply = await self._call(header["fs"], FrontalServer, "rpc_push_input_grads", Message(
-            {**self._result_header(header, rows), "issuer": issuer}, tensors), attempts=RETRIES)
-        if reply is None or not reply.header.get("accepted"):
+        request = PushInputGrads(task=offer.task, worker=self.worker_id, epoch=offer.epoch,
+                                 microbatch=offer.microbatch, rows=offer.rows, issuer=issuer,
+                                 client_mode=self.client_mode, grad=None if self.is_first else self._corrupt(grads[-1]))
+        if await self._call(offer.fs, FRONTAL_SERVER, request, attempts=self.settings.push_attempts) is None:
             return False
-        if header["epoch"] != self.epoch:
-            raise RuntimeError(f"task of epoch {header['epoch']} computed at epoch {self.epoch}")
+        if offer.epoch != self.epoch:
+            raise RuntimeError(f"task of epoch {offer.epoch} computed at epoch {self.epoch}")
         for accumulated, param_grad in zip(self.accumulated, param_grads):
             accumulated.add_(param_grad)
-        self.rows_accumulated += len(rows)
+        self.rows_accumulated += len(offer.rows)
         return True
 
-    def _result_header(self, header: dict, rows: Rows) -> dict:
-        return {
-            "task": header["task"], "worker": self.worker_id, "epoch": header["epoch"],
-            "microbatch": header["microbatch"], "rows": [rows.start, rows.end], "fs": header["fs"],
-            "total_rows": header["total_rows"], "layout": header["layout"],
-            "microbatches_per_epoch": header["microbatches_per_epoch"], "client_mode": self.client_mode,
-        }
-
     def _corrupt(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Fault injection for tests of the servers' input checks (--fault)."""
+        """Fault injection for tests of the servers' input checks (`NodeOptions.fault`)."""
         if self.fault == "wrong-shape":
             return tensor.reshape(-1)[: max(tensor.numel() - 1, 1)]
         if self.fault == "wrong-dtype":
@@ -223,20 +235,22 @@ class Worker:
             return torch.full_like(tensor, float("nan"))
         return tensor
 
-    async def _call(self, server: str, service: type, method: str, message: Message, *,
-                    attempts: int = 1) -> Message | None:
-        """The server's reply, or None if every attempt failed in transport (a refusal is a reply)."""
+    async def _call(self, server: str, service: str, request: Request, *, attempts: int = 1) -> Message | None:
+        """The server's reply; None if it refused the request or every attempt failed in transport."""
         for attempt in range(1, attempts + 1):
             try:
-                return await self.caller.call(server, service, method, message)
+                return await self.caller.call(server, service, request)
+            except Refused as e:
+                logger.info(f"worker {self.worker_id}: {server} refused {type(request).__name__}: {e}")
+                return None
             except Exception as e:
-                logger.warning(f"worker {self.worker_id}: {method} to {server} failed (attempt {attempt} of "
+                logger.warning(f"worker {self.worker_id}: {request.method} to {server} failed (attempt {attempt} of "
                                f"{attempts}): {e!r}")
                 if attempt < attempts:
-                    await asyncio.sleep(0.2 * attempt)
+                    await asyncio.sleep(self.settings.push_backoff_s * attempt)
         return None
 
-    async def _step(self, group: list[GroupMember]) -> None:
+    async def _step(self, group: tuple[GroupMember, ...]) -> None:
         """The stage closed this epoch: average gradients with the group the stage's first FS fixed, then step."""
         rows, epoch = self.rows_accumulated, self.epoch
         if self.worker_id not in {member.peer_id for member in group}:
@@ -247,7 +261,7 @@ class Worker:
                 logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping it")
             self._advance(epoch + 1)
             return
-        tokens = rows * self.seq_len
+        tokens = rows * self.config.seq_len
         # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
         grads = [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
         averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
@@ -263,7 +277,7 @@ class Worker:
         self.optimizer.zero_grad(set_to_none=True)
         now = time.monotonic()
         self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged_with=result.group_size,
-                                              averaged=result.ok, seconds=now - self._epoch_started))
+                                        averaged=result.ok, seconds=now - self._epoch_started))
         self._epoch_started = now
         self._advance(epoch + 1)
         logger.info(f"worker {self.worker_id}: stage {self.stage} stepped to epoch {self.epoch} ({rows} rows, "

@@ -2,8 +2,9 @@
 
 Every `period_s` the announcer re-stores each record it owns with expiration now + `ttl_s`; a peer that
 vanishes stops refreshing and its records expire on their own. A record that changes between refreshes is
-stored alone at once: each store costs signing, replication and schema checks on a machine shared with training. A deliberate exit writes tombstones (None
-under the same subkey, newer than the record), so readers forget the peer at once rather than after ttl.
+stored alone at once: each store costs signing, replication and schema checks on a machine shared with
+training. A deliberate exit writes tombstones (None under the same subkey, newer than the record), so readers
+forget the peer at once rather than after ttl.
 """
 from __future__ import annotations
 
@@ -72,14 +73,6 @@ class Announcer:
             self._membership_key = key
             self._records[(key, subkey)] = value
             self._changed.add((key, subkey))
-        self._wake.set()
-
-    def clear_membership(self) -> None:
-        with self._lock:
-            if self._membership_key is not None:
-                self._records[(self._membership_key, self._subkey)] = None
-                self._changed.add((self._membership_key, self._subkey))
-                self._membership_key = None
         self._wake.set()
 
     def set_metrics(self, record: Metrics) -> None:

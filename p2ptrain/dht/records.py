@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Dict, List, Literal, Optional, Self
 
 import pydantic.v1 as pydantic
 
-PeerRole = Literal["server", "client", "bootstrap"]
-ServerRole = Literal["fs", "bs"]
+from p2ptrain.protocol.layout import PeerRole, ServerRole
+
 StageRole = Literal["fs", "bs", "worker"]
 PeerState = Literal["joining", "online", "offline"]
 

@@ -6,9 +6,7 @@ fewest workers (planned ones plus clients that joined it since), so clients the 
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import logging
 import time
 import zlib
@@ -17,31 +15,19 @@ from typing import Any
 
 import hivemind
 
-from p2ptrain.compute import measure_block_compute
+from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, Link, PeerInfo, get_peers, get_plan, get_stage_members
-from p2ptrain.dht.records import ServerRole
-from p2ptrain.live.probe import LinkProbe, available_memory, measure_link
+from p2ptrain.live.probe import LinkProbe, available_memory, measure_block_compute, measure_link
+from p2ptrain.protocol.layout import PeerRole, Placement
 from p2ptrain.transport import Caller
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 2.0
-PROGRESS_EVERY_S = 15.0
-PROBE_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """What `--stage K --server-role R --layers A:B --num-stages N` would have said on the command line."""
-
-    stage: int
-    server_role: ServerRole | None  # None for a client
-    layers: tuple[int, int]
-    num_stages: int
-
 
 @dataclass(frozen=True, kw_only=True)
 class Joined:
+    """A peer's place from the plan, and what it measured and announced on the way."""
+
     placement: Placement
     compute: float
     memory: int
@@ -96,31 +82,27 @@ def place_client(stages: list[dict[str, Any]], peer_id: str, joined: dict[int, s
                      num_stages=len(stages))
 
 
-def apply_placement(args: argparse.Namespace, placement: Placement) -> None:
-    """Make `args` read as if the placement had been given on the command line."""
-    args.stage, args.server_role, args.layer_range = placement.stage, placement.server_role, placement.layers
-    args.num_stages = placement.num_stages
-    args.config = dataclasses.replace(args.config, num_stages=placement.num_stages)
-
-
-async def join_by_plan(*, args: argparse.Namespace, dht: hivemind.DHT, announcer: Announcer, peer_id: str,
-                       planner_key: bytes, stop: asyncio.Event) -> Joined | None:
-    """Measure, announce, and wait (up to args.plan_timeout) for a plan that places this peer; None if stopped."""
+async def join_by_plan(*, dht: hivemind.DHT, announcer: Announcer, peer_id: str, role: PeerRole, computes: bool,
+                       config: RunConfig, settings: RuntimeConfig, planner_key: bytes, timeout_s: float,
+                       compute: float | None, stop: asyncio.Event) -> Joined | None:
+    """Measure, announce, and wait up to `timeout_s` for a plan signed by `planner_key` that places this peer;
+    None if stopped first. `compute`: this peer's FLOP/s if known, else it is measured on one block."""
     p2p = await dht.replicate_p2p()
-    await LinkProbe().add_p2p_handlers(p2p)  # before the first announcement: whoever sees us can probe us
-    caller = Caller(p2p=p2p, local={}, codec="none", timeout=PROBE_TIMEOUT_S)
-    compute = args.compute_power or await asyncio.to_thread(measure_block_compute, args.config)
+    # before the first announcement: whoever sees us can probe us
+    await LinkProbe(peer_id=peer_id).add_p2p_handlers(p2p)
+    caller = Caller(p2p=p2p, peer_id=peer_id, codec="none", timeout=settings.probe_timeout_s)
+    compute = compute or await asyncio.to_thread(measure_block_compute, config)
     memory = available_memory()
-    logger.info(f"{args.role} {peer_id} joining without a stage: {compute:.3g} FLOP/s per block, "
+    logger.info(f"{role} {peer_id} joining without a stage: {compute:.3g} FLOP/s per block, "
                 f"{memory / 2**30:.1f} GiB free; waiting for the planner's plan")
     links: dict[str, Link] = {}
     announced: dict[str, Link] | None = None
     seen_versions: set[int] = set()
     joined_at = time.time()
     started = time.monotonic()
-    next_progress = started + PROGRESS_EVERY_S
+    next_progress = started + settings.progress_every_s
     while not stop.is_set():
-        peers = await asyncio.to_thread(get_peers, dht, args.run_id)
+        peers = await asyncio.to_thread(get_peers, dht, config.run_id)
         for peer in peers:
             # servers measure each other, clients measure the servers; only peers that joined this way run a probe
             probed = peer.role == "server" and (peer.state == "joining" or peer.links)
@@ -131,50 +113,50 @@ async def join_by_plan(*, args: argparse.Namespace, dht: hivemind.DHT, announcer
                     logger.info(f"could not measure the link to {peer.peer_id} yet: {e!r}")
         if links != announced:
             announcer.set_peer_info(PeerInfo(
-                peer_id=peer_id, role=args.role, reliable=args.role != "client",
-                computes=args.role == "client" or args.compute, compute=compute, memory=memory,
-                maddrs=[str(a) for a in dht.get_visible_maddrs()], state="joining", started=joined_at,
+                peer_id=peer_id, role=role, reliable=role != "client", computes=computes, compute=compute,
+                memory=memory, maddrs=[str(a) for a in dht.get_visible_maddrs()], state="joining", started=joined_at,
                 links=dict(links)))
             announced = dict(links)
-        record = await asyncio.to_thread(get_plan, dht, args.run_id, planner_key)
+        record = await asyncio.to_thread(get_plan, dht, config.run_id, planner_key)
         if record is not None and record.version not in seen_versions:
             seen_versions.add(record.version)
-            placement = await _place(args=args, dht=dht, peer_id=peer_id, plan=record.plan, version=record.version)
+            placement = await _place(dht=dht, config=config, role=role, peer_id=peer_id, plan=record.plan,
+                                     version=record.version)
             if placement is not None:
-                logger.info(f"plan v{record.version} places this {args.role} in stage {placement.stage} of "
+                logger.info(f"plan v{record.version} places this {role} in stage {placement.stage} of "
                             f"{placement.num_stages}, layers [{placement.layers[0]}, {placement.layers[1]})"
                             + (f" as {placement.server_role.upper()}" if placement.server_role else ""))
                 return Joined(placement=placement, compute=compute, memory=memory, links=links)
         now = time.monotonic()
-        if now - started > args.plan_timeout:
-            raise TimeoutError(f"no plan signed by the planner's key placed this peer within {args.plan_timeout:.0f} s"
-                               f" (plans seen: {sorted(seen_versions) or 'none'}); is the planner running with "
-                               f"the same --run-id and the key whose .pub is {args.planner_key}?")
+        if now - started > timeout_s:
+            raise TimeoutError(f"no plan signed by the planner's key placed this peer within {timeout_s:.0f} s (plans "
+                               f"seen: {sorted(seen_versions) or 'none'}); is the planner running with the same "
+                               "--run-id and the key whose .pub this peer trusts?")
         if now >= next_progress:
-            next_progress = now + PROGRESS_EVERY_S
+            next_progress = now + settings.progress_every_s
             logger.info(f"still waiting for a plan after {now - started:.0f} s; measured links to {len(links)} "
                         f"server(s)")
         try:
-            await asyncio.wait_for(stop.wait(), POLL_S)
+            await asyncio.wait_for(stop.wait(), settings.plan_poll_s)
         except asyncio.TimeoutError:
             pass
     return None
 
 
-async def _place(*, args: argparse.Namespace, dht: hivemind.DHT, peer_id: str, plan: dict[str, Any],
+async def _place(*, dht: hivemind.DHT, config: RunConfig, role: PeerRole, peer_id: str, plan: dict[str, Any],
                  version: int) -> Placement | None:
     try:
-        stages = plan_stages(plan, num_layers=args.config.llama.num_layers)
+        stages = plan_stages(plan, num_layers=config.model_config.num_layers)
     except ValueError as e:
         logger.warning(f"plan v{version} does not fit this peer, waiting for another: {e}")
         return None
-    if args.role == "server":
+    if role == "server":
         placement = place_server(stages, peer_id)
         if placement is None:
             logger.warning(f"plan v{version} leaves this server out; waiting for a plan that places it")
         return placement
     joined = {}
     for k in range(len(stages)):
-        members = await asyncio.to_thread(get_stage_members, dht, args.run_id, k)
+        members = await asyncio.to_thread(get_stage_members, dht, config.run_id, k)
         joined[k] = {m.peer_id for m in members if m.role == "worker"}
     return place_client(stages, peer_id, joined)

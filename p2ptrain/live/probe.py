@@ -2,35 +2,42 @@
 
 A link is measured over the same libp2p RPC that will later carry activations, so the planner sees what the
 runtime will get: latency is half the round trip of a tiny message, bandwidth the time of a ~1 MiB message once
-that round trip is taken off.
+that round trip is taken off. Compute is timed on the stage model the peer will run (or one block of it, before
+the peer knows its stage), the quantity the planner's cost model divides by.
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import AsyncIterator
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import P2PContext
 
+from p2ptrain.config import RunConfig
 from p2ptrain.dht import Link
-from p2ptrain.transport import Caller, Message, respond, unpack
+from p2ptrain.models import build_stage
+from p2ptrain.models.base import StageModel
+from p2ptrain.protocol.messages import LINK_PROBE, Echo, Probe
+from p2ptrain.transport import Caller, Requests, Responses, Service
 
 PAYLOAD_BYTES = 2**20
 PINGS = 3
 
 
-class LinkProbe(ServicerBase):
+class LinkProbe(Service):
     """Answers probes: echoes how many bytes arrived, so a sender can time tiny and bulky messages."""
 
-    async def rpc_echo(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        message = await unpack(requests)
-        received = sum(t.numel() * t.element_size() for t in message.tensors.values())
-        for response in respond(Message({"received": received}), codec="none"):
-            yield response
+    service = LINK_PROBE
+
+    def __init__(self, *, peer_id: str):
+        super().__init__(peer_id=peer_id, name="link probe", codec="none")
+
+    def rpc_echo(self, requests: Requests, context: P2PContext) -> Responses:
+        return self.serve(requests, context, Probe, self.echo)
+
+    async def echo(self, request: Probe, sender: str) -> Echo:
+        payload = request.payload
+        return Echo(received=0 if payload is None else payload.numel() * payload.element_size())
 
 
 async def measure_link(caller: Caller, peer: str) -> Link:
@@ -38,15 +45,15 @@ async def measure_link(caller: Caller, peer: str) -> Link:
     round_trips = []
     for _ in range(PINGS):  # the fastest of a few: the others include scheduling noise on a busy machine
         started = time.perf_counter()
-        await caller.call(peer, LinkProbe, "rpc_echo", Message({}))
+        await caller.call(peer, LINK_PROBE, Probe())
         round_trips.append(time.perf_counter() - started)
     rtt = min(round_trips)
     payload = torch.zeros(PAYLOAD_BYTES // 4, dtype=torch.float32)
     started = time.perf_counter()
-    reply = await caller.call(peer, LinkProbe, "rpc_echo", Message({}, {"payload": payload}))
+    echo = await caller.call(peer, LINK_PROBE, Probe(payload=payload))
     elapsed = time.perf_counter() - started
-    if reply.header.get("received") != PAYLOAD_BYTES:
-        raise ConnectionError(f"peer {peer} echoed {reply.header.get('received')} bytes, not {PAYLOAD_BYTES}")
+    if echo.received != PAYLOAD_BYTES:
+        raise ConnectionError(f"peer {peer} echoed {echo.received} bytes, not {PAYLOAD_BYTES}")
     # the transfer time is what the bulky message took beyond a tiny one; floor it so a lucky timing on
     # loopback cannot report an infinite bandwidth
     return Link(latency_s=rtt / 2, bandwidth_bps=PAYLOAD_BYTES / max(elapsed - rtt, 1e-4))
@@ -55,3 +62,26 @@ async def measure_link(caller: Caller, peer: str) -> Link:
 def available_memory() -> int:
     """Bytes of RAM free for layers now (the runtime trains on the CPU); POSIX sysconf, no extra dependency."""
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def measure_compute(model: StageModel, config: RunConfig) -> float:
+    """FLOP/s of this process on its stage: time one forward+backward of a microbatch-sized slice."""
+    rows = max(1, min(config.rows_per_microbatch, 4))
+    inputs = model.example_inputs(rows, config.seq_len)
+    params = sum(p.numel() for p in model.parameters())
+    started = time.perf_counter()
+    output = model(inputs)
+    output.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    return 6.0 * params * rows * config.seq_len / max(time.perf_counter() - started, 1e-6)
+
+
+def measure_block_compute(config: RunConfig, *, repeats: int = 3) -> float:
+    """FLOP/s on one block of the recipe's model, before the peer knows its stage (live planning).
+
+    A middle block carries neither the embeddings nor the head, so the figure is per-layer throughput. The best of
+    a few runs: the first pays one-time allocations.
+    """
+    start = min(1, config.model_config.num_layers - 1)
+    block = build_stage(config.model_config, start=start, end=start + 1, seed=config.seed)
+    return max(measure_compute(block, config) for _ in range(repeats))

@@ -13,15 +13,13 @@ import time
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
+from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers, make_validators
 from p2ptrain.live.swarm import planning_peers, swarm_from_peers
-from p2ptrain.planner import Plan, make_plan
+from p2ptrain.planner import Plan, format_plan, make_plan
 from p2ptrain.planner.presets import model_spec
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 2.0
-PROGRESS_EVERY_S = 15.0
 
 
 def join_as_planner(*, initial_peers: list[str], signer: RSASignatureValidator, run_id: str) -> hivemind.DHT:
@@ -29,11 +27,11 @@ def join_as_planner(*, initial_peers: list[str], signer: RSASignatureValidator, 
                         record_validators=make_validators(run_id, signer=signer))
 
 
-def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, timeout_s: float,
+def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, timeout_s: float, settings: RuntimeConfig,
                    stop: threading.Event) -> list[PeerInfo] | None:
     """The peers to plan with once `expect` servers measured each other; None if stopped or out of time."""
     started = time.monotonic()
-    next_progress = started + PROGRESS_EVERY_S
+    next_progress = started + settings.progress_every_s
     while not stop.is_set():
         peers = get_peers(dht, run_id)
         ready = planning_peers(peers, expect=expect)
@@ -46,19 +44,20 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, timeout_s: fl
                          f"measurements (servers must be started without --stage, with --planner-key)")
             return None
         if now >= next_progress:
-            next_progress = now + PROGRESS_EVERY_S
+            next_progress = now + settings.progress_every_s
             logger.info(f"waiting for {expect} servers with measured links: {measured} announced so far")
-        stop.wait(POLL_S)
+        stop.wait(settings.plan_poll_s)
     return None
 
 
 def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, microbatches: int, planner: str,
-               stages: int | None, seed: int, expect: int, timeout_s: float, stop: threading.Event) -> Plan | None:
+               stages: int | None, seed: int, expect: int, timeout_s: float, settings: RuntimeConfig,
+               stop: threading.Event) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time.
 
     Raises SwarmFileError or PlanningError when the announced swarm cannot be planned.
     """
-    peers = wait_for_peers(dht, run_id=run_id, expect=expect, timeout_s=timeout_s, stop=stop)
+    peers = wait_for_peers(dht, run_id=run_id, expect=expect, timeout_s=timeout_s, settings=settings, stop=stop)
     if peers is None:
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
@@ -67,12 +66,12 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, micro
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,
-            publish_for_s: float | None, stop: threading.Event) -> None:
+            publish_for_s: float | None, settings: RuntimeConfig, stop: threading.Event) -> None:
     """Store `plan` signed under the planner's key and refresh it until `stop` or `publish_for_s` seconds."""
     # the version orders plans of successive planner runs: a restarted planner's plan supersedes the old one
     record = PlanRecord(plan=plan, version=int(time.time()), created=time.time())
     announcer = Announcer(dht=dht, run_id=run_id, peer_id=dht.peer_id.to_base58(), owner_key=signer.local_public_key,
-                          period_s=10.0, ttl_s=30.0, start=False)
+                          period_s=settings.record_period_s, ttl_s=settings.record_ttl_s, start=False)
     announcer.set_plan(record)
     try:
         if not announcer.refresh():
@@ -88,3 +87,23 @@ def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, pl
                 logger.warning(f"refreshing the plan failed; retrying in {announcer.period_s:.0f} s")
     finally:
         announcer.shutdown()  # withdraws the plan: peers that come later must not adopt one nobody maintains
+
+
+def serve_plan(dht: hivemind.DHT, *, signer: RSASignatureValidator, config: RunConfig, planner: str,
+               stages: int | None, expect: int | None, timeout_s: float, settings: RuntimeConfig,
+               stop: threading.Event) -> None:
+    """A planning server's planner thread: plan the announced peers, then publish and refresh the plan until
+    stopped. Raises if the swarm cannot be planned, which ends the server with that error."""
+    expect = expect if expect is not None else 2 * (stages or 1)
+    tokens = config.tokens_per_epoch
+    plan = plan_swarm(dht, run_id=config.run_id, model=config.model, tokens=tokens, microbatches=config.microbatches,
+                      planner=planner, stages=stages, seed=config.seed, expect=expect, timeout_s=timeout_s,
+                      settings=settings, stop=stop)
+    if plan is None:
+        if not stop.is_set():
+            raise TimeoutError(f"--plan: {expect} servers did not announce their measurements within {timeout_s:.0f} s")
+        return
+    logger.info("\n" + format_plan(plan, title=f"{planner} plan for run {config.run_id} ({config.model}, {tokens} "
+                                               f"tokens in {config.microbatches} microbatches)"))
+    publish(dht, signer=signer, run_id=config.run_id, plan=plan.to_json(), publish_for_s=None, settings=settings,
+            stop=stop)

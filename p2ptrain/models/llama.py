@@ -6,51 +6,13 @@ built from the same seed, so peers that build the same layers get the same param
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 176
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} must be divisible by num_heads {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-LLAMA_CONFIGS: dict[str, LlamaConfig] = {
-    # trains in seconds on one CPU core; the tests and the main job use it
-    "llama-tiny": LlamaConfig(),
-    # big enough that one stage's microbatch costs tens of milliseconds on a CPU core (benchmarks)
-    "llama-small": LlamaConfig(hidden_size=256, intermediate_size=688, num_layers=8, num_heads=8, num_kv_heads=4),
-    "llama-33b": LlamaConfig(
-        vocab_size=32000, hidden_size=6656, intermediate_size=17920, num_layers=60, num_heads=52,
-        num_kv_heads=52, max_seq_len=2048,
-    ),
-}
+from p2ptrain.models.base import StageModel
+from p2ptrain.models.configs import LlamaConfig
 
 
 class RMSNorm(nn.Module):
@@ -119,20 +81,11 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LlamaStage(nn.Module):
-    """Layers [start, end) of a Llama; the embeddings if start == 0, the head and loss if end == num_layers.
-
-    The first stage takes token ids of shape (rows, seq); the others take hidden states (rows, seq, hidden).
-    The last stage returns the summed token loss when given labels, else the logits; the others return hidden
-    states. Summed, not averaged, so that rows split over workers add up to the gradient of the whole batch.
-    """
+class LlamaStage(StageModel):
+    """Layers [start, end) of a Llama; the embeddings if start == 0, the head and loss if end == num_layers."""
 
     def __init__(self, config: LlamaConfig, *, start: int, end: int, seed: int = 0):
-        super().__init__()
-        if not 0 <= start < end <= config.num_layers:
-            raise ValueError(f"layers [{start}, {end}) are not a non-empty range of 0..{config.num_layers}")
-        self.config, self.start, self.end = config, start, end
-        self.is_first, self.is_last = start == 0, end == config.num_layers
+        super().__init__(config, start=start, end=end)
         # Each part draws from its own seeded stream, so the same layer gets the same weights in any split.
         if self.is_first:
             self.embed = nn.Embedding(config.vocab_size, config.hidden_size)

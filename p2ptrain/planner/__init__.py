@@ -5,8 +5,8 @@ from __future__ import annotations
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
-from p2ptrain.planner.presets import ModelSpec, llama_spec, model_spec
-from p2ptrain.planner.records import Plan, Prediction, StagePlan, build_plan
+from p2ptrain.planner.presets import ModelSpec, config_spec, model_spec
+from p2ptrain.planner.records import Plan, Prediction, StagePlan, build_plan, format_plan
 from p2ptrain.planner.refine import better, refined_layouts
 from p2ptrain.planner.search import Engine
 from p2ptrain.planner.swarmfile import Device, Swarm, SwarmFileError, load_swarm
@@ -15,7 +15,7 @@ PLANNERS: tuple[str, ...] = ("paper", "refined", "random", "swarm", "dtfm")
 RANDOM_SAMPLES = 2000
 
 __all__ = ["PLANNERS", "Device", "ModelSpec", "Plan", "PlanningError", "Prediction", "StagePlan", "Swarm",
-           "SwarmFileError", "llama_spec", "load_swarm", "make_plan", "model_spec"]
+           "SwarmFileError", "config_spec", "format_plan", "load_swarm", "make_plan", "model_spec"]
 
 
 class PlanningError(ValueError):

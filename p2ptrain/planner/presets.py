@@ -23,9 +23,9 @@ Every number is computed from a model config, never typed in. Assumptions (DESIG
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaConfig
+from p2ptrain.models.configs import MODEL_CONFIGS, ModelConfig
 
 PRECISIONS: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
@@ -57,22 +57,6 @@ class ModelSpec:
                 "memory_bytes_per_layer": self.memory_bytes_per_layer}
 
 
-@dataclass(frozen=True, kw_only=True)
-class AlbertConfig:
-    """ALBERT's encoder (Lan et al. 2019); all layers share one set of parameters."""
-
-    vocab_size: int = 30000
-    embedding_size: int = 128
-    hidden_size: int = 4096
-    intermediate_size: int = 16384
-    num_layers: int = 12
-    num_heads: int = 64
-    max_seq_len: int = 512
-
-
-ALBERT_CONFIGS: dict[str, AlbertConfig] = {"albert-xxlarge": AlbertConfig()}
-
-
 def _state_bytes_per_param(precision: str, offload: str) -> int:
     width = PRECISIONS[precision]
     if offload == "all":
@@ -101,53 +85,30 @@ def _spec(*, name: str, layers: int, params: int, hidden: int, seq: int, attende
     )
 
 
-def llama_layer_params(config: LlamaConfig) -> int:
-    """Weights of one decoder block: q, k, v, o projections, the SwiGLU MLP and two RMSNorm gains."""
-    kv = config.num_kv_heads * config.head_dim
-    attention = 2 * config.hidden_size * config.hidden_size + 2 * config.hidden_size * kv
-    return attention + 3 * config.hidden_size * config.intermediate_size + 2 * config.hidden_size
+def config_spec(config: ModelConfig, *, precision: str = "fp32", offload: str = "none",
+                name: str | None = None) -> ModelSpec:
+    """The cost model's view of a model config. A causal model (Llama) attends on average to (seq + 1) / 2 keys,
+    a bidirectional one (ALBERT) to all seq keys.
 
-
-def llama_spec(config: LlamaConfig, *, precision: str = "fp32", offload: str = "none",
-               name: str = "llama") -> ModelSpec:
-    _check(precision, offload)
-    return _spec(name=name, layers=config.num_layers, params=llama_layer_params(config), hidden=config.hidden_size,
-                 seq=config.max_seq_len, attended=(config.max_seq_len + 1) / 2, precision=precision,
-                 offload=offload)
-
-
-def albert_layer_params(config: AlbertConfig) -> int:
-    """Weights of one encoder block: q, k, v, o with biases, the GELU MLP with biases, two LayerNorms."""
-    h, i = config.hidden_size, config.intermediate_size
-    return 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
-
-
-def albert_spec(config: AlbertConfig, *, precision: str = "fp32", offload: str = "none",
-                name: str = "albert") -> ModelSpec:
-    """ALBERT shares one block across all layers; the plan treats every layer as holding its own copy.
-
-    A pipeline cannot share one tensor between devices of different stages: each stage keeps a copy of the block
-    and the copies must be averaged, so P is the whole block's bytes per layer (what an untied ALBERT, i.e. a
-    BERT-xxlarge, would exchange) and M counts the block's state once per layer. Both overstate a stage that
-    applies the block several times (it needs one copy, not L_k), so ALBERT plans are conservative on memory and
-    averaging; FLOPs and activations are exact.
+    ALBERT shares one block across all layers; the plan treats every layer as holding its own copy. A pipeline
+    cannot share one tensor between devices of different stages: each stage keeps a copy of the block and the
+    copies must be averaged, so P is the whole block's bytes per layer (what an untied ALBERT, i.e. a BERT-xxlarge,
+    would exchange) and M counts the block's state once per layer. Both overstate a stage that applies the block
+    several times (it needs one copy, not L_k), so ALBERT plans are conservative on memory and averaging; FLOPs and
+    activations are exact.
     """
     _check(precision, offload)
-    return _spec(name=name, layers=config.num_layers, params=albert_layer_params(config), hidden=config.hidden_size,
-                 seq=config.max_seq_len, attended=float(config.max_seq_len), precision=precision, offload=offload)
+    seq = config.max_seq_len
+    return _spec(name=name or config.family, layers=config.num_layers, params=config.layer_parameters(),
+                 hidden=config.hidden_size, seq=seq, attended=(seq + 1) / 2 if config.causal else float(seq),
+                 precision=precision, offload=offload)
 
 
-PRESETS: tuple[str, ...] = (*LLAMA_CONFIGS, *ALBERT_CONFIGS)
+PRESETS: tuple[str, ...] = tuple(MODEL_CONFIGS)
 
 
 def model_spec(name: str, *, precision: str = "fp32", offload: str = "none") -> ModelSpec:
     """The preset ``name`` (one of ``PRESETS``) at the given precision and offload mode."""
-    if name in LLAMA_CONFIGS:
-        return llama_spec(LLAMA_CONFIGS[name], precision=precision, offload=offload, name=name)
-    if name in ALBERT_CONFIGS:
-        return albert_spec(ALBERT_CONFIGS[name], precision=precision, offload=offload, name=name)
-    raise ValueError(f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}")
-
-
-def with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
-    return replace(spec, layers=layers)
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}")
+    return config_spec(MODEL_CONFIGS[name], precision=precision, offload=offload, name=name)

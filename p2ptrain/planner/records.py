@@ -112,3 +112,22 @@ def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence
     idle = tuple(device for device in ids if device not in placed)
     return Plan(stages=tuple(stages), idle=idle, predicted=Prediction.of(evaluation, memory_lower_bound_s=bound),
                 planner=planner)
+
+
+def format_plan(plan: Plan, *, title: str) -> str:
+    """The plan as a table: each stage's layers, FS, BS, clients and predicted times, then the bounds."""
+    p = plan.predicted
+    rows = [("stage", "layers", "FS", "BS", "clients", "batch time s", "averaging s")]
+    for k, (s, t, a) in enumerate(zip(plan.stages, p.stage_times_s, p.averaging_s)):
+        rows.append((str(k), f"[{s.layers[0]}, {s.layers[1]})", " ".join(s.fs), " ".join(s.bs),
+                     " ".join(s.clients) or "-", f"{t:.4g}", f"{a:.4g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [title]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"idle: {' '.join(plan.idle) or '-'}")
+    lines.append(f"predicted batch time {p.batch_time_s:.4g} s, lower bound {p.lower_bound_s:.4g} s, "
+                 f"efficiency {p.efficiency:.3f}")
+    if p.memory_lower_bound_s is not None and p.memory_lower_bound_s > p.lower_bound_s * (1 + 1e-9):
+        lines.append(f"with memory and 2 servers per stage counted, no plan beats {p.memory_lower_bound_s:.4g} s "
+                     f"({p.memory_lower_bound_s / p.batch_time_s:.3f} of this plan's time)")
+    return "\n".join(lines)

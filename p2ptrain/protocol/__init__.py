@@ -1,1 +1,2 @@
-"""Pure protocol logic: row segmentation, the ledger and the task pool. No sockets, no clocks."""
+"""Pure protocol logic: row segmentation, layouts, the ledger, the task pool, epoch closure and the typed
+messages peers exchange. No sockets, no clocks, no torch."""

@@ -7,7 +7,10 @@ with the group of the layout's first FS, so that all workers of the stage use th
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from p2ptrain.protocol.messages import GroupMember, TaskReply
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,22 +18,24 @@ class Verdict:
     """What a worker without a task does next; at most one of ``group`` and ``catch_up_to`` is set."""
 
     epoch_fs: tuple[str, ...]  # the FS of the epoch's layout, as far as known: the worker keeps polling them
-    group: list[tuple[str, bool]] | None = None  # step now, averaging with these (peer id, client mode)
+    group: tuple[GroupMember, ...] | None = None  # step now, averaging with these
     catch_up_to: int | None = None  # skip to this epoch without stepping: this one closed before the worker came
 
 
-def judge(epoch: int, replies: dict[str, dict | None], *, epoch_fs: tuple[str, ...] = ()) -> Verdict:
-    """``replies``: each polled FS's reply header (``closed_epoch``, ``closures``), None where unreachable."""
-    key = str(epoch)
-    closure = next((r["closures"][key] for r in replies.values() if r and key in r["closures"]), None)
+def judge(epoch: int, replies: Mapping[str, TaskReply | None], *, epoch_fs: tuple[str, ...] = ()) -> Verdict:
+    """``replies``: each polled FS's reply without a task, None where the FS could not be reached."""
+    closures = {fs: {c.epoch: c for c in reply.closures} for fs, reply in replies.items() if reply is not None}
+    closure = next((held[epoch] for held in closures.values() if epoch in held), None)
     if closure is None:
-        closed = [r["closed_epoch"] for r in replies.values() if r]
+        closed = [reply.closed_epoch for reply in replies.values() if reply is not None]
         if closed and max(closed) >= epoch:
             # closed so long ago that no FS remembers the epoch's group: the worker joined late
             return Verdict(epoch_fs=(), catch_up_to=max(closed) + 1)
         return Verdict(epoch_fs=epoch_fs)
-    fs = tuple(closure["fs"])
-    if any(replies.get(f) is None or replies[f]["closed_epoch"] < epoch for f in fs):
+    fs = closure.fs
+    if any(replies.get(f) is None or replies[f].closed_epoch < epoch for f in fs):
         return Verdict(epoch_fs=fs)
-    group = replies[fs[0]]["closures"][key]["group"]
-    return Verdict(epoch_fs=fs, group=[(peer, bool(client_mode)) for peer, client_mode in group])
+    first = closures[fs[0]].get(epoch)
+    if first is None:  # the first FS closed the epoch so long ago that it forgot the group: too late to average
+        return Verdict(epoch_fs=(), catch_up_to=max(replies[f].closed_epoch for f in fs) + 1)
+    return Verdict(epoch_fs=fs, group=first.group)

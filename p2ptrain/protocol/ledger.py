@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 from p2ptrain.protocol.rows import Rows
 
@@ -20,6 +21,8 @@ class Entry:
 
 @dataclass
 class Ledger:
+    """Owns the (worker, rows, task) records of the microbatches a backward server holds; nothing else."""
+
     _entries: dict[tuple[int, int], list[Entry]] = field(default_factory=dict)
 
     def record(self, *, epoch: int, microbatch: int, worker: str, rows: Rows, task_id: str) -> bool:
@@ -29,6 +32,10 @@ class Ledger:
             return False
         bisect.insort(entries, Entry(rows=rows, worker=worker, task_id=task_id))
         return True
+
+    def rows(self, *, epoch: int, microbatch: int) -> list[Rows]:
+        """The row ranges recorded for a microbatch."""
+        return [entry.rows for entry in self._entries.get((epoch, microbatch), [])]
 
     def covered(self, *, epoch: int, microbatch: int) -> int:
         return sum(len(entry.rows) for entry in self._entries.get((epoch, microbatch), []))
@@ -44,9 +51,16 @@ class Ledger:
             raise KeyError(f"ledger of microbatch {epoch}:{microbatch} does not cover rows {rows}")
         return parts
 
-    def entries(self, *, epoch: int, microbatch: int) -> list[Entry]:
-        return list(self._entries.get((epoch, microbatch), []))
-
     def forget_epoch(self, epoch: int) -> None:
         for key in [key for key in self._entries if key[0] == epoch]:
             del self._entries[key]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"entries": [[epoch, microbatch, [[e.rows.start, e.rows.end, e.worker, e.task_id] for e in entries]]
+                            for (epoch, microbatch), entries in self._entries.items()]}
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> Ledger:
+        return cls({(epoch, microbatch): [Entry(rows=Rows(start, end), worker=worker, task_id=task_id)
+                                          for start, end, worker, task_id in entries]
+                    for epoch, microbatch, entries in value["entries"]})

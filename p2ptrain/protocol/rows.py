@@ -15,6 +15,9 @@ class Rows:
         if not 0 <= self.start <= self.end:
             raise ValueError(f"invalid row range [{self.start}, {self.end})")
 
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end})"
+
     def __len__(self) -> int:
         return self.end - self.start
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from p2ptrain.protocol.rows import Rows
 
@@ -17,7 +18,7 @@ class Kind(str, Enum):
     BACKWARD = "backward"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Task:
     task_id: str
     kind: Kind
@@ -26,8 +27,17 @@ class Task:
     rows: Rows
     preferred: str | None = None  # the worker this task was sized for, or that did the forward rows
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"task_id": self.task_id, "kind": self.kind.value, "epoch": self.epoch, "microbatch": self.microbatch,
+                "rows": [self.rows.start, self.rows.end], "preferred": self.preferred}
 
-@dataclass
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> Task:
+        return cls(task_id=value["task_id"], kind=Kind(value["kind"]), epoch=value["epoch"],
+                   microbatch=value["microbatch"], rows=Rows(*value["rows"]), preferred=value["preferred"])
+
+
+@dataclass(frozen=True, kw_only=True)
 class Lease:
     task: Task
     worker: str
@@ -36,17 +46,33 @@ class Lease:
 
 @dataclass
 class TaskPool:
+    """Owns the tasks of one server: pending, leased and done, per epoch; knows nothing of tensors or peers.
+
+    Every task belongs to one epoch, and the pool keeps the ids of each epoch's tasks, so that closing an epoch
+    forgets exactly them.
+    """
+
     lease_timeout: float
     _pending: dict[str, Task] = field(default_factory=dict)
     _leased: dict[str, Lease] = field(default_factory=dict)
     _done: set[str] = field(default_factory=set)
     _excluded: dict[str, set[str]] = field(default_factory=dict)  # task -> workers whose result was refused
+    _epochs: dict[int, set[str]] = field(default_factory=dict)  # epoch -> ids of its tasks, in any state
     redone: dict[int, int] = field(default_factory=dict)  # epoch -> tasks handed out again
 
     def add(self, task: Task) -> None:
-        if task.task_id in self._pending or task.task_id in self._leased or task.task_id in self._done:
+        if self.knows(task.task_id):
             raise ValueError(f"task {task.task_id} is already known")
         self._pending[task.task_id] = task
+        self._epochs.setdefault(task.epoch, set()).add(task.task_id)
+
+    def knows(self, task_id: str) -> bool:
+        return task_id in self._pending or task_id in self._leased or task_id in self._done
+
+    def get(self, task_id: str) -> Task | None:
+        """The task while it is pending or leased; None once done, forgotten or never added."""
+        lease = self._leased.get(task_id)
+        return lease.task if lease is not None else self._pending.get(task_id)
 
     def take(self, worker: str, *, now: float, epoch: int | None = None) -> Task | None:
         """Lease the oldest task meant for `worker`, else the oldest task at all; None if nothing fits.
@@ -59,14 +85,10 @@ class TaskPool:
         ]
         if not candidates:
             return None
-        order = sorted(candidates, key=lambda t: (t.preferred != worker, t.epoch, t.microbatch, t.rows.start))
-        task = order[0]
+        task = min(candidates, key=lambda t: (t.preferred != worker, t.epoch, t.microbatch, t.rows.start))
         del self._pending[task.task_id]
         self._leased[task.task_id] = Lease(task=task, worker=worker, deadline=now + self.lease_timeout)
         return task
-
-    def lease(self, task_id: str) -> Lease | None:
-        return self._leased.get(task_id)
 
     def complete(self, task_id: str) -> bool:
         """Mark a task done, whoever delivered it: a late result of an expired lease still counts once.
@@ -104,10 +126,11 @@ class TaskPool:
     def forget_epoch(self, epoch: int) -> None:
         """Drop a closed epoch: its bookkeeping, and any copy of its tasks still queued or leased (a late
         duplicate), which no worker may take once the epoch is averaged."""
-        self._pending = {k: t for k, t in self._pending.items() if t.epoch != epoch}
-        self._leased = {k: lease for k, lease in self._leased.items() if lease.task.epoch != epoch}
-        self._done = {task_id for task_id in self._done if not task_id.startswith(f"{epoch}:")}
-        self._excluded = {k: v for k, v in self._excluded.items() if not k.startswith(f"{epoch}:")}
+        for task_id in self._epochs.pop(epoch, set()):
+            self._pending.pop(task_id, None)
+            self._leased.pop(task_id, None)
+            self._done.discard(task_id)
+            self._excluded.pop(task_id, None)
 
     @property
     def pending(self) -> int:
@@ -116,3 +139,28 @@ class TaskPool:
     @property
     def leased(self) -> int:
         return len(self._leased)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything the pool holds, as plain data (lease deadlines in the caller's clock)."""
+        return {
+            "lease_timeout": self.lease_timeout,
+            "pending": [task.to_dict() for task in self._pending.values()],
+            "leased": [{"task": lease.task.to_dict(), "worker": lease.worker, "deadline": lease.deadline}
+                       for lease in self._leased.values()],
+            "done": sorted(self._done),
+            "excluded": {task_id: sorted(workers) for task_id, workers in self._excluded.items()},
+            "epochs": [[epoch, sorted(ids)] for epoch, ids in self._epochs.items()],
+            "redone": [[epoch, count] for epoch, count in self.redone.items()],
+        }
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> TaskPool:
+        pool = cls(lease_timeout=value["lease_timeout"])
+        pool._pending = {t["task_id"]: Task.from_dict(t) for t in value["pending"]}
+        pool._leased = {lease["task"]["task_id"]: Lease(task=Task.from_dict(lease["task"]), worker=lease["worker"],
+                                                        deadline=lease["deadline"]) for lease in value["leased"]}
+        pool._done = set(value["done"])
+        pool._excluded = {task_id: set(workers) for task_id, workers in value["excluded"].items()}
+        pool._epochs = {epoch: set(ids) for epoch, ids in value["epochs"]}
+        pool.redone = {epoch: count for epoch, count in value["redone"]}
+        return pool

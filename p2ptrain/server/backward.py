@@ -7,237 +7,166 @@ In the last stage the workers compute the loss and backward at once; the BS then
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import torch
 from hivemind.p2p import P2PContext
-from hivemind.proto import runtime_pb2
 
 from p2ptrain.compression import BadTensorError, check_tensor
-from p2ptrain.layout import Layout
-from p2ptrain.protocol.ledger import Ledger
-from p2ptrain.protocol.rows import Rows
+from p2ptrain.protocol.messages import (
+    BACKWARD_SERVER,
+    FRONTAL_SERVER,
+    Ack,
+    PushOutputGrads,
+    PushOutputs,
+    PushRows,
+    ReportTask,
+    TaskOffer,
+    TaskReply,
+)
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
-from p2ptrain.server.frontal import FrontalServer
-from p2ptrain.transport import Message
+from p2ptrain.server.state import BackwardState, BackwardWork, EpochProgress, MicrobatchOutputs
+from p2ptrain.transport import Answer, Refused, Requests, Responses
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class MicrobatchOutputs:
-    segment: Rows
-    total_rows: int
-    layout: Layout
-    outputs: torch.Tensor | None = None
-    labels: torch.Tensor | None = None
-    forwarded: bool = False
-    backward_rows: int = 0
+class BackwardServer(StageServer[BackwardState]):
+    """The BS of one stage. Owns its `BackwardState`: the ledger of which worker produced which rows, the output
+    rows it assembles, and the backward tasks it issues with their output gradients. It calls the FS of its own
+    stage (confirmations, refusals) and of the next stage (assembled rows); workers only pull from it."""
 
+    role = "bs"
+    service = BACKWARD_SERVER
+    other_service = FRONTAL_SERVER
+    state_type = BackwardState
 
-@dataclass
-class BackwardWork:
-    task: Task
-    grad: torch.Tensor
-    forward_task: str
+    # -- forward results in --------------------------------------------------------------------------------------
 
-
-@dataclass
-class EpochProgress:
-    rows_recorded: int = 0
-    rows_backward: int = 0
-    microbatches: set[int] = field(default_factory=set)
-
-
-class BackwardServer(StageServer):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.ledger = Ledger()
-        self.microbatches: dict[tuple[int, int], MicrobatchOutputs] = {}
-        self.work: dict[str, BackwardWork] = {}
-        self.microbatches_per_epoch: int | None = None
-        self.progress: dict[int, EpochProgress] = {}
-        self.closed_epoch = -1
-        self._task_counter = 0
-
-    def _microbatch(self, header: dict) -> tuple[tuple[int, int], MicrobatchOutputs]:
-        key = (header["epoch"], header["microbatch"])
-        layout = Layout.from_header(header["layout"])
-        self.microbatches_per_epoch = header["microbatches_per_epoch"]
-        mb = self.microbatches.get(key)
-        if mb is None:
-            if self.closed_epoch < 0 and not self.microbatches:
-                self.closed_epoch = key[0] - 1  # joined a running swarm: earlier epochs never come here
-            segment = layout.bs_segment(self.stage, self.peer_id, header["total_rows"])
-            mb = self.microbatches[key] = MicrobatchOutputs(segment=segment, total_rows=header["total_rows"], layout=layout)
-        return key, mb
-
-    async def rpc_push_outputs(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    def rpc_push_outputs(self, requests: Requests, context: P2PContext) -> Responses:
         """A worker's forward result: output rows (or, in the last stage, their summed loss)."""
-        message = await self.read(requests)
-        header = message.header
-        worker, task_id = header["worker"], header["task"]
-        rows = Rows(*header["rows"])
-        if header["epoch"] <= self.closed_epoch:  # a retry whose first push got through: counted already
-            async for response in self.stream(self.reply({"accepted": False, "error": "duplicate"})):
-                yield response
-            return
-        key, mb = self._microbatch(header)
+        return self.serve(requests, context, PushOutputs, self.push_outputs)
+
+    async def push_outputs(self, request: PushOutputs, sender: str) -> Ack | Answer:
+        self.check_sender(request.worker, sender)
+        epoch, index, rows = request.epoch, request.microbatch, request.rows
+        if epoch <= self.state.closed_epoch:  # a retry whose first push got through: counted already
+            raise Refused(f"duplicate: epoch {epoch} is closed here")
+        segment = self.check_layout(request.layout, total_rows=request.total_rows, microbatch=index)
+        known = self.state.microbatches.get((epoch, index))
+        if known is not None and known.layout != request.layout:
+            raise Refused(f"microbatch {epoch}:{index} came with another layout")
+        self.check_peer(request.fs, request.layout, stage=self.stage, role="fs", what="issuer")
         try:
-            if mb.segment.intersect(rows) != rows:
-                raise BadTensorError(f"rows {rows} are not in this server's segment {mb.segment}")
+            if rows.intersect(segment) != rows:
+                raise BadTensorError(f"rows {rows} are not in this server's segment {segment}")
             if self.is_last:
-                loss = message.tensors.get("loss")
-                check_tensor(loss, shape=(), dtype=torch.float32, what="loss")
+                check_tensor(request.loss, shape=(), dtype=torch.float32, what="loss")
             else:
-                check_tensor(message.tensors.get("outputs"), shape=(len(rows), self.seq_len, self.hidden_size),
-                             dtype=torch.float32, what="stage outputs")
-                check_tensor(message.tensors.get("labels"), shape=(len(rows), self.seq_len), dtype=torch.int64,
+                check_tensor(request.outputs, shape=(len(rows), *self.hidden_shape), dtype=torch.float32,
+                             what="stage outputs")
+                check_tensor(request.labels, shape=(len(rows), self.config.seq_len), dtype=torch.int64,
                              what="labels")
         except BadTensorError as e:
-            if not self.is_last:
-                await self._report(header["fs"], task_id, worker, ok=False)
-            async for response in self.stream(self.refuse(worker, task_id, str(e))):
-                yield response
-            return
-        if not self.ledger.record(epoch=key[0], microbatch=key[1], worker=worker, rows=rows, task_id=task_id):
-            async for response in self.stream(self.reply({"accepted": False, "error": "duplicate"})):
-                yield response
-            return
-        stats = self.epoch_stats(key[0])
-        progress = self._progress(key[0])
-        progress.rows_recorded += len(rows)
+            # a forward task of the last stage was completed by its FS already, when it accepted the input gradients
+            await self.refuse_result(task=request.task, worker=request.worker, epoch=epoch,
+                                     issuer=None if self.is_last else request.fs, error=str(e))
+        ledger = self.state.ledger
+        await self.confirm_result(request.fs, task=request.task, worker=request.worker, epoch=epoch, microbatch=index,
+                                  rows=rows, taken=ledger.rows(epoch=epoch, microbatch=index))
+        mb = self.open_microbatch(epoch, index, lambda: MicrobatchOutputs(segment=segment,
+                                                                          total_rows=request.total_rows,
+                                                                          layout=request.layout))
+        ledger.record(epoch=epoch, microbatch=index, worker=request.worker, rows=rows, task_id=request.task)
+        stats = self.epoch_stats(epoch)
+        stats.rows += len(rows)
+        self._progress(epoch).rows_recorded += len(rows)
         if self.is_last:
-            stats.loss_sum += float(message.tensors["loss"])
-            stats.tokens += len(rows) * self.seq_len
-            stats.rows += len(rows)
+            stats.loss_sum += float(request.loss)
+            stats.tokens += len(rows) * self.config.seq_len
             self._maybe_close_epochs()
-        else:
-            if mb.outputs is None:
-                mb.outputs = torch.empty(len(mb.segment), self.seq_len, self.hidden_size)
-                mb.labels = torch.empty(len(mb.segment), self.seq_len, dtype=torch.int64)
-            window = rows.relative_to(mb.segment)
-            mb.outputs[window] = message.tensors["outputs"]
-            mb.labels[window] = message.tensors["labels"]
-            stats.rows += len(rows)
-            await self._report(header["fs"], task_id, worker, ok=True)
-        async for response in self.stream(self.reply({"accepted": True})):
-            yield response
-        if not self.is_last and self.ledger.covered(epoch=key[0], microbatch=key[1]) == len(mb.segment):
-            await self._forward(key, mb)
+            return Ack()
+        if mb.outputs is None:
+            mb.outputs = torch.empty(len(mb.segment), *self.hidden_shape)
+            mb.labels = torch.empty(len(mb.segment), self.config.seq_len, dtype=torch.int64)
+        window = rows.relative_to(mb.segment)
+        mb.outputs[window] = request.outputs
+        mb.labels[window] = request.labels
+        if ledger.covered(epoch=epoch, microbatch=index) < len(mb.segment):
+            return Ack()
+        return Answer(Ack(), then=lambda: self._forward(epoch, index, mb))
 
     def _progress(self, epoch: int) -> EpochProgress:
-        return self.progress.setdefault(epoch, EpochProgress())
+        return self.state.progress.setdefault(epoch, EpochProgress())
 
-    async def _forward(self, key: tuple[int, int], mb: MicrobatchOutputs) -> None:
+    async def _forward(self, epoch: int, index: int, mb: MicrobatchOutputs) -> None:
         """The segment is complete: send it to the next stage's frontal servers, segmented over them."""
-        for fs, part in mb.layout.route_to_fs(self.stage + 1, mb.segment, mb.total_rows):
+        for fs, part in mb.layout.route(self.stage + 1, "fs", mb.segment, mb.total_rows):
             window = part.relative_to(mb.segment)
-            message = Message(
-                {"epoch": key[0], "microbatch": key[1], "rows": [part.start, part.end], "total_rows": mb.total_rows,
-                 "layout": mb.layout.to_header(), "microbatches_per_epoch": self.microbatches_per_epoch},
-                {"inputs": mb.outputs[window], "labels": mb.labels[window]},
-            )
-            reply = await self.caller.call(fs, FrontalServer, "rpc_push_rows", message)
-            if not reply.header.get("accepted"):
-                logger.error(f"stage {self.stage} BS: stage {self.stage + 1} FS {fs} refused rows: {reply.header}")
-        mb.forwarded, mb.outputs, mb.labels = True, None, None
+            request = PushRows(epoch=epoch, microbatch=index, rows=part, total_rows=mb.total_rows, layout=mb.layout,
+                               inputs=mb.outputs[window], labels=mb.labels[window])
+            try:
+                await self.caller.call(fs, FRONTAL_SERVER, request)
+            except Refused as e:
+                logger.error(f"{self.name}: stage {self.stage + 1} FS {fs} refused rows: {e}")
+        mb.outputs, mb.labels = None, None
 
-    async def rpc_push_output_grads(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    # -- backward tasks out --------------------------------------------------------------------------------------
+
+    def rpc_push_output_grads(self, requests: Requests, context: P2PContext) -> Responses:
         """Gradients of this stage's outputs from a frontal server of the next stage: cut them by the ledger."""
-        message = await self.read(requests)
-        header = message.header
-        key = (header["epoch"], header["microbatch"])
-        rows = Rows(*header["rows"])
-        mb = self.microbatches.get(key)
+        return self.serve(requests, context, PushOutputGrads, self.push_output_grads)
+
+    async def push_output_grads(self, request: PushOutputGrads, sender: str) -> Ack:
+        if self.is_last:
+            raise Refused("the last stage computes its own output gradients")
+        epoch, index, rows = request.epoch, request.microbatch, request.rows
+        mb = self.held(epoch, index)
+        self.check_peer(sender, mb.layout, stage=self.stage + 1, role="fs", what="sender")
+        if mb.segment.intersect(rows) != rows:
+            raise Refused(f"rows {rows} of microbatch {epoch}:{index} are not held here")
         try:
-            if mb is None or mb.segment.intersect(rows) != rows:
-                raise BadTensorError(f"rows {rows} of microbatch {key} are not held here")
-            check_tensor(message.tensors.get("grad"), shape=(len(rows), self.seq_len, self.hidden_size),
-                         dtype=torch.float32, what="output gradients")
-            entries = self.ledger.split(epoch=key[0], microbatch=key[1], rows=rows)
+            check_tensor(request.grad, shape=(len(rows), *self.hidden_shape), dtype=torch.float32,
+                         what="output gradients")
+            entries = self.state.ledger.split(epoch=epoch, microbatch=index, rows=rows)
         except (BadTensorError, KeyError) as e:
-            logger.error(f"stage {self.stage} BS: refused output gradients for {rows} of {key}: {e}")
-            async for response in self.stream(self.reply({"accepted": False, "error": str(e)})):
-                yield response
-            return
-        grad = message.tensors["grad"]
+            raise Refused(str(e)) from None
         for entry in entries:
-            self._task_counter += 1
-            task = Task(task_id=f"{key[0]}:{key[1]}:{self.stage}:B{self._task_counter}", kind=Kind.BACKWARD,
-                        epoch=key[0], microbatch=key[1], rows=entry.rows, preferred=entry.worker)
-            self.work[task.task_id] = BackwardWork(task=task, grad=grad[entry.rows.relative_to(rows)].clone(),
-                                                   forward_task=entry.task_id)
+            task = Task(task_id=self.new_task_id(epoch, index, "B"), kind=Kind.BACKWARD, epoch=epoch, microbatch=index,
+                        rows=entry.rows, preferred=entry.worker)
+            self.state.work[task.task_id] = BackwardWork(task=task, grad=request.grad[entry.rows.relative_to(rows)]
+                                                         .clone(), forward_task=entry.task_id)
             self.add_task(task)
-        async for response in self.stream(self.reply({"accepted": True})):
-            yield response
+        return Ack()
 
-    async def rpc_take_task(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        header = (await self.read(requests)).header
-        self.see_worker(header)
-        task = await self.long_poll_task(header["worker"], epoch=header["epoch"], wait_s=header.get("wait_s", 0.0))
-        if task is None:
-            reply = self.reply({"task": None})
-        else:
-            mb = self.microbatches[(task.epoch, task.microbatch)]
-            (fs, _), = mb.layout.route_to_fs(self.stage, task.rows, mb.total_rows)
-            work = self.work[task.task_id]
-            reply = self.reply({
-                "task": task.task_id, "kind": task.kind.value, "epoch": task.epoch, "microbatch": task.microbatch,
-                "rows": [task.rows.start, task.rows.end], "total_rows": mb.total_rows, "fs": fs, "bs": self.peer_id,
-                "forward_task": work.forward_task, "layout": mb.layout.to_header(),
-                "microbatches_per_epoch": self.microbatches_per_epoch,
-            }, {"grad": work.grad})
-        async for response in self.stream(reply):
-            yield response
+    def offer(self, task: Task) -> TaskReply:
+        mb = self.state.microbatches[(task.epoch, task.microbatch)]
+        (fs, _), = mb.layout.route(self.stage, "fs", task.rows, mb.total_rows)
+        work = self.state.work[task.task_id]
+        offer = TaskOffer(task=task.task_id, kind=task.kind, epoch=task.epoch, microbatch=task.microbatch,
+                          rows=task.rows, total_rows=mb.total_rows, fs=fs, bs=self.peer_id, layout=mb.layout,
+                          forward_task=work.forward_task)
+        return TaskReply(task=offer, closed_epoch=self.state.closed_epoch, grad=work.grad)
 
-    async def _report(self, fs: str, task_id: str, worker: str, *, ok: bool) -> None:
-        try:
-            await self.caller.call(fs, FrontalServer, "rpc_task_result",
-                                   Message({"task": task_id, "worker": worker, "ok": ok}))
-        except Exception as e:
-            logger.warning(f"stage {self.stage} BS: could not report task {task_id} to {fs}: {e!r}")
-
-    async def rpc_task_result(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """A frontal server accepted or refused the input gradients of one of this server's backward tasks."""
-        header = (await self.read(requests)).header
-        task_id = header["task"]
-        if header["ok"]:
-            if self.state.pool.complete(task_id):
-                task = self.work.pop(task_id).task
-                self._progress(task.epoch).rows_backward += len(task.rows)
-                self._maybe_close_epochs()
-        elif self.state.pool.fail(task_id, header["worker"]) is not None:
-            self.task_added.set()
-        async for response in self.stream(self.reply({})):
-            yield response
+    def settle(self, report: ReportTask, sender: str) -> Ack:
+        if not self.state.pool.complete(report.task):
+            raise Refused(f"task {report.task} is unknown here, or done already")
+        task = self.state.work.pop(report.task).task
+        self._progress(task.epoch).rows_backward += len(task.rows)
+        self._maybe_close_epochs()
+        return Ack()
 
     def _maybe_close_epochs(self) -> None:
         """An epoch closes here when every row of its segment has done its backward (or, last stage, its loss)."""
-        while self.microbatches_per_epoch is not None:
-            epoch = self.closed_epoch + 1
-            keys = [key for key in self.microbatches if key[0] == epoch]
-            if len(keys) < self.microbatches_per_epoch:
+        while True:
+            epoch = self.state.closed_epoch + 1
+            keys = [key for key in self.state.microbatches if key[0] == epoch]
+            if len(keys) < self.config.microbatches:
                 return
-            expected = sum(len(self.microbatches[key].segment) for key in keys)
+            expected = sum(len(self.state.microbatches[key].segment) for key in keys)
             progress = self._progress(epoch)
             if (progress.rows_recorded if self.is_last else progress.rows_backward) < expected:
                 return
-            self.closed_epoch = epoch
-            self.epoch_stats(epoch).finished = self.clock()
-            for key in keys:
-                del self.microbatches[key]
-            self.ledger.forget_epoch(epoch)
-            self.state.pool.forget_epoch(epoch)
-            self.progress.pop(epoch, None)
-            logger.info(f"stage {self.stage} BS: epoch {epoch} closed")
+            self.state.ledger.forget_epoch(epoch)
+            self.state.progress.pop(epoch, None)
+            self.close_epoch(epoch)

@@ -1,63 +1,59 @@
-"""What the frontal and backward servers of a stage share: the task pool, the workers they know, long polls."""
+"""What the frontal and backward servers of a stage share: the epoch bookkeeping, the task pool and the workers
+seen, long polls for tasks, and how a worker's result is checked, confirmed with the server that issued its task,
+or refused.
+
+A result is accepted only once its task's issuer confirms it (`ReportTask` with ok, which completes the task in
+the issuer's pool), so a result for a task nobody handed out never enters the ledger or the gradients, and no row
+counts twice. A result that fails a check is refused, counted against its worker, and reported to the issuer,
+which hands the task to another worker.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from collections.abc import Callable
+from typing import ClassVar, Generic, NoReturn, TypeVar
 
-from hivemind.p2p import ServicerBase
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import P2PContext
 
+from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.protocol.layout import Layout, ServerRole
+from p2ptrain.protocol.messages import Ack, ReportTask, TakeTask, TaskReply
+from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
-from p2ptrain.transport import Caller, Message, respond, unpack
+from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, StageState, WorkerRecord
+from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
 
-Requests = AsyncIterator[runtime_pb2.ExpertRequest]
-Responses = AsyncIterator[runtime_pb2.ExpertResponse]
-
-REFUSALS_BEFORE_BAN = 3
+S = TypeVar("S", bound=StageState)
+M = TypeVar("M", MicrobatchInputs, MicrobatchOutputs)
 
 
-@dataclass
-class WorkerInfo:
-    compute: float
-    last_seen: float
-    epoch: int
-    client_mode: bool = False
-    refusals: int = 0
+class StageServer(Service, Generic[S]):
+    """Base of FrontalServer and BackwardServer: one per server process, registered on its P2P.
 
+    Owns its `state` (everything it knows of open epochs) and nothing else; it reaches other peers only through its
+    `caller`, and learns the run's shape from the recipe (`config`), never from messages.
+    """
 
-@dataclass
-class EpochStats:
-    rows: int = 0
-    loss_sum: float = 0.0
-    tokens: int = 0
-    started: float | None = None
-    finished: float | None = None
+    role: ClassVar[ServerRole]
+    other_service: ClassVar[str]  # the service of the other role of the stage, which it confirms tasks with
+    state_type: ClassVar[type[StageState]]
 
-
-@dataclass
-class StageServerState:
-    pool: TaskPool
-    workers: dict[str, WorkerInfo] = field(default_factory=dict)
-    epochs: dict[int, EpochStats] = field(default_factory=dict)
-
-
-class StageServer(ServicerBase):
-    """Base of FrontalServer and BackwardServer: one instance per server process, registered on its P2P."""
-
-    def __init__(
-        self, *, peer_id: str, stage: int, num_stages: int, seq_len: int, hidden_size: int, lease_timeout: float,
-        codec: str, clock: Callable[[], float] = time.monotonic,
-    ):
-        self.peer_id, self.stage, self.num_stages = peer_id, stage, num_stages
-        self.seq_len, self.hidden_size, self.codec, self.clock = seq_len, hidden_size, codec, clock
-        self.state = StageServerState(pool=TaskPool(lease_timeout=lease_timeout))
-        self.caller: Caller | None = None
+    def __init__(self, *, peer_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, caller: Caller,
+                 state: S | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(peer_id=peer_id, name=f"stage {stage} {self.role.upper()}", codec=config.compression)
+        if not 0 <= stage < config.num_stages:
+            raise ValueError(f"stage {stage} is not in 0..{config.num_stages - 1}")
+        self.stage, self.config, self.settings, self.caller, self.clock = stage, config, settings, caller, clock
+        pool = TaskPool(lease_timeout=settings.lease_timeout_s)
+        self.state: S = state if state is not None else self.state_type(pool=pool)
         self.task_added = asyncio.Event()
+        # rows of results whose issuer is confirming them: no other copy of those rows may get in meanwhile
+        self._confirming: dict[tuple[int, int], list[Rows]] = {}
+        caller.add_local(self)
 
     @property
     def is_first(self) -> bool:
@@ -65,52 +61,65 @@ class StageServer(ServicerBase):
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.stage == self.config.num_stages - 1
 
-    def epoch_stats(self, epoch: int) -> EpochStats:
-        return self.state.epochs.setdefault(epoch, EpochStats())
+    @property
+    def hidden_shape(self) -> tuple[int, int]:
+        """A row of hidden states at a stage boundary: (seq_len, hidden)."""
+        return self.config.seq_len, self.config.model_config.hidden_size
+
+    # -- tasks and workers ---------------------------------------------------------------------------------------
+
+    def rpc_take_task(self, requests: Requests, context: P2PContext) -> Responses:
+        """A worker asks for a task of its epoch."""
+        return self.serve(requests, context, TakeTask, self.take_task)
+
+    async def take_task(self, request: TakeTask, sender: str) -> TaskReply:
+        self.check_sender(request.worker, sender)
+        record = self._worker(request.worker, request.epoch)
+        record.compute, record.epoch, record.last_seen = request.compute, request.epoch, self.clock()
+        record.client_mode = request.client_mode
+        task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s)
+        return self.no_task() if task is None else self.offer(task)
+
+    def offer(self, task: Task) -> TaskReply:
+        raise NotImplementedError
+
+    def no_task(self) -> TaskReply:
+        return TaskReply(closed_epoch=self.state.closed_epoch)
+
+    def new_task_id(self, epoch: int, microbatch: int, letter: str) -> str:
+        self.state.task_counter += 1
+        return f"{epoch}:{microbatch}:{self.stage}:{letter}{self.state.task_counter}"
 
     def add_task(self, task: Task) -> None:
         self.state.pool.add(task)
         self.task_added.set()
 
-    def _worker(self, worker: str, epoch: int) -> WorkerInfo:
-        info = self.state.workers.get(worker)
-        if info is None:
-            info = self.state.workers[worker] = WorkerInfo(compute=1.0, last_seen=0.0, epoch=epoch)
-        return info
-
-    def see_worker(self, header: dict) -> WorkerInfo:
-        info = self._worker(header["worker"], int(header["epoch"]))
-        info.compute, info.epoch, info.last_seen = float(header.get("compute", 1.0)), int(header["epoch"]), self.clock()
-        info.client_mode = bool(header.get("client_mode", False))
-        return info
+    def _worker(self, worker: str, epoch: int) -> WorkerRecord:
+        record = self.state.workers.get(worker)
+        if record is None:
+            record = self.state.workers[worker] = WorkerRecord(compute=1.0, last_seen=0.0, epoch=epoch)
+        return record
 
     def see_result(self, worker: str, *, epoch: int, client_mode: bool) -> None:
         """A worker that hands in a result is alive, even if it has not polled this server lately (it may have
         taken all its work from another server of the stage)."""
-        info = self._worker(worker, epoch)
-        info.last_seen, info.client_mode = self.clock(), client_mode
+        record = self._worker(worker, epoch)
+        record.last_seen, record.client_mode = self.clock(), client_mode
 
-    def active_workers(self, *, within_s: float = 30.0) -> dict[str, float]:
-        now = self.clock()
+    def active_workers(self, *, within_s: float | None = None) -> dict[str, float]:
+        """The compute of each worker that polled within `within_s` and is not banned."""
+        now, within = self.clock(), self.settings.active_worker_s if within_s is None else within_s
         return {
-            worker: info.compute for worker, info in self.state.workers.items()
-            if now - info.last_seen <= within_s and info.refusals < REFUSALS_BEFORE_BAN
+            worker: record.compute for worker, record in self.state.workers.items()
+            if now - record.last_seen <= within and record.refusals < self.settings.refusals_before_ban
         }
-
-    def refuse(self, worker: str, task_id: str, error: str) -> list[runtime_pb2.ExpertResponse]:
-        """Log a refused result, hand the task to another worker, and ban a worker that keeps sending garbage."""
-        info = self.state.workers.get(worker)
-        if info is not None:
-            info.refusals += 1
-        logger.error(f"stage {self.stage}: refused the result of task {task_id} from worker {worker}: {error}")
-        return respond(Message({"accepted": False, "error": error}), codec=self.codec)
 
     async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float) -> Task | None:
         """Take a task for `worker`, waiting up to `wait_s` for one to appear."""
-        info = self.state.workers.get(worker)
-        if info is not None and info.refusals >= REFUSALS_BEFORE_BAN:
+        record = self.state.workers.get(worker)
+        if record is not None and record.refusals >= self.settings.refusals_before_ban:
             return None
         deadline = self.clock() + wait_s
         while True:
@@ -127,15 +136,127 @@ class StageServer(ServicerBase):
 
     def expire_leases(self) -> None:
         for task in self.state.pool.expire(now=self.clock()):
-            logger.warning(f"stage {self.stage}: task {task.task_id} timed out, back in the pool")
+            logger.warning(f"{self.name}: task {task.task_id} timed out, back in the pool")
             self.task_added.set()
 
-    async def read(self, requests: Requests) -> Message:
-        return await unpack(requests)
+    # -- reports between the servers of a stage -----------------------------------------------------------------
 
-    def reply(self, header: dict, tensors: dict | None = None) -> list[runtime_pb2.ExpertResponse]:
-        return respond(Message(header, tensors or {}), codec=self.codec)
+    def rpc_task_result(self, requests: Requests, context: P2PContext) -> Responses:
+        """The other role's server accepted (confirm and complete it) or refused a result of a task issued here."""
+        return self.serve(requests, context, ReportTask, self.task_result)
 
-    async def stream(self, responses: list[runtime_pb2.ExpertResponse]) -> Responses:
-        for response in responses:
-            yield response
+    async def task_result(self, request: ReportTask, sender: str) -> Ack:
+        task = self.state.pool.get(request.task)
+        if task is not None and sender != self.peer_id:
+            mb = self.state.microbatches.get((task.epoch, task.microbatch))
+            if mb is not None and sender not in mb.layout.stages[self.stage].of(self.other_role):
+                raise Refused(f"{sender} is no {self.other_role.upper()} of stage {self.stage} for task {request.task}")
+        if not request.ok:
+            if self.state.pool.fail(request.task, request.worker) is None:
+                raise Refused(f"task {request.task} is not leased to {request.worker}")
+            self.task_added.set()
+            return Ack()
+        return self.settle(request, sender)
+
+    @property
+    def other_role(self) -> ServerRole:
+        return "bs" if self.role == "fs" else "fs"
+
+    def settle(self, report: ReportTask, sender: str) -> Ack:
+        """Complete a task whose result `sender` accepted; Refused if it is not this server's to complete."""
+        raise NotImplementedError
+
+    async def confirm(self, issuer: str, *, task: str, worker: str, epoch: int) -> None:
+        """Have `issuer` complete the task in its pool before this server counts the result; Refused if it will not
+        (the task is unknown to it, or done by another worker) or cannot be reached."""
+        service = self.service if issuer == self.peer_id else self.other_service
+        try:
+            await self.caller.call(issuer, service, ReportTask(task=task, worker=worker, epoch=epoch, ok=True))
+        except Refused as e:
+            raise Refused(f"{issuer} does not confirm task {task} of {worker}: {e}") from None
+        except Exception as e:
+            raise Refused(f"could not confirm task {task} with {issuer}: {e!r}") from None
+
+    async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
+                             taken: list[Rows]) -> None:
+        """Confirm a result with its issuer, holding its rows meanwhile; Refused if any of them are `taken` already
+        or held for another result, or if the issuer does not confirm. The caller commits the rows right after,
+        before it awaits anything."""
+        key = (epoch, microbatch)
+        holding = self._confirming.setdefault(key, [])
+        if any(part.intersect(rows) for part in (*taken, *holding)):
+            raise Refused(f"duplicate: rows {rows} of microbatch {epoch}:{microbatch} are in already")
+        holding.append(rows)
+        try:
+            await self.confirm(issuer, task=task, worker=worker, epoch=epoch)
+        finally:
+            holding.remove(rows)
+            if not holding:
+                del self._confirming[key]
+
+    async def refuse_result(self, *, task: str, worker: str, epoch: int, issuer: str | None, error: str) -> NoReturn:
+        """Refuse a bad result: count it against the worker (banned after a few) and hand the task to another."""
+        record = self.state.workers.get(worker)
+        if record is not None:
+            record.refusals += 1
+        if issuer is not None:
+            service = self.service if issuer == self.peer_id else self.other_service
+            try:
+                await self.caller.call(issuer, service, ReportTask(task=task, worker=worker, epoch=epoch, ok=False))
+            except Exception as e:
+                logger.warning(f"{self.name}: could not report the refused task {task} to {issuer}: {e!r}")
+        raise Refused(f"the result of task {task} from worker {worker}: {error}")
+
+    # -- checks ------------------------------------------------------------------------------------------------
+
+    def check_sender(self, claimed: str, sender: str) -> None:
+        """A worker speaks for itself only: the peer id it names must be the one libp2p authenticated."""
+        if claimed != sender:
+            raise Refused(f"worker {claimed} is not the sender {sender}")
+
+    def check_layout(self, layout: Layout, *, total_rows: int, microbatch: int) -> Rows:
+        """This server's segment of a microbatch under `layout`; Refused if the layout or the microbatch does not
+        fit the run's recipe, or the layout leaves this server out."""
+        if len(layout.stages) != self.config.num_stages:
+            raise Refused(f"a layout of {len(layout.stages)} stages, but the run has {self.config.num_stages}")
+        if total_rows != self.config.rows_per_microbatch:
+            raise Refused(f"a microbatch of {total_rows} rows, but the run's have {self.config.rows_per_microbatch}")
+        if microbatch >= self.config.microbatches:
+            raise Refused(f"microbatch {microbatch}, but the run's epochs have {self.config.microbatches}")
+        try:
+            return layout.segment(self.stage, self.role, self.peer_id, total_rows)
+        except ValueError as e:
+            raise Refused(str(e)) from None
+
+    def check_peer(self, peer: str, layout: Layout, *, stage: int, role: ServerRole, what: str) -> None:
+        if peer != self.peer_id and peer not in layout.stages[stage].of(role):
+            raise Refused(f"{what} {peer} is no {role.upper()} of stage {stage} in the microbatch's layout")
+
+    def held(self, epoch: int, microbatch: int) -> M:
+        mb = self.state.microbatches.get((epoch, microbatch))
+        if mb is None:
+            raise Refused(f"microbatch {epoch}:{microbatch} is not held here")
+        return mb
+
+    # -- epochs --------------------------------------------------------------------------------------------------
+
+    def epoch_stats(self, epoch: int) -> EpochStats:
+        return self.state.epochs.setdefault(epoch, EpochStats())
+
+    def open_microbatch(self, epoch: int, microbatch: int, make: Callable[[], M]) -> M:
+        """The microbatch's entry, made on its first accepted message."""
+        mb = self.state.microbatches.get((epoch, microbatch))
+        if mb is None:
+            if self.state.closed_epoch < 0 and not self.state.microbatches:
+                self.state.closed_epoch = epoch - 1  # joined a running swarm: earlier epochs never come here
+            mb = self.state.microbatches[(epoch, microbatch)] = make()
+        return mb
+
+    def close_epoch(self, epoch: int) -> None:
+        """Every row of the epoch is through here: drop what is held of it."""
+        self.state.closed_epoch = epoch
+        self.epoch_stats(epoch).finished = self.clock()
+        for key in [key for key in self.state.microbatches if key[0] == epoch]:
+            del self.state.microbatches[key]
+        self.state.pool.forget_epoch(epoch)
+        logger.info(f"{self.name}: epoch {epoch} closed")

@@ -13,12 +13,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from p2ptrain.data import TextSource
-from p2ptrain.layout import Layout
+from p2ptrain.protocol.layout import Layout
+from p2ptrain.protocol.messages import FRONTAL_SERVER, PushRows
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.server.frontal import FrontalServer
-from p2ptrain.transport import Message
+from p2ptrain.transport import Refused
 
 logger = logging.getLogger(__name__)
+
+LAYOUT_WAIT_S = 0.25
+LAYOUT_NOTICE_EVERY_S = 5.0
 
 
 @dataclass
@@ -29,19 +33,26 @@ class FeederProgress:
 
 
 class DataFeeder:
-    def __init__(
-        self, *, server: FrontalServer, source: TextSource, layout: Callable[[], Layout | None],
-        is_leader: Callable[[str], bool], rows_per_microbatch: int, microbatches: int, epochs: int, max_in_flight: int,
-    ):
+    """Feeds `epochs` global batches into stage 0 if its FS leads stage 0. Owns its progress; reads the text
+    source and the stage-0 FS it runs beside, and calls the stage-0 FS set."""
+
+    def __init__(self, *, server: FrontalServer, source: TextSource, layout: Callable[[], Layout | None],
+                 is_leader: Callable[[str], bool], epochs: int, max_in_flight: int):
         self.server, self.source, self.layout, self.is_leader = server, source, layout, is_leader
-        self.rows, self.microbatches, self.epochs, self.max_in_flight = rows_per_microbatch, microbatches, epochs, max_in_flight
+        self.epochs, self.max_in_flight = epochs, max_in_flight
+        self.rows, self.microbatches = server.config.rows_per_microbatch, server.config.microbatches
         self.progress = FeederProgress()
+
+    @property
+    def leads(self) -> bool:
+        return self.is_leader(self.server.peer_id)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Feed every epoch if this server leads stage 0; the other stage-0 FS only serve their segments."""
         layout = await self._wait_for_layout(stop)
-        if layout is None or not self.is_leader(self.server.peer_id):
+        if layout is None or not self.leads:
             return
+        poll = self.server.settings.feeder_poll_s
         for epoch in range(self.epochs):
             layout = await self._wait_for_layout(stop)
             if layout is None:
@@ -49,12 +60,14 @@ class DataFeeder:
             started = time.monotonic()
             for index in range(self.microbatches):
                 while self.server.in_flight() >= self.max_in_flight and not stop.is_set():
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(poll)
                 if stop.is_set():
                     return
                 await self._push(epoch, index, layout)
-            while self.server.closed_epoch < epoch and not stop.is_set():
-                await asyncio.sleep(0.01)
+            while self.server.state.closed_epoch < epoch:
+                if stop.is_set():
+                    return
+                await asyncio.sleep(poll)
             self.progress.epoch_seconds[epoch] = time.monotonic() - started
             self.progress.epochs_done = epoch + 1
         self.progress.finished = True
@@ -66,21 +79,19 @@ class DataFeeder:
             layout = self.layout()
             if layout is not None:
                 return layout
-            if waited % 5.0 < 0.25:
+            if waited % LAYOUT_NOTICE_EVERY_S < LAYOUT_WAIT_S:
                 logger.info("data source: waiting for an FS and a BS in every stage")
-            await asyncio.sleep(0.25)
-            waited += 0.25
+            await asyncio.sleep(LAYOUT_WAIT_S)
+            waited += LAYOUT_WAIT_S
         return None
 
     async def _push(self, epoch: int, index: int, layout: Layout) -> None:
         inputs, labels = self.source.microbatch(epoch, index, self.rows)
-        for fs, part in layout.route_to_fs(0, Rows(0, self.rows), self.rows):
+        for fs, part in layout.route(0, "fs", Rows(0, self.rows), self.rows):
             window = slice(part.start, part.end)
-            message = Message(
-                {"epoch": epoch, "microbatch": index, "rows": [part.start, part.end], "total_rows": self.rows,
-                 "layout": layout.to_header(), "microbatches_per_epoch": self.microbatches},
-                {"inputs": inputs[window], "labels": labels[window]},
-            )
-            reply = await self.server.caller.call(fs, FrontalServer, "rpc_push_rows", message)
-            if not reply.header.get("accepted"):
-                raise RuntimeError(f"stage-0 FS {fs} refused microbatch {epoch}:{index}: {reply.header}")
+            request = PushRows(epoch=epoch, microbatch=index, rows=part, total_rows=self.rows, layout=layout,
+                               inputs=inputs[window], labels=labels[window])
+            try:
+                await self.server.caller.call(fs, FRONTAL_SERVER, request)
+            except Refused as e:
+                raise RuntimeError(f"stage-0 FS {fs} refused microbatch {epoch}:{index}: {e}") from None

@@ -6,17 +6,19 @@ import logging
 
 import hivemind
 
-from p2ptrain.dht import get_stage_members
-from p2ptrain.layout import Layout, StageServers
+from p2ptrain.dht.readers import get_stage_members
+from p2ptrain.protocol.layout import Layout, StageServers
 
 logger = logging.getLogger(__name__)
 
-INCOMPLETE_PERIOD_S = 0.5
-
 
 class MembershipCache:
-    def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float = 5.0):
-        self.dht, self.run_id, self.num_stages, self.period_s = dht, run_id, num_stages, period_s
+    """The FS and BS of every stage as last read from the DHT: re-read every `period_s`, and every `retry_s` while
+    some stage lacks an FS or a BS (workers and the data source wait on that)."""
+
+    def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float, retry_s: float):
+        self.dht, self.run_id, self.num_stages = dht, run_id, num_stages
+        self.period_s, self.retry_s = period_s, retry_s
         self.stages: list[StageServers] = [StageServers(fs=(), bs=()) for _ in range(num_stages)]
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -25,8 +27,7 @@ class MembershipCache:
                 self.stages = await asyncio.to_thread(self.read)
             except Exception as e:
                 logger.warning(f"could not read stage membership: {e!r}")
-            # until every stage has an FS and a BS, look again soon: workers and the data source wait on this
-            period = self.period_s if self.layout() is not None else min(self.period_s, INCOMPLETE_PERIOD_S)
+            period = self.period_s if self.layout() is not None else min(self.period_s, self.retry_s)
             try:
                 await asyncio.wait_for(stop.wait(), period)
             except asyncio.TimeoutError:

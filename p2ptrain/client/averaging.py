@@ -20,16 +20,12 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
+from p2ptrain.protocol.messages import GroupMember
+
 logger = logging.getLogger(__name__)
 
 # hivemind needs a positive weight; a worker without rows this epoch still takes part and gets the result
 NO_ROWS_WEIGHT = 1e-9
-
-
-@dataclass(frozen=True)
-class GroupMember:
-    peer_id: str
-    client_mode: bool
 
 
 @dataclass(frozen=True)
@@ -39,6 +35,8 @@ class RoundResult:
 
 
 class StageAllReduce(ServicerBase):
+    """One worker's side of its stage's all-reduce rounds; registered under a per-stage namespace."""
+
     def __init__(self, *, p2p: P2P, run_id: str, stage: int, timeout: float):
         self.p2p, self.timeout = p2p, timeout
         self.prefix = f"{run_id}_stage{stage}_allreduce"
@@ -64,7 +62,7 @@ class StageAllReduce(ServicerBase):
         async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
 
-    async def average(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: list[GroupMember]
+    async def average(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...]
                       ) -> tuple[list[torch.Tensor], RoundResult]:
         """Average `grads` with the group; on failure the local gradients come back, and the result says so."""
         if len(group) <= 1:

@@ -43,7 +43,7 @@ def worker_epochs(worker: Worker) -> list[EpochMetrics]:
 
 
 def feeder_epochs(feeder: DataFeeder, config: RunConfig) -> list[EpochMetrics]:
-    tokens = config.rows_per_epoch * config.seq_len
+    tokens = config.tokens_per_epoch
     return [
         EpochMetrics(epoch=epoch, rows_in_batch=config.rows_per_epoch, rows_averaged=0, tasks_redone=0, tokens=tokens,
                      seconds=seconds)
@@ -56,20 +56,20 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
     """One record per peer: its server's epochs, its worker's, and the data source's if it leads stage 0."""
     own = server_epochs(server) if server is not None else worker_epochs(worker)
     last = own[-1] if own else None
-    source = feeder_epochs(feeder, config) if feeder is not None and feeder.is_leader(peer_id) else []
+    leads = feeder is not None and feeder.leads
+    source = feeder_epochs(feeder, config) if leads else []
     return Metrics(
         peer_id=peer_id, stage=stage, role=role, epoch=last.epoch if last else 0, loss=last.loss if last else None,
         tokens_per_s=source[-1].tokens / source[-1].seconds if source and source[-1].seconds else 0.0,
         rows_in_batch=last.rows_in_batch if last else 0, rows_averaged=last.rows_averaged if last else 0,
         tasks_redone=last.tasks_redone if last else 0, updated=time.time(),
-        epochs_planned=feeder.epochs if source or (feeder and feeder.is_leader(peer_id)) else None,
-        finished=bool(feeder and feeder.is_leader(peer_id) and feeder.progress.finished), per_epoch=own,
+        epochs_planned=feeder.epochs if leads else None, finished=leads and feeder.progress.finished, per_epoch=own,
         worker_epochs=worker_epochs(worker) if server is not None and worker is not None else [],
         source_epochs=source,
     )
 
 
-async def publish_metrics(*, announcer: Announcer, period_s: float = 3.0, stop: asyncio.Event, **parts) -> None:
+async def publish_metrics(*, announcer: Announcer, period_s: float, stop: asyncio.Event, **parts) -> None:
     """Store the record when it changed (the announcer refreshes it otherwise): every store costs DHT work
     (signing, replication, schema checks) on a machine the training shares."""
     published = None

@@ -1,0 +1,52 @@
+"""The one interface every model family implements for the runtime: a pipeline stage of the model.
+
+The worker, the compute probe and the benchmarks go through it, and so does a family added later: build stage
+layers [start, end) of K from a config and a seed, run it, name the parameters it shares with other stages, and
+group parameters for the optimizer.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn as nn
+
+from p2ptrain.models.configs import ModelConfig
+
+
+class StageModel(nn.Module, ABC):
+    """Layers [start, end) of a model. The first stage takes token ids (rows, seq) and owns the embeddings; the
+    others take hidden states (rows, seq, hidden). The last stage owns the head and, given labels, returns the
+    summed token loss: summed, not averaged, so that rows split over workers add up to the whole batch's gradient.
+    Every peer that builds the same layers from the same seed gets the same weights."""
+
+    def __init__(self, config: ModelConfig, *, start: int, end: int):
+        super().__init__()
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layers [{start}, {end}) are not a non-empty range of 0..{config.num_layers}")
+        self.config, self.start, self.end = config, start, end
+        self.is_first, self.is_last = start == 0, end == config.num_layers
+
+    @abstractmethod
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states; in the last stage the logits, or the summed token loss given labels."""
+
+    def example_inputs(self, rows: int, seq_len: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Inputs of the shape and kind this stage takes, for probes and benchmarks."""
+        if self.is_first:
+            return torch.randint(0, self.config.vocab_size, (rows, seq_len), generator=generator)
+        return torch.randn(rows, seq_len, self.config.hidden_size, generator=generator, requires_grad=True)
+
+    def shared_parameters(self) -> set[str]:
+        """Names of the parameters that other stages hold copies of (tied or shared weights), whose gradients must
+        be combined across those stages; none by default."""
+        return set()
+
+    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+        """As nanoGPT does: matrices and embeddings decay, gains and biases (fewer than 2 dimensions) do not."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    def configure_optimizer(self, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
+        return torch.optim.AdamW(self.optimizer_groups(weight_decay), lr=lr)

@@ -1,0 +1,99 @@
+"""What one node is, beside the run's recipe: its role and place, its network, how it finds its place by the plan,
+and how long it feeds data. `python -m p2ptrain.peer` fills these from its flags; Python code builds them directly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from p2ptrain.config import ConfigError
+from p2ptrain.protocol.layout import PeerRole, Placement
+
+if TYPE_CHECKING:
+    from hivemind.dht.crypto import RSASignatureValidator
+
+FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan")  # how a worker corrupts its results on purpose, for tests
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkOptions:
+    """How the node joins the DHT, as hivemind's flags say it."""
+
+    initial_peers: tuple[str, ...] = ()
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    announce_maddrs: tuple[str, ...] | None = None
+    identity_path: Path | None = None  # this peer's private key, created if missing
+    client_mode: bool = False  # dial out only (behind NAT); in averaging it sends and receives but reduces nothing
+    maddrs_file: Path | None = None  # where to write this peer's visible multiaddrs once it is up
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanningOptions:
+    """A node started without a placement takes it from the plan signed by `planner_key`."""
+
+    planner_key: bytes  # the planner's RSASignatureValidator.local_public_key
+    timeout_s: float = 600.0  # how long to wait for a plan that places this node
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerOptions:
+    """A server that is also the live planner: it plans the announced peers, publishes the plan signed, and takes
+    its own place from it (its `PlanningOptions` trust its own key)."""
+
+    signer: RSASignatureValidator  # holds the planner's private key
+    planner: str = "refined"  # one of p2ptrain.planner.PLANNERS
+    stages: int | None = None  # force this many stages
+    expect: int | None = None  # servers to wait for, this one included (default: 2 per stage, at least 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeOptions:
+    role: PeerRole
+    placement: Placement | None = None  # None: measure, announce and take the place from the plan (`planning`)
+    computes: bool = False  # a server that also computes its stage's layers (clients always do)
+    network: NetworkOptions = field(default_factory=NetworkOptions)
+    planning: PlanningOptions | None = None
+    planner: PlannerOptions | None = None
+    epochs: int = 20  # global batches the data source feeds
+    max_in_flight: int = 4  # microbatches the data source keeps in the pipeline at once
+    compute_power: float | None = None  # this worker's FLOP/s; None: measured
+    threads: int = 1  # torch threads of this process
+    dump_grads: Path | None = None  # where workers save the averaged gradients of each epoch (tests)
+    fault: str = "none"  # one of FAULTS (tests)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("bootstrap", "server", "client"):
+            raise ConfigError("role", self.role, "unknown role; choose bootstrap, server or client")
+        if self.role != "bootstrap":
+            if (self.placement is None) == (self.planning is None):
+                raise ConfigError("placement", self.placement, f"a {self.role} needs either a placement or planning "
+                                                               "options to take its place from the plan")
+        if self.planner is not None:
+            if self.role != "server" or self.planning is None:
+                raise ConfigError("planner", self.planner, "only a server placed by the plan can be the planner")
+            if self.planning.planner_key != self.planner.signer.local_public_key:
+                raise ConfigError("planner", self.planner, "the planning server trusts the plans of its own key only")
+        if self.placement is not None:
+            if (self.role == "server") != (self.placement.server_role is not None):
+                raise ConfigError("server_role", self.placement.server_role, "a server is an FS or a BS, and only a "
+                                                                             "server is")
+            start, end = self.placement.layers
+            if not 0 <= self.placement.stage < self.placement.num_stages or not 0 <= start < end:
+                raise ConfigError("stage", self.placement, "not a stage with layers")
+        if self.computes and self.role != "server":
+            raise ConfigError("computes", self.computes, "only a server is told to compute; a client always does")
+        for name in ("epochs", "max_in_flight", "threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, getattr(self, name), "must be at least 1")
+        if self.compute_power is not None and not (math.isfinite(self.compute_power) and self.compute_power > 0):
+            raise ConfigError("compute_power", self.compute_power, "must be a positive number of FLOP/s")
+        if self.fault not in FAULTS:
+            raise ConfigError("fault", self.fault, f"unknown fault; choose one of {', '.join(FAULTS)}")
+        if self.planning is not None and not self.planning.timeout_s > 0:
+            raise ConfigError("plan_timeout", self.planning.timeout_s, "must be positive")
+
+    @property
+    def does_compute(self) -> bool:
+        return self.role == "client" or self.computes

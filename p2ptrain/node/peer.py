@@ -1,0 +1,245 @@
+"""`Peer`: one peer of a swarm, built from the run's recipe and the node's options, with `start()` and `stop()`."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
+
+from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.worker import Worker
+from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.data import TextSource
+from p2ptrain.dht import Announcer, Membership, PeerInfo, make_validators
+from p2ptrain.dht.membership import MembershipCache
+from p2ptrain.live.planning import Joined, join_by_plan
+from p2ptrain.live.probe import measure_compute
+from p2ptrain.live.publisher import serve_plan
+from p2ptrain.models import build_stage
+from p2ptrain.node.metrics import publish_metrics
+from p2ptrain.node.options import NodeOptions
+from p2ptrain.protocol.layout import Placement
+from p2ptrain.server.backward import BackwardServer
+from p2ptrain.server.base import StageServer
+from p2ptrain.server.feeder import DataFeeder
+from p2ptrain.server.frontal import FrontalServer
+from p2ptrain.transport import Caller
+
+logger = logging.getLogger(__name__)
+
+
+class Peer:
+    """A bootstrap node, a stage server (FS or BS, computing or not) or a client, in one process.
+
+    Owns its DHT node (and p2p daemon), its announcer and the parts its role needs: a `FrontalServer` or
+    `BackwardServer`, a `Worker`, the stage-0 `DataFeeder`, and the tasks that keep its view of the swarm and its
+    metrics fresh. `start()` joins the swarm, takes the placement from the options or from the planner's plan, and
+    brings the parts up; `wait()` returns when stopped and raises if a part failed; `stop()` takes everything down.
+    Several peers can run in one event loop (tests do):
+
+        peer = Peer(config=RunConfig(...), options=NodeOptions(role="client", placement=Placement(...)))
+        await peer.start()
+        ...
+        await peer.stop()
+    """
+
+    def __init__(self, *, config: RunConfig, options: NodeOptions, settings: RuntimeConfig | None = None):
+        self.config, self.options = config, options
+        self.settings = settings or RuntimeConfig()
+        self.dht: hivemind.DHT | None = None
+        self.peer_id: str | None = None
+        self.placement: Placement | None = options.placement
+        self.server: StageServer | None = None
+        self.worker: Worker | None = None
+        self.feeder: DataFeeder | None = None
+        self._announcer: Announcer | None = None
+        self._p2p: P2P | None = None
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._planner: asyncio.Task | None = None
+        self._planner_stop = threading.Event()
+
+    # -- life cycle ----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Join the swarm and bring up this peer's parts; with live planning, first wait for a plan that places it.
+        Returns once the peer runs (or once it was stopped while waiting for a plan)."""
+        options, settings = self.options, self.settings
+        signer = options.planner.signer if options.planner else None
+        self.dht = await asyncio.to_thread(self._make_dht, signer)
+        self.peer_id = self.dht.peer_id.to_base58()
+        # records are signed with hivemind's process-wide key, as hivemind's own records are (a planning server's
+        # DHT signs with the planner's key instead: a DHT keeps only its first signer)
+        owner = (signer or RSASignatureValidator()).local_public_key
+        self._announcer = Announcer(dht=self.dht, run_id=self.config.run_id, peer_id=self.peer_id, owner_key=owner,
+                                    period_s=settings.record_period_s, ttl_s=settings.record_ttl_s)
+        torch.set_num_threads(options.threads)  # before live planning measures this process's compute
+        if options.planner is not None:
+            self._planner = asyncio.create_task(asyncio.to_thread(
+                serve_plan, self.dht, signer=options.planner.signer, config=self.config,
+                planner=options.planner.planner, stages=options.planner.stages, expect=options.planner.expect,
+                timeout_s=options.planning.timeout_s, settings=settings, stop=self._planner_stop))
+        joined = None
+        if options.role != "bootstrap" and self.placement is None:
+            joined = await self._join()
+            if joined is None:  # stopped while waiting for the plan
+                return
+            self.placement = joined.placement
+            self.config = dataclasses.replace(self.config, num_stages=joined.placement.num_stages)
+        self._announce(joined)
+        if options.role == "bootstrap":
+            logger.info(f"bootstrap peer {self.peer_id} at {' '.join(self.maddrs)}")
+            return
+        await self._start_parts()
+
+    async def wait(self) -> None:
+        """Until stopped, or until a part fails (which raises its error instead of leaving the peer half alive)."""
+        stopper = asyncio.create_task(self._stopping.wait())
+        watched = [stopper, *self._tasks, *([self._planner] if self._planner else [])]
+        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_EXCEPTION)
+        stopper.cancel()
+        for task in done:
+            if task is not stopper and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        await self._stopping.wait()
+
+    async def stop(self) -> None:
+        """Stop every part, withdraw this peer's records and shut its DHT node down; safe to call twice."""
+        self._stopping.set()
+        self._planner_stop.set()
+        for task in self._tasks:
+            task.cancel()
+        # a thread cannot be cancelled: the planner ends on _planner_stop, withdrawing its plan
+        await asyncio.gather(*self._tasks, *([self._planner] if self._planner else []), return_exceptions=True)
+        self._tasks, self._planner = [], None
+        if self._p2p is not None:
+            await self._p2p.shutdown()
+            self._p2p = None
+        if self._announcer is not None:
+            await asyncio.to_thread(self._announcer.shutdown)
+            self._announcer = None
+        if self.dht is not None:
+            await asyncio.to_thread(self.dht.shutdown)
+            self.dht = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Start, run until `stop` is set or a part fails, then stop (the command line's way)."""
+        forward = asyncio.create_task(self._forward_stop(stop))
+        try:
+            await self.start()
+            await self.wait()
+        finally:
+            forward.cancel()
+            await self.stop()
+
+    async def _forward_stop(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._stopping.set()
+
+    @property
+    def maddrs(self) -> list[str]:
+        return [str(addr) for addr in self.dht.get_visible_maddrs()] if self.dht is not None else []
+
+    # -- parts ---------------------------------------------------------------------------------------------------
+
+    def _make_dht(self, signer: RSASignatureValidator | None) -> hivemind.DHT:
+        network = self.options.network
+        if network.identity_path is not None:
+            network.identity_path.parent.mkdir(parents=True, exist_ok=True)
+        dht = hivemind.DHT(
+            initial_peers=list(network.initial_peers), host_maddrs=list(network.host_maddrs),
+            announce_maddrs=list(network.announce_maddrs) if network.announce_maddrs is not None else None,
+            identity_path=str(network.identity_path) if network.identity_path else None,
+            client_mode=network.client_mode, start=True,
+            record_validators=make_validators(self.config.run_id, signer=signer),
+        )
+        if network.maddrs_file is not None:
+            network.maddrs_file.write_text("\n".join(str(a) for a in dht.get_visible_maddrs()) + "\n")
+        return dht
+
+    async def _join(self) -> Joined | None:
+        """Take a place from the plan; a planning server also watches its planner, which must not fail meanwhile."""
+        options = self.options
+        joining = asyncio.create_task(join_by_plan(
+            dht=self.dht, announcer=self._announcer, peer_id=self.peer_id, role=options.role,
+            computes=options.does_compute, config=self.config, settings=self.settings,
+            planner_key=options.planning.planner_key, timeout_s=options.planning.timeout_s,
+            compute=options.compute_power, stop=self._stopping))
+        if self._planner is None:
+            return await joining
+        await asyncio.wait([joining, self._planner], return_when=asyncio.FIRST_COMPLETED)
+        if not joining.done():
+            joining.cancel()
+            await asyncio.gather(joining, return_exceptions=True)
+            self._planner.result()  # raises the planner's error
+            return None
+        return joining.result()
+
+    def _announce(self, joined: Joined | None) -> None:
+        options, placement = self.options, self.placement
+        self._announcer.set_peer_info(PeerInfo(
+            peer_id=self.peer_id, role=options.role, stage=placement.stage if placement else None,
+            server_role=placement.server_role if placement else None, reliable=options.role != "client",
+            computes=options.does_compute, compute=float(options.compute_power or (joined.compute if joined else 0.0)),
+            memory=joined.memory if joined else 0, links=joined.links if joined else {}, maddrs=self.maddrs,
+            state="online", started=time.time()))
+
+    async def _start_parts(self) -> None:
+        config, options, settings, placement = self.config, self.options, self.settings, self.placement
+        stage, role = placement.stage, placement.server_role
+        self._p2p = await self.dht.replicate_p2p()
+        membership = MembershipCache(dht=self.dht, run_id=config.run_id, num_stages=config.num_stages,
+                                     period_s=settings.membership_period_s, retry_s=settings.membership_retry_s)
+        self._spawn(membership.run(self._stopping))
+        caller = Caller(p2p=self._p2p, peer_id=self.peer_id, codec=config.compression, timeout=settings.rpc_timeout_s)
+        if role is not None:
+            kind = FrontalServer if role == "fs" else BackwardServer
+            self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller)
+            await self.server.add_p2p_handlers(self._p2p)
+            self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role=role,
+                                                             compute=float(options.compute_power or 0.0)))
+        if options.does_compute:
+            self.worker = await self._make_worker(caller, membership)
+            if options.role == "client":
+                self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role="worker",
+                                                                 compute=self.worker.compute))
+            self._spawn(self.worker.run(self._stopping))
+        if isinstance(self.server, FrontalServer) and stage == 0:
+            source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed)
+            self.feeder = DataFeeder(server=self.server, source=source, layout=membership.layout,
+                                     is_leader=membership.leads, epochs=options.epochs,
+                                     max_in_flight=options.max_in_flight)
+            self._spawn(self.feeder.run(self._stopping))
+        self._spawn(publish_metrics(
+            announcer=self._announcer, period_s=settings.metrics_period_s, stop=self._stopping,
+            peer_id=self.peer_id, stage=stage, role=role or "worker", server=self.server, worker=self.worker,
+            feeder=self.feeder, config=config))
+        start, end = placement.layers
+        logger.info(f"{options.role} {self.peer_id} up: stage {stage} layers [{start}, {end})"
+                    + (f" as {role.upper()}" if role else ""))
+
+    async def _make_worker(self, caller: Caller, membership: MembershipCache) -> Worker:
+        config, placement = self.config, self.placement
+        start, end = placement.layers
+        model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
+        averager = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage,
+                                  timeout=self.settings.averaging_timeout_s)
+        await averager.start()
+        # what live planning measured was one block; tasks are sized by the speed on the whole stage
+        compute = self.options.compute_power or measure_compute(model, config)
+        return Worker(worker_id=self.peer_id, stage=placement.stage, config=config, settings=self.settings,
+                      model=model, optimizer=model.configure_optimizer(lr=config.lr, weight_decay=config.weight_decay),
+                      averager=averager, caller=caller, servers=lambda: membership.servers(placement.stage),
+                      compute=compute, client_mode=self.options.network.client_mode, fault=self.options.fault,
+                      dump_dir=self.options.dump_grads)
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        self._tasks.append(asyncio.create_task(coroutine))

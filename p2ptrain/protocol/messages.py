@@ -1,0 +1,520 @@
+"""The typed messages of every RPC between peers: one dataclass per request and per reply.
+
+A message is a header (plain values: ints, floats, strings, row ranges, a layout) plus named tensors. On the wire
+the header is a msgpack map and the tensors travel beside it (see `p2ptrain.transport`); here, a message is a
+frozen dataclass whose fields say what may arrive. `from_header` checks every field's type and range, refuses
+missing and unknown fields and tensors, then the message's own cross-field rules (`check`), and raises one error
+type, `MessageError`, whose text names the field. Tensors stay opaque here (this module needs no torch): their
+shapes and dtypes depend on the run's recipe, so the receiving server checks them.
+
+Each request names the RPC method that takes it and the type of its reply; which service (frontal or backward
+server, link probe) answers is the caller's choice, since both kinds of stage server take tasks and reports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from functools import cache
+from typing import Annotated, Any, Callable, ClassVar, Self
+
+from p2ptrain.protocol.layout import Layout, StageServers
+from p2ptrain.protocol.rows import Rows
+from p2ptrain.protocol.taskpool import Kind
+
+# Bounds of what a peer may send: far above any real run, low enough that no value can blow up a server.
+MAX_EPOCH = 2**40
+MAX_MICROBATCHES = 2**20
+MAX_ROWS = 2**24  # rows of one microbatch
+MAX_STAGES = 256
+MAX_SERVERS = 256  # FS (or BS) of one stage
+MAX_GROUP = 4096  # workers averaging one stage
+MAX_CLOSURES = 64
+MAX_ID = 128  # characters of a peer id (base58 peer ids have about 52)
+MAX_TASK_ID = 64
+MAX_WAIT_S = 60.0  # a task poll may wait this long for work
+MAX_FLOPS = 1e21
+
+
+# The services peers call: the stage servers, and the probe every joining peer answers (`transport.Service`).
+FRONTAL_SERVER = "FrontalServer"
+BACKWARD_SERVER = "BackwardServer"
+LINK_PROBE = "LinkProbe"
+
+
+class MessageError(ValueError):
+    """A message that does not follow the protocol; the text names the message and the field."""
+
+
+@dataclass(frozen=True)
+class Between:
+    """A numeric field's inclusive range."""
+
+    low: float
+    high: float
+
+
+@dataclass(frozen=True)
+class Length:
+    """A string field's length range."""
+
+    low: int
+    high: int
+
+
+class _TensorSlot:
+    """Marks a field that travels as a tensor beside the header."""
+
+
+TENSOR = _TensorSlot()
+Tensor = Annotated[object, TENSOR]
+
+Epoch = Annotated[int, Between(0, MAX_EPOCH)]
+ClosedEpoch = Annotated[int, Between(-1, MAX_EPOCH)]  # -1: none closed yet
+Microbatch = Annotated[int, Between(0, MAX_MICROBATCHES - 1)]
+RowCount = Annotated[int, Between(1, MAX_ROWS)]
+PeerId = Annotated[str, Length(1, MAX_ID)]
+TaskId = Annotated[str, Length(1, MAX_TASK_ID)]
+Flops = Annotated[float, Between(1e-9, MAX_FLOPS)]
+WaitSeconds = Annotated[float, Between(0.0, MAX_WAIT_S)]
+ByteCount = Annotated[int, Between(0, 2**62)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Message:
+    """Base of every message: the header fields are the dataclass fields that are not tensors."""
+
+    def to_header(self) -> dict[str, Any]:
+        return {f.name: _encode(getattr(self, f.name)) for f in _fields(type(self)) if not f.tensor}
+
+    def tensors(self) -> dict[str, Any]:
+        """The tensors that travel beside the header (optional ones only when present)."""
+        return {f.name: value for f in _fields(type(self)) if f.tensor and (value := getattr(self, f.name)) is not None}
+
+    @classmethod
+    def from_header(cls, header: object, tensors: Mapping[str, Any] | None = None) -> Self:
+        """Decode and check a received header and its tensors; raises MessageError naming the field."""
+        return cls._decode(header, dict(tensors or {}), path=cls.__name__)
+
+    @classmethod
+    def _decode(cls, header: object, tensors: dict[str, Any], *, path: str) -> Self:
+        if not isinstance(header, Mapping):
+            raise MessageError(f"{path}: expected a map of fields, got {_kind(header)}")
+        fields = _fields(cls)
+        header_names = {f.name for f in fields if not f.tensor}
+        tensor_names = {f.name for f in fields if f.tensor}
+        unknown = sorted(str(key) for key in header if key not in header_names)
+        if unknown:
+            raise MessageError(f"{path}: unknown field {unknown[0]!r}")
+        extra = sorted(str(name) for name in tensors if name not in tensor_names)
+        if extra:
+            raise MessageError(f"{path}: unexpected tensor {extra[0]!r}")
+        values = {}
+        for f in fields:
+            where = f"{path}.{f.name}"
+            if f.tensor:
+                if f.name in tensors:
+                    values[f.name] = tensors[f.name]
+                elif not f.optional:
+                    raise MessageError(f"{where}: missing tensor")
+            elif f.name in header:
+                values[f.name] = f.decode(header[f.name], where)
+            elif not f.has_default:
+                raise MessageError(f"{where}: missing field")
+        message = cls(**values)
+        message.check(path)
+        return message
+
+    def check(self, path: str) -> None:
+        """Cross-field rules of this message; raise MessageError naming the field (`path` is the message's)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request(Message):
+    """A message that opens an RPC: `method` is the servicer's handler, `reply` the type of its answer."""
+
+    method: ClassVar[str]
+    reply: ClassVar[type[Message]]
+
+
+def _within(rows: Rows, total_rows: int, where: str) -> None:
+    if rows.end > total_rows:
+        raise MessageError(f"{where}: rows {rows} run past the microbatch's {total_rows} rows")
+
+
+# -- values that nest in headers -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupMember(Message):
+    """One worker of a stage's averaging group; a client-mode worker sends and receives but reduces no part."""
+
+    peer_id: PeerId
+    client_mode: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Closure(Message):
+    """An FS's record of a closed epoch: the stage's FS in that epoch's layout, and the group that averages it."""
+
+    epoch: Epoch
+    fs: tuple[PeerId, ...]
+    group: tuple[GroupMember, ...]
+
+    def check(self, path: str) -> None:
+        if not 1 <= len(self.fs) <= MAX_SERVERS:
+            raise MessageError(f"{path}.fs: expected 1 to {MAX_SERVERS} servers, got {len(self.fs)}")
+        if len(self.group) > MAX_GROUP:
+            raise MessageError(f"{path}.group: more than {MAX_GROUP} workers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskOffer(Message):
+    """A task handed to a worker: its rows of one microbatch, the servers to send results to, and for a backward
+    task the forward task whose activations it needs."""
+
+    task: TaskId
+    kind: Kind
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+    total_rows: RowCount
+    fs: PeerId
+    bs: PeerId
+    layout: Layout
+    forward_task: TaskId | None = None
+
+    def check(self, path: str) -> None:
+        _within(self.rows, self.total_rows, f"{path}.rows")
+        if (self.kind == Kind.BACKWARD) != (self.forward_task is not None):
+            raise MessageError(f"{path}.forward_task: a backward task names its forward task, a forward task none")
+
+
+# -- requests and replies ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ack(Message):
+    """A pushed message was accepted; `again`: it had been accepted before (a retry after a lost reply)."""
+
+    again: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushRows(Request):
+    """Rows of a microbatch for a frontal server: from the data source (stage 0) or a BS of the previous stage."""
+
+    method: ClassVar[str] = "rpc_push_rows"
+    reply: ClassVar[type[Message]] = Ack
+
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+    total_rows: RowCount
+    layout: Layout
+    inputs: Tensor
+    labels: Tensor
+
+    def check(self, path: str) -> None:
+        _within(self.rows, self.total_rows, f"{path}.rows")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskReply(Message):
+    """A task and its tensors (inputs and labels of a forward task, output gradients of a backward one), or none;
+    an FS also tells its last closed epoch and, with no task, its recent closures (`protocol.closure.judge`)."""
+
+    task: TaskOffer | None = None
+    closed_epoch: ClosedEpoch
+    closures: tuple[Closure, ...] = ()
+    inputs: Tensor | None = None
+    labels: Tensor | None = None
+    grad: Tensor | None = None
+
+    def check(self, path: str) -> None:
+        if len(self.closures) > MAX_CLOSURES:
+            raise MessageError(f"{path}.closures: more than {MAX_CLOSURES}")
+        carried = {name for name in ("inputs", "labels", "grad") if getattr(self, name) is not None}
+        wanted: set[str] = set()
+        if self.task is not None:
+            wanted = {"inputs", "labels"} if self.task.kind == Kind.FORWARD else {"grad"}
+        if carried != wanted:
+            raise MessageError(f"{path}: a {self.task.kind.value if self.task else 'missing'} task carries tensors "
+                               f"{sorted(wanted)}, not {sorted(carried)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TakeTask(Request):
+    """A worker asks a server for a task of its epoch, waiting up to `wait_s` for one."""
+
+    method: ClassVar[str] = "rpc_take_task"
+    reply: ClassVar[type[Message]] = TaskReply
+
+    worker: PeerId
+    compute: Flops
+    epoch: Epoch
+    client_mode: bool = False
+    wait_s: WaitSeconds = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs(Message):
+    """The stored inputs and labels of some rows."""
+
+    inputs: Tensor
+    labels: Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class FetchInputs(Request):
+    """A worker that recomputes a forward pass asks the FS for the inputs it keeps."""
+
+    method: ClassVar[str] = "rpc_fetch_inputs"
+    reply: ClassVar[type[Message]] = Inputs
+
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushOutputs(Request):
+    """A forward task's result for a BS: output rows with their labels, or in the last stage their summed loss."""
+
+    method: ClassVar[str] = "rpc_push_outputs"
+    reply: ClassVar[type[Message]] = Ack
+
+    task: TaskId
+    worker: PeerId
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+    total_rows: RowCount
+    layout: Layout
+    fs: PeerId  # the FS that issued the task
+    client_mode: bool = False
+    outputs: Tensor | None = None
+    labels: Tensor | None = None
+    loss: Tensor | None = None
+
+    def check(self, path: str) -> None:
+        _within(self.rows, self.total_rows, f"{path}.rows")
+        if (self.loss is None) == (self.outputs is None) or (self.outputs is None) != (self.labels is None):
+            raise MessageError(f"{path}: carries either a loss, or outputs and labels")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushInputGrads(Request):
+    """A backward task's result for the FS: gradients of the stage inputs (none at stage 0)."""
+
+    method: ClassVar[str] = "rpc_push_input_grads"
+    reply: ClassVar[type[Message]] = Ack
+
+    task: TaskId
+    worker: PeerId
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+    issuer: PeerId  # the server whose pool holds the task: a BS, or in the last stage the FS itself
+    client_mode: bool = False
+    grad: Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PushOutputGrads(Request):
+    """Gradients of a stage's outputs, from an FS of the next stage to a BS."""
+
+    method: ClassVar[str] = "rpc_push_output_grads"
+    reply: ClassVar[type[Message]] = Ack
+
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+    grad: Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportTask(Request):
+    """Between the servers of a stage: the result of a task the other issued was accepted (`ok`: complete it in
+    your pool; the reply confirms it) or refused (give the task to another worker)."""
+
+    method: ClassVar[str] = "rpc_task_result"
+    reply: ClassVar[type[Message]] = Ack
+
+    task: TaskId
+    worker: PeerId
+    epoch: Epoch
+    ok: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Echo(Message):
+    """How many payload bytes arrived."""
+
+    received: ByteCount
+
+
+@dataclass(frozen=True, kw_only=True)
+class Probe(Request):
+    """A link measurement: a tiny message, or one with a payload to time the transfer."""
+
+    method: ClassVar[str] = "rpc_echo"
+    reply: ClassVar[type[Message]] = Echo
+
+    payload: Tensor | None = None
+
+
+# -- field codecs --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    tensor: bool
+    optional: bool
+    has_default: bool
+    decode: Callable[[object, str], Any] | None  # None for a tensor
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _int(bounds: Between | None) -> Callable[[object, str], int]:
+    def decode(value: object, where: str) -> int:
+        if type(value) is not int:
+            raise MessageError(f"{where}: expected an integer, got {_kind(value)}")
+        if bounds is not None and not bounds.low <= value <= bounds.high:
+            raise MessageError(f"{where}: {value} is outside {bounds.low:.15g}..{bounds.high:.15g}")
+        return value
+    return decode
+
+
+def _float(bounds: Between | None) -> Callable[[object, str], float]:
+    def decode(value: object, where: str) -> float:
+        if type(value) not in (int, float):
+            raise MessageError(f"{where}: expected a number, got {_kind(value)}")
+        number = float(value)
+        if not math.isfinite(number):
+            raise MessageError(f"{where}: {number} is not finite")
+        if bounds is not None and not bounds.low <= number <= bounds.high:
+            raise MessageError(f"{where}: {number:g} is outside {bounds.low:.15g}..{bounds.high:.15g}")
+        return number
+    return decode
+
+
+def _str(length: Length | None) -> Callable[[object, str], str]:
+    def decode(value: object, where: str) -> str:
+        if not isinstance(value, str):
+            raise MessageError(f"{where}: expected a string, got {_kind(value)}")
+        if length is not None and not length.low <= len(value) <= length.high:
+            raise MessageError(f"{where}: a string of {len(value)} characters, expected {length.low}..{length.high}")
+        return value
+    return decode
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise MessageError(f"{where}: expected true or false, got {_kind(value)}")
+    return value
+
+
+def _list(value: object, where: str, *, low: int, high: int) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise MessageError(f"{where}: expected a list, got {_kind(value)}")
+    if not low <= len(value) <= high:
+        raise MessageError(f"{where}: a list of {len(value)} items, expected {low}..{high}")
+    return list(value)
+
+
+def _rows(value: object, where: str) -> Rows:
+    start, end = (_int(Between(0, MAX_ROWS))(x, where) for x in _list(value, where, low=2, high=2))
+    if start >= end:
+        raise MessageError(f"{where}: [{start}, {end}) is not a non-empty row range")
+    return Rows(start, end)
+
+
+def _servers(value: object, where: str) -> tuple[str, ...]:
+    ids = tuple(_str(Length(1, MAX_ID))(x, where) for x in _list(value, where, low=1, high=MAX_SERVERS))
+    if len(set(ids)) != len(ids):
+        raise MessageError(f"{where}: a server is listed twice")
+    return ids
+
+
+def _layout(value: object, where: str) -> Layout:
+    stages = []
+    for k, stage in enumerate(_list(value, where, low=1, high=MAX_STAGES)):
+        fs, bs = _list(stage, f"{where}[{k}]", low=2, high=2)
+        stages.append(StageServers(fs=_servers(fs, f"{where}[{k}].fs"), bs=_servers(bs, f"{where}[{k}].bs")))
+    return Layout(tuple(stages))
+
+
+def _encode(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_header()
+    if isinstance(value, Rows):
+        return [value.start, value.end]
+    if isinstance(value, Layout):
+        return [[list(s.fs), list(s.bs)] for s in value.stages]
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_encode(item) for item in value]
+    return value
+
+
+def _decoder(hint: Any) -> Callable[[object, str], Any]:
+    extras = ()
+    if typing.get_origin(hint) is Annotated:
+        hint, *extras = typing.get_args(hint)
+    bounds = next((x for x in extras if isinstance(x, (Between, Length))), None)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        decode_inner = _decoder(inner)
+        return lambda value, where: None if value is None else decode_inner(value, where)
+    if origin is tuple:  # the longest list any message holds; messages check tighter bounds themselves
+        item = _decoder(args[0])
+        return lambda value, where: tuple(item(x, f"{where}[{i}]")
+                                          for i, x in enumerate(_list(value, where, low=0, high=MAX_GROUP)))
+    if hint is bool:
+        return _bool
+    if hint is int:
+        return _int(bounds)
+    if hint is float:
+        return _float(bounds)
+    if hint is str:
+        return _str(bounds)
+    if hint is Rows:
+        return _rows
+    if hint is Layout:
+        return _layout
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        def decode_enum(value: object, where: str) -> Enum:
+            try:
+                return hint(value)
+            except ValueError:
+                raise MessageError(f"{where}: expected one of {[m.value for m in hint]}, got {value!r}") from None
+        return decode_enum
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return lambda value, where: hint._decode(value, {}, path=where)
+    raise TypeError(f"no wire codec for {hint!r}")
+
+
+@cache
+def _fields(cls: type[Message]) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        tensor = hint == Tensor or (type(None) in args and Tensor in args)
+        optional = type(None) in args
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        out.append(_Field(name=f.name, tensor=tensor, optional=optional, has_default=has_default,
+                          decode=None if tensor else _decoder(hint)))
+    return tuple(out)

@@ -1,0 +1,260 @@
+"""Everything a stage server knows about its open epochs, in one dataclass per role, saveable and restorable.
+
+`FrontalState` and `BackwardState` hold the task pool, the workers seen, per-epoch stats and each held microbatch
+(stored inputs, accepted input gradients; the ledger, assembled outputs, backward work), and nothing of it lives
+elsewhere in the server. `snapshot()` turns a state into plain data plus named tensors, `restore()` back;
+`save(path)` writes both into one safetensors file (atomically: a reader never sees half a file), `load(path)`
+reads it. Times are in the server's clock (`time.monotonic` by default), so a restored state is meant for a server
+on the same machine: lease deadlines and epoch timings in another clock would be off.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from p2ptrain.protocol.layout import Layout, StageServers
+from p2ptrain.protocol.ledger import Ledger
+from p2ptrain.protocol.messages import Closure
+from p2ptrain.protocol.rows import Rows
+from p2ptrain.protocol.taskpool import Task, TaskPool
+
+Key = tuple[int, int]  # (epoch, microbatch)
+
+
+@dataclass
+class WorkerRecord:
+    """A worker as a server saw it: its compute (for task sizes), when it last polled, its epoch."""
+
+    compute: float
+    last_seen: float
+    epoch: int
+    client_mode: bool = False
+    refusals: int = 0
+
+
+@dataclass
+class EpochStats:
+    rows: int = 0
+    loss_sum: float = 0.0
+    tokens: int = 0
+    started: float | None = None
+    finished: float | None = None
+
+
+@dataclass(kw_only=True)
+class MicrobatchInputs:
+    """An FS's segment of one microbatch: the stage inputs it hands out and keeps for recomputation, and the input
+    gradients that came back."""
+
+    segment: Rows
+    total_rows: int
+    layout: Layout
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    received: list[Rows] = field(default_factory=list)
+    grads: torch.Tensor | None = None
+    grads_received: list[Rows] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(kw_only=True)
+class MicrobatchOutputs:
+    """A BS's segment of one microbatch: the output rows assembled until the segment is complete."""
+
+    segment: Rows
+    total_rows: int
+    layout: Layout
+    outputs: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
+
+
+@dataclass(kw_only=True)
+class BackwardWork:
+    """A backward task's output gradients, kept until the task's result is confirmed."""
+
+    task: Task
+    grad: torch.Tensor
+    forward_task: str
+
+
+@dataclass
+class EpochProgress:
+    rows_recorded: int = 0
+    rows_backward: int = 0
+
+
+@dataclass(kw_only=True)
+class StageState:
+    """What both roles keep: the task pool, the workers seen, per-epoch stats and the last epoch closed here."""
+
+    role: ClassVar[str]
+
+    pool: TaskPool
+    closed_epoch: int = -1
+    task_counter: int = 0
+    workers: dict[str, WorkerRecord] = field(default_factory=dict)
+    epochs: dict[int, EpochStats] = field(default_factory=dict)
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Plain data (JSON-ready) and the tensors it refers to by name."""
+        tensors: dict[str, torch.Tensor] = {}
+        meta = {
+            "role": self.role, "pool": self.pool.to_dict(), "closed_epoch": self.closed_epoch,
+            "task_counter": self.task_counter,
+            "workers": {w: vars(record) for w, record in self.workers.items()},
+            "epochs": [[epoch, vars(stats)] for epoch, stats in self.epochs.items()],
+            **self._snapshot_role(tensors),
+        }
+        return meta, tensors
+
+    @classmethod
+    def restore(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Self:
+        if meta.get("role") != cls.role:
+            raise ValueError(f"a saved {meta.get('role')} state cannot restore a {cls.role} server")
+        return cls(pool=TaskPool.from_dict(meta["pool"]), closed_epoch=meta["closed_epoch"],
+                   task_counter=meta["task_counter"],
+                   workers={w: WorkerRecord(**record) for w, record in meta["workers"].items()},
+                   epochs={epoch: EpochStats(**stats) for epoch, stats in meta["epochs"]},
+                   **cls._restore_role(meta, tensors))
+
+    def save(self, path: str | Path) -> None:
+        meta, tensors = self.snapshot()
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        # safetensors refuses tensors that share memory (views of one microbatch); copies are independent
+        save_file({name: t.detach().clone().contiguous() for name, t in tensors.items()}, str(tmp),
+                  metadata={"state": json.dumps(meta)})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["state"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        return cls.restore(meta, tensors)
+
+    def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _restore_role(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class FrontalState(StageState):
+    """An FS's state: its microbatches' inputs and gradients, which are complete per epoch, the closures of recent
+    epochs (each with its averaging group), and the (task, worker) of every result accepted lately, kept past
+    closure so that a worker whose reply was lost hears "accepted" again."""
+
+    role: ClassVar[str] = "fs"
+
+    microbatches: dict[Key, MicrobatchInputs] = field(default_factory=dict)
+    completed: dict[int, set[int]] = field(default_factory=dict)
+    closures: dict[int, Closure] = field(default_factory=dict)
+    accepted: dict[int, set[tuple[str, str]]] = field(default_factory=dict)
+
+    def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        microbatches = []
+        for (epoch, index), mb in self.microbatches.items():
+            prefix = f"mb/{epoch}/{index}/"
+            tensors[prefix + "inputs"], tensors[prefix + "labels"] = mb.inputs, mb.labels
+            if mb.grads is not None:
+                tensors[prefix + "grads"] = mb.grads
+            microbatches.append({"key": [epoch, index], **_common(mb), "received": _rows_list(mb.received),
+                                 "grads_received": _rows_list(mb.grads_received), "done": mb.done,
+                                 "has_grads": mb.grads is not None})
+        return {
+            "microbatches": microbatches,
+            "completed": [[epoch, sorted(indices)] for epoch, indices in self.completed.items()],
+            "closures": [closure.to_header() for closure in self.closures.values()],
+            "accepted": [[epoch, sorted(pairs)] for epoch, pairs in self.accepted.items()],
+        }
+
+    @classmethod
+    def _restore_role(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        microbatches = {}
+        for mb in meta["microbatches"]:
+            epoch, index = mb["key"]
+            prefix = f"mb/{epoch}/{index}/"
+            microbatches[(epoch, index)] = MicrobatchInputs(
+                **_common_back(mb), inputs=tensors[prefix + "inputs"], labels=tensors[prefix + "labels"],
+                received=_rows_back(mb["received"]), grads=tensors[prefix + "grads"] if mb["has_grads"] else None,
+                grads_received=_rows_back(mb["grads_received"]), done=mb["done"])
+        closures = [Closure.from_header(closure) for closure in meta["closures"]]
+        return {
+            "microbatches": microbatches,
+            "completed": {epoch: set(indices) for epoch, indices in meta["completed"]},
+            "closures": {closure.epoch: closure for closure in closures},
+            "accepted": {epoch: {(task, worker) for task, worker in pairs} for epoch, pairs in meta["accepted"]},
+        }
+
+
+@dataclass(kw_only=True)
+class BackwardState(StageState):
+    """A BS's state: the ledger, its microbatches' assembled outputs, the output gradients of backward tasks not yet
+    confirmed, and per epoch how many rows were recorded and came back through the backward pass."""
+
+    role: ClassVar[str] = "bs"
+
+    microbatches: dict[Key, MicrobatchOutputs] = field(default_factory=dict)
+    ledger: Ledger = field(default_factory=Ledger)
+    work: dict[str, BackwardWork] = field(default_factory=dict)
+    progress: dict[int, EpochProgress] = field(default_factory=dict)
+
+    def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        microbatches = []
+        for (epoch, index), mb in self.microbatches.items():
+            if mb.outputs is not None:
+                tensors[f"mb/{epoch}/{index}/outputs"], tensors[f"mb/{epoch}/{index}/labels"] = mb.outputs, mb.labels
+            microbatches.append({"key": [epoch, index], **_common(mb), "has_outputs": mb.outputs is not None})
+        for task_id, work in self.work.items():
+            tensors[f"work/{task_id}/grad"] = work.grad
+        return {
+            "microbatches": microbatches, "ledger": self.ledger.to_dict(),
+            "work": [{"task": work.task.to_dict(), "forward_task": work.forward_task} for work in self.work.values()],
+            "progress": [[epoch, vars(progress)] for epoch, progress in self.progress.items()],
+        }
+
+    @classmethod
+    def _restore_role(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        microbatches = {}
+        for mb in meta["microbatches"]:
+            epoch, index = mb["key"]
+            held = mb["has_outputs"]
+            microbatches[(epoch, index)] = MicrobatchOutputs(
+                **_common_back(mb), outputs=tensors[f"mb/{epoch}/{index}/outputs"] if held else None,
+                labels=tensors[f"mb/{epoch}/{index}/labels"] if held else None)
+        work = {}
+        for entry in meta["work"]:
+            task = Task.from_dict(entry["task"])
+            work[task.task_id] = BackwardWork(task=task, grad=tensors[f"work/{task.task_id}/grad"],
+                                              forward_task=entry["forward_task"])
+        return {"microbatches": microbatches, "ledger": Ledger.from_dict(meta["ledger"]), "work": work,
+                "progress": {epoch: EpochProgress(**progress) for epoch, progress in meta["progress"]}}
+
+
+def _rows_list(parts: list[Rows]) -> list[list[int]]:
+    return [[rows.start, rows.end] for rows in parts]
+
+
+def _rows_back(parts: list[list[int]]) -> list[Rows]:
+    return [Rows(start, end) for start, end in parts]
+
+
+def _common(mb: MicrobatchInputs | MicrobatchOutputs) -> dict[str, Any]:
+    return {"segment": [mb.segment.start, mb.segment.end], "total_rows": mb.total_rows,
+            "layout": [[list(s.fs), list(s.bs)] for s in mb.layout.stages]}
+
+
+def _common_back(mb: dict[str, Any]) -> dict[str, Any]:
+    return {"segment": Rows(*mb["segment"]), "total_rows": mb["total_rows"],
+            "layout": Layout(tuple(StageServers(fs=tuple(fs), bs=tuple(bs)) for fs, bs in mb["layout"]))}
+

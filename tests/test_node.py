@@ -1,0 +1,57 @@
+"""`p2ptrain.Peer` from Python: two stages' peers built in this process (no subprocess, no argparse), with real
+DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from p2ptrain import NetworkOptions, NodeOptions, Peer, Placement, RunConfig
+from p2ptrain.cli import LOOPBACK
+
+CONFIG = RunConfig(run_id="in-process", num_stages=2, rows_per_microbatch=4, microbatches=2, seq_len=32)
+
+
+async def epoch_done(peers: dict[str, Peer]) -> None:
+    while not (peers["fs0"].feeder.progress.finished and all(p.worker.history for p in peers.values() if p.worker)):
+        await asyncio.sleep(0.5)
+
+
+async def train_one_epoch() -> dict[str, Peer]:
+    boot = Peer(config=CONFIG, options=NodeOptions(role="bootstrap", network=NetworkOptions(host_maddrs=(LOOPBACK,))))
+    peers = {"boot": boot}
+    try:
+        await boot.start()
+        network = NetworkOptions(initial_peers=tuple(boot.maddrs), host_maddrs=(LOOPBACK,))
+        for stage in range(CONFIG.num_stages):
+            layers = CONFIG.stage_layers(stage)
+            for role in ("fs", "bs", None):
+                placement = Placement(stage=stage, server_role=role, layers=layers, num_stages=CONFIG.num_stages)
+                options = NodeOptions(role="server" if role else "client", placement=placement, network=network,
+                                      epochs=1)
+                peers[f"{role or 'client'}{stage}"] = Peer(config=CONFIG, options=options)
+        await asyncio.gather(*(peer.start() for name, peer in peers.items() if name != "boot"))
+        trained = asyncio.create_task(epoch_done(peers))
+        running = [asyncio.create_task(peer.wait()) for peer in peers.values()]  # ends early only if a part fails
+        done, _ = await asyncio.wait([trained, *running], timeout=240, return_when=asyncio.FIRST_COMPLETED)
+        for task in [trained, *running]:
+            task.cancel()
+        assert done, "the in-process swarm did not train its epoch in 240 s"
+        for task in done - {trained}:
+            task.result()  # raises the error of the part that failed
+        return peers
+    finally:
+        await asyncio.gather(*(peer.stop() for peer in peers.values()), return_exceptions=True)
+
+
+@pytest.mark.timeout(300)
+def test_two_stages_of_peers_built_in_python_train_one_epoch():
+    peers = asyncio.run(train_one_epoch())
+    for stage in range(CONFIG.num_stages):
+        [record] = peers[f"client{stage}"].worker.history
+        assert (record.epoch, record.rows, record.averaged) == (0, CONFIG.rows_per_epoch, True)
+        assert peers[f"fs{stage}"].server.state.closed_epoch == peers[f"bs{stage}"].server.state.closed_epoch == 0
+    stats = peers["bs1"].server.epoch_stats(0)
+    assert stats.rows == CONFIG.rows_per_epoch and stats.tokens == CONFIG.tokens_per_epoch
+    assert 4.0 < stats.loss_sum / stats.tokens < 7.0  # about ln(256): the untrained model's loss on byte tokens
+    assert all(peer.dht is None for peer in peers.values())  # stopped: DHT nodes and daemons shut down
