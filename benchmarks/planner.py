@@ -30,12 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from p2ptrain.planner import PLANNERS, PlanningError, Swarm, make_plan, model_spec  # noqa: E402
 from p2ptrain.planner.cost import Workload, evaluate  # noqa: E402
-from p2ptrain.planner.generate import geo_swarm  # noqa: E402
+from p2ptrain.planner.generate import GEO_BATCH, GEO_MODEL, geo_swarm  # noqa: E402
 from p2ptrain.planner.swarmfile import load_swarm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-GEO_MODEL = {"name": "llama-33b", "precision": "fp16", "offload": "optimizer"}
-GEO_BATCH = {"tokens": 2048 * 2048, "microbatches": 256}
 
 
 def run_planners(swarm: Swarm, name: str, model, tokens: int, microbatches: int, samples: int) -> dict:
@@ -161,7 +159,7 @@ def main() -> None:
         swarm = load_swarm(path)
         assert swarm.model is not None and swarm.batch_tokens and swarm.microbatches, path
         rows.append(run_planners(swarm, path.stem, swarm.model, swarm.batch_tokens, swarm.microbatches, samples))
-    model = model_spec(GEO_MODEL["name"], precision=GEO_MODEL["precision"], offload=GEO_MODEL["offload"])
+    model = model_spec(GEO_MODEL["preset"], precision=GEO_MODEL["precision"], offload=GEO_MODEL["offload"])
     sizes = [(64, 0), (64, 1), (64, 2), (256, 0), (256, 1)] + ([] if args.quick else [(1024, 0)])
     for n, seed in sizes:
         rows.append(run_planners(geo_swarm(n, seed), f"geo-{n}-seed{seed}", model, GEO_BATCH["tokens"],

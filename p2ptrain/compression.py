@@ -117,19 +117,6 @@ def deserialize(parts: Sequence[runtime_pb2.Tensor]) -> torch.Tensor:
     return deserialize_torch_tensor(message)
 
 
-def deserialize_many(parts: Sequence[runtime_pb2.Tensor]) -> list[torch.Tensor]:
-    """Decode the chunks of several tensors sent back to back; each tensor's first chunk carries its dtype."""
-    groups: list[list[runtime_pb2.Tensor]] = []
-    for part in parts:
-        if part.dtype:
-            groups.append([part])
-        elif groups:
-            groups[-1].append(part)
-        else:
-            raise ValueError("stream starts with a continuation chunk (no dtype)")
-    return [deserialize(group) for group in groups]
-
-
 def encoded_nbytes(parts: Sequence[runtime_pb2.Tensor]) -> int:
     """Payload bytes of encoded chunks (buffers only; the few bytes of proto headers are left out)."""
     return sum(len(part.buffer) for part in parts)

@@ -45,7 +45,6 @@ class EpochRecord:
     epoch: int
     rows: int
     tokens: int
-    averaged_with: int  # size of the all-reduce group, servers included; 0 when the round failed
     averaged: bool  # the step used the stage's average
     seconds: float
 
@@ -276,8 +275,8 @@ class Worker:
             self._dump_averaged_grads(epoch)
         self.optimizer.zero_grad(set_to_none=True)
         now = time.monotonic()
-        self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged_with=result.group_size,
-                                        averaged=result.ok, seconds=now - self._epoch_started))
+        self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged=result.ok,
+                                        seconds=now - self._epoch_started))
         self._epoch_started = now
         self._advance(epoch + 1)
         logger.info(f"worker {self.worker_id}: stage {self.stage} stepped to epoch {self.epoch} ({rows} rows, "

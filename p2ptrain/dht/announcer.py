@@ -34,8 +34,8 @@ class Announcer:
         run_id: str,
         peer_id: str,
         owner_key: bytes,
-        period_s: float = 10.0,
-        ttl_s: float = 30.0,
+        period_s: float,
+        ttl_s: float,
         start: bool = True,
     ):
         """`owner_key` is the `local_public_key` of the RSASignatureValidator the DHT was created with.

@@ -1,7 +1,8 @@
 """Seeded swarms: random geo-distributed ones for benchmarks and tests, and the paper's §4 setups as swarm files.
 
-``python -m p2ptrain.planner.generate peers/`` rewrites the ``peers/paper-*.toml`` files; the random link values
-in them come from the ranges the paper gives, drawn with the seed written in each file.
+``python -m p2ptrain.planner.generate peers/`` rewrites the ``peers/paper-*.toml`` files (the random link values in
+them come from the ranges the paper gives, drawn with the seed written in each file) and ``peers/geo-64.toml``, a
+geo swarm of 64 devices with the benchmarks' model and batch.
 """
 from __future__ import annotations
 
@@ -217,8 +218,19 @@ def paper_case_files(seed: int = 2025) -> dict[str, str]:
     return files
 
 
+GEO_MODEL = {"preset": "llama-33b", "precision": "fp16", "offload": "optimizer"}
+GEO_BATCH = {"tokens": 2048 * 2048, "microbatches": 256}
+
+
+def geo_files(seed: int = 0) -> dict[str, str]:
+    """A generated geo swarm of 64 devices as a swarm file, the size at which planning must stay fast."""
+    data = {**geo_swarm_data(64, seed), "model": GEO_MODEL, "batch": GEO_BATCH}
+    return {"geo-64.toml": to_toml(data, f"A random geo-distributed swarm of 64 devices (geo_swarm_data(64, seed={seed}))"
+                                         f",\nwith the planner benchmark's model and batch.")}
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[1] if len(sys.argv) > 1 else "peers")
-    for name, text in paper_case_files().items():
+    for name, text in {**paper_case_files(), **geo_files()}.items():
         (target / name).write_text(text)
         print(target / name)

@@ -71,7 +71,6 @@ class Swarm:
     bandwidth_bytes_s: np.ndarray
     source: str = "<memory>"
     model: ModelSpec | None = None
-    model_preset: str | None = None
     precision: str = "fp32"
     offload: str = "none"
     batch_tokens: int | None = None
@@ -353,7 +352,7 @@ class _Parser:
             if table["preset"] not in PRESETS:
                 raise self.fail("[model]", f"unknown preset {table['preset']!r}", f"use one of {', '.join(PRESETS)}")
             return {"model": model_spec(table["preset"], precision=precision, offload=offload),
-                    "model_preset": table["preset"], "precision": precision, "offload": offload}
+                    "precision": precision, "offload": offload}
         values = {key: self.number(table, key, "[model]", required=True) for key in _SPEC_FIELDS}
         if not float(values["layers"]).is_integer():
             raise self.fail("[model]", f"layers = {values['layers']} is not an integer", "write layers as an integer")

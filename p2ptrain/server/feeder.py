@@ -27,7 +27,6 @@ LAYOUT_NOTICE_EVERY_S = 5.0
 
 @dataclass
 class FeederProgress:
-    epochs_done: int = 0
     epoch_seconds: dict[int, float] = field(default_factory=dict)
     finished: bool = False
 
@@ -69,7 +68,6 @@ class DataFeeder:
                     return
                 await asyncio.sleep(poll)
             self.progress.epoch_seconds[epoch] = time.monotonic() - started
-            self.progress.epochs_done = epoch + 1
         self.progress.finished = True
         logger.info(f"data source: all {self.epochs} epochs done")
 
