@@ -59,7 +59,8 @@ class RunConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be at least 1")
         if self.seq_len > self.model_config.max_seq_len:
-            raise ConfigError("seq_len", self.seq_len, f"exceeds the model's max_seq_len {self.model_config.max_seq_len}")
+            raise ConfigError("seq_len", self.seq_len,
+                              f"exceeds the model's max_seq_len {self.model_config.max_seq_len}")
         if self.seed < 0:
             raise ConfigError("seed", self.seed, "must be 0 or more")
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -134,6 +135,7 @@ class RuntimeConfig:
     membership_retry_s: float = 0.5  # ...and this often while a stage lacks an FS or a BS
     metrics_period_s: float = 3.0  # a peer publishes its training metrics this often when they changed
     # live planning
+    plan_timeout_s: float = 600.0  # a peer waits this long for a plan that places it, a planner for the servers
     plan_poll_s: float = 2.0  # a peer waiting for a plan reads the DHT this often
     probe_timeout_s: float = 10.0  # longest one link measurement may take
     progress_every_s: float = 15.0  # waiting peers and planners log their progress this often
@@ -146,6 +148,6 @@ class RuntimeConfig:
         if not 0 < self.record_period_s < self.record_ttl_s:
             raise ConfigError("record_period_s", self.record_period_s, "need 0 < record_period_s < record_ttl_s, or "
                                                                        "records lapse")
-        for name in ("rpc_timeout_s", "lease_timeout_s", "averaging_timeout_s", "probe_timeout_s"):
+        for name in ("rpc_timeout_s", "lease_timeout_s", "averaging_timeout_s", "plan_timeout_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be positive")

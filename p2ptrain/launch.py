@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
             swarm.start(device, [*command, "--initial-peers", *initial])
         print(f"swarm of {len(swarm.processes)} processes, logs in {workdir}", file=sys.stderr)
         for stage, entry in enumerate(plan["stages"]):
-            print(f"  stage {stage} layers [{entry['layers'][0]}, {entry['layers'][1]}): FS {entry['fs']} BS {entry['bs']} "
+            start, end = entry["layers"]
+            print(f"  stage {stage} layers [{start}, {end}): FS {entry['fs']} BS {entry['bs']} "
                   f"clients {entry['clients']}", file=sys.stderr)
         report = watch(swarm, args, initial)
     except KeyboardInterrupt:

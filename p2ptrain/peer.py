@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 # NodeOptions and RuntimeConfig fields and the flags that set them
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
-              "compute_power": "--compute-power", "fault": "--fault", "plan_timeout": "--plan-timeout",
+              "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "lease_timeout_s": "--lease-timeout", "averaging_timeout_s": "--averaging-timeout",
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage"}
 
@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the planner's public key (KEY.pub of `python -m p2ptrain.plan --planner-identity KEY`); "
                            "without --stage, this peer announces its measurements and takes its place from the "
                            "plan signed by that key")
-    live.add_argument("--plan-timeout", type=positive, default=600.0, help="seconds to wait for a plan that places it")
+    live.add_argument("--plan-timeout", type=positive, default=RuntimeConfig.plan_timeout_s,
+                      help="seconds to wait for a plan that places it")
     live.add_argument("--plan", action="store_true",
                       help="this server is also the planner: it plans the servers and clients that announce "
                            "themselves, publishes the plan signed with --planner-identity and keeps it alive while "
@@ -96,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--averaging-timeout", type=positive, default=RuntimeConfig.averaging_timeout_s,
                      help="seconds an all-reduce round may take")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
-    run.add_argument("--dump-grads", type=Path, help="directory where workers save the averaged gradients of each epoch")
+    run.add_argument("--dump-grads", type=Path,
+                     help="directory where workers save the averaged gradients of each epoch")
     run.add_argument("--fault", choices=FAULTS, default="none", help="for tests: send corrupted results")
     run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
@@ -143,12 +145,12 @@ def parse_args(argv: list[str] | None = None) -> Command:
         except (OSError, ValueError) as e:
             fail(parser, "--planner-identity", args.planner_identity, str(e))
         planner = PlannerOptions(signer=signer, planner=args.planner, stages=args.plan_stages, expect=args.expect)
-        planning = PlanningOptions(planner_key=signer.local_public_key, timeout_s=args.plan_timeout)
+        planning = PlanningOptions(planner_key=signer.local_public_key)
     elif planned:
         from p2ptrain.live.identity import read_planner_key
 
         try:
-            planning = PlanningOptions(planner_key=read_planner_key(args.planner_key), timeout_s=args.plan_timeout)
+            planning = PlanningOptions(planner_key=read_planner_key(args.planner_key))
         except (OSError, ValueError) as e:
             fail(parser, "--planner-key", args.planner_key, str(e))
     with refusing(parser, NODE_FLAGS):
@@ -163,7 +165,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
             role=args.role, placement=placement, computes=args.compute, network=network, planning=planning,
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault)
-        settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout)
+        settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout,
+                                 plan_timeout_s=args.plan_timeout)
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
 
@@ -179,7 +182,8 @@ def _layers(parser: argparse.ArgumentParser, args: argparse.Namespace, config: R
     if not 0 <= start < end <= layers:
         fail(parser, "--layers", args.layers, f"must lie within 0:{layers}")
     if not 0 <= args.stage < config.num_stages:
-        fail(parser, "--stage", args.stage, f"not in 0..{config.num_stages - 1} (the run has {config.num_stages} stages)")
+        fail(parser, "--stage", args.stage, f"not in 0..{config.num_stages - 1} (the run has {config.num_stages} "
+                                            "stages)")
     return start, end
 
 

@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--planner-identity", type=Path,
                       help="the planner's private key (created if missing); its public key goes to PATH.pub")
     live.add_argument("--expect", type=count, help="servers to wait for (default: 2 per stage, at least 2)")
-    live.add_argument("--expect-timeout", type=positive, help="seconds to wait for them (default: 600)")
+    live.add_argument("--expect-timeout", type=positive, default=RuntimeConfig.plan_timeout_s,
+                      help="seconds to wait for them")
     live.add_argument("--publish-for", type=positive, help="seconds to keep the plan alive (default: until stopped)")
     live.add_argument("--run-id", type=run_id, help=f"the swarm's DHT prefix (default: {PEER_DEFAULTS.run_id})")
     live.add_argument("--batch-rows", type=count,
@@ -173,12 +174,11 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
                tokens: int, microbatches: int, expect: int, stop: threading.Event) -> int:
     from p2ptrain.live.publisher import plan_swarm, publish
 
-    timeout_s = 600.0 if args.expect_timeout is None else args.expect_timeout
-    settings = RuntimeConfig()
+    settings = RuntimeConfig(plan_timeout_s=args.expect_timeout)
     try:
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect,
-                          timeout_s=timeout_s, settings=settings, stop=stop)
+                          settings=settings, stop=stop)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

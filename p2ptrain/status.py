@@ -45,7 +45,8 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
             "stage": stage,
             "fs": sorted(m.peer_id for m in members if m.role == "fs"),
             "bs": sorted(m.peer_id for m in members if m.role == "bs"),
-            "workers": sorted(m.peer_id for m in metrics if m.stage == stage and (m.role == "worker" or m.worker_epochs)),
+            "workers": sorted(m.peer_id for m in metrics
+                              if m.stage == stage and (m.role == "worker" or m.worker_epochs)),
         })
     epochs = _epochs(metrics, num_stages)
     source = next((m for m in metrics if m.epochs_planned is not None), None)

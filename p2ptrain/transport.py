@@ -129,24 +129,21 @@ class Service(ServicerBase):
         `sender` is the peer id libp2p authenticated, or the calling peer's own for a call within its process.
         """
         sender = context.sender if isinstance(context, LocalCall) else context.remote_id.to_base58()
-        answer = None
         try:
             envelope = await unpack(requests)
             request = kind.from_header(envelope.header, envelope.tensors)
-            answer = await handler(request, sender)
-            if not isinstance(answer, Answer):
-                answer = Answer(answer)
+            reply = await handler(request, sender)
+            answer = reply if isinstance(reply, Answer) else Answer(reply)
             responses = self.pack(answer.reply)
         except ConnectionError as e:  # the request never fully arrived: nobody is left to answer
             self.logger.warning(f"{self.name}: {kind.__name__} from {sender} broke off: {e}")
             return
         except (MessageError, Refused) as e:
             self.logger.warning(f"{self.name}: refused {kind.__name__} from {sender}: {e}")
-            responses = self.refusal(str(e))
+            answer, responses = None, self.refusal(str(e))
         except Exception as e:  # a bug here must not end the handler silently or stall the caller until timeout
             self.logger.exception(f"{self.name}: failed on {kind.__name__} from {sender}")
-            responses = self.refusal(f"internal error: {e!r}")
-            answer = None
+            answer, responses = None, self.refusal(f"internal error: {e!r}")
         for response in responses:
             yield response
         if answer is not None and answer.then is not None:

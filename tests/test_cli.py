@@ -78,8 +78,8 @@ PEER_ROLE_CASES = [
     (["p2ptrain.peer", "--role", "worker"], "argument --role: invalid choice: 'worker'"),
     (["p2ptrain.peer", "--role", "server", "--stage", "0"], "--role server needs --server-role fs or --server-role bs"),
     (["p2ptrain.peer", "--role", "client"], "--role client needs --stage K, or --planner-key PATH"),
-    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--server-role", "fs"], "--server-role and --compute are for"),
-    (["p2ptrain.peer", "--role", "server", "--planner-key", "MISSING"], "argument --planner-key: MISSING: no such file"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--server-role", "fs"], "--server-role and --compute"),
+    (["p2ptrain.peer", "--role", "server", "--planner-key", "MISSING"], "argument --planner-key: MISSING: no such"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "FILE"], "--planner-key FILE: "),
     (["p2ptrain.peer", "--role", "server", "--plan", "--planner-identity", "k", "--expect", "1"], "--expect 1: a plan"),
     (["p2ptrain.peer", "--role", "server", "--plan", "--planner-identity", "k", "--plan-stages", "0"],
@@ -123,7 +123,7 @@ PLAN_CASES = [
     (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--expect-timeout", "0"], "argument --expect-timeout: 0"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--batch-rows", "0"], "argument --batch-rows: 0"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run-id", "a b"], "argument --run-id: a b"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model", "albert-xxlarge"], "--model albert-xxlarge: peers can train"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model", "albert-xxlarge"], "--model albert-xxlarge: peers can"),
 ]
 STATUS_CASES = [
     ([], "the following arguments are required: --initial-peers"),

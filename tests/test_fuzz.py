@@ -70,11 +70,11 @@ class Fuzzer:
             "fs.take_task": (FRONTAL_SERVER, lambda: self.mix(self.malformed(self.poll), self.spoofed(self.poll))),
             "fs.fetch_inputs": (FRONTAL_SERVER, lambda: self.mix(self.malformed(self.fetch), self.unknown(self.fetch))),
             "fs.push_input_grads": (FRONTAL_SERVER, self.input_grads),
-            "fs.task_result": (FRONTAL_SERVER, lambda: self.mix(self.malformed(self.report), self.unknown(self.report))),
+            "fs.task_result": (FRONTAL_SERVER, self.reports),
             "bs.push_outputs": (BACKWARD_SERVER, self.outputs),
             "bs.push_output_grads": (BACKWARD_SERVER, self.output_grads),
             "bs.take_task": (BACKWARD_SERVER, lambda: self.mix(self.malformed(self.poll), self.spoofed(self.poll))),
-            "bs.task_result": (BACKWARD_SERVER, lambda: self.mix(self.malformed(self.report), self.unknown(self.report))),
+            "bs.task_result": (BACKWARD_SERVER, self.reports),
         }
 
     # -- valid-looking templates -------------------------------------------------------------------------------
@@ -117,12 +117,17 @@ class Fuzzer:
         return self.mix(self.malformed(lambda: self.rows_message(me_in_layout=False)), self.bad_tensors(inside),
                         self.bad_layouts(inside), self.outside_segment(inside, Rows(2, ROWS)))
 
+    def reports(self) -> Iterator[tuple[str, object, dict]]:
+        return self.mix(self.malformed(self.report), self.unknown(self.report))
+
     def input_grads(self) -> Iterator[tuple[str, object, dict]]:
         return self.mix(self.malformed(self.grads_message), self.unknown(self.grads_message),
                         self.spoofed(self.grads_message), self.with_tensor(self.grads_message, "grad"))
 
     def outputs(self) -> Iterator[tuple[str, object, dict]]:
-        two_bs = lambda: dataclasses.replace(self.outputs_message(), layout=self.layout(bs=(self.bs, BS1)))  # noqa: E731
+        def two_bs() -> PushOutputs:
+            return dataclasses.replace(self.outputs_message(), layout=self.layout(bs=(self.bs, BS1)))
+
         return self.mix(self.malformed(self.outputs_message), self.unknown(self.outputs_message),
                         self.spoofed(self.outputs_message), self.bad_tensors(self.outputs_message),
                         self.bad_layouts(self.outputs_message), self.outside_segment(two_bs, Rows(2, ROWS)))

@@ -31,7 +31,8 @@ def import_graph(package: Path) -> nx.DiGraph:
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
                 base = importlib.util.resolve_name("." * node.level + (node.module or ""), here)
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
             graph.add_edges_from((name, target) for target in targets if target in modules and target != name)
     return graph
 

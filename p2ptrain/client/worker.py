@@ -106,20 +106,21 @@ class Worker:
             else:
                 await self._after_idle_poll(polls)
 
-    async def _take(self, fs_list: list[str], bs_list: list[str]) -> tuple[TaskReply | None, dict[str, TaskReply | None]]:
+    async def _take(self, fs_list: list[str], bs_list: list[str]
+                    ) -> tuple[TaskReply | None, dict[str, TaskReply | None]]:
         """Backward work first (it frees memory and unblocks the pipeline), then forward work; long-poll the FS.
 
         With no task, also returns each FS's reply (its last closed epoch and its recent closures), None where
         an FS could not be reached.
         """
-        request = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode)
+        poll = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode)
         for bs in bs_list:
-            reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(request, wait_s=self.settings.bs_poll_wait_s))
+            reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=self.settings.bs_poll_wait_s))
             if reply is not None and reply.task is not None:
                 return reply, {}
         polls: dict[str, TaskReply | None] = {}
         for fs in fs_list:
-            reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(request, wait_s=self.settings.fs_poll_wait_s))
+            reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(poll, wait_s=self.settings.fs_poll_wait_s))
             if reply is not None and reply.task is not None:
                 return reply, {}
             polls[fs] = reply

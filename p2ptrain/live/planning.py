@@ -83,10 +83,10 @@ def place_client(stages: list[dict[str, Any]], peer_id: str, joined: dict[int, s
 
 
 async def join_by_plan(*, dht: hivemind.DHT, announcer: Announcer, peer_id: str, role: PeerRole, computes: bool,
-                       config: RunConfig, settings: RuntimeConfig, planner_key: bytes, timeout_s: float,
-                       compute: float | None, stop: asyncio.Event) -> Joined | None:
-    """Measure, announce, and wait up to `timeout_s` for a plan signed by `planner_key` that places this peer;
-    None if stopped first. `compute`: this peer's FLOP/s if known, else it is measured on one block."""
+                       config: RunConfig, settings: RuntimeConfig, planner_key: bytes, compute: float | None,
+                       stop: asyncio.Event) -> Joined | None:
+    """Measure, announce, and wait up to `settings.plan_timeout_s` for a plan signed by `planner_key` that places
+    this peer; None if stopped first. `compute`: this peer's FLOP/s if known, else it is measured on one block."""
     p2p = await dht.replicate_p2p()
     # before the first announcement: whoever sees us can probe us
     await LinkProbe(peer_id=peer_id).add_p2p_handlers(p2p)
@@ -128,10 +128,11 @@ async def join_by_plan(*, dht: hivemind.DHT, announcer: Announcer, peer_id: str,
                             + (f" as {placement.server_role.upper()}" if placement.server_role else ""))
                 return Joined(placement=placement, compute=compute, memory=memory, links=links)
         now = time.monotonic()
-        if now - started > timeout_s:
-            raise TimeoutError(f"no plan signed by the planner's key placed this peer within {timeout_s:.0f} s (plans "
-                               f"seen: {sorted(seen_versions) or 'none'}); is the planner running with the same "
-                               "--run-id and the key whose .pub this peer trusts?")
+        if now - started > settings.plan_timeout_s:
+            seen = sorted(seen_versions) or "none"
+            raise TimeoutError(f"no plan signed by the planner's key placed this peer within "
+                               f"{settings.plan_timeout_s:.0f} s (plans seen: {seen}); is the planner running with the "
+                               "same --run-id and the key whose .pub this peer trusts?")
         if now >= next_progress:
             next_progress = now + settings.progress_every_s
             logger.info(f"still waiting for a plan after {now - started:.0f} s; measured links to {len(links)} "

@@ -27,7 +27,7 @@ def join_as_planner(*, initial_peers: list[str], signer: RSASignatureValidator, 
                         record_validators=make_validators(run_id, signer=signer))
 
 
-def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, timeout_s: float, settings: RuntimeConfig,
+def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: RuntimeConfig,
                    stop: threading.Event) -> list[PeerInfo] | None:
     """The peers to plan with once `expect` servers measured each other; None if stopped or out of time."""
     started = time.monotonic()
@@ -39,8 +39,9 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, timeout_s: fl
             return ready
         now = time.monotonic()
         measured = sum(1 for p in peers if p.role == "server" and p.compute > 0 and p.memory > 0)
-        if now - started > timeout_s:
-            logger.error(f"gave up after {timeout_s:.0f} s: {measured} of {expect} servers announced their "
+        if now - started > settings.plan_timeout_s:
+            logger.error(f"gave up after {settings.plan_timeout_s:.0f} s: {measured} of {expect} servers announced "
+                         f"their "
                          f"measurements (servers must be started without --stage, with --planner-key)")
             return None
         if now >= next_progress:
@@ -51,13 +52,13 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, timeout_s: fl
 
 
 def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, microbatches: int, planner: str,
-               stages: int | None, seed: int, expect: int, timeout_s: float, settings: RuntimeConfig,
+               stages: int | None, seed: int, expect: int, settings: RuntimeConfig,
                stop: threading.Event) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time.
 
     Raises SwarmFileError or PlanningError when the announced swarm cannot be planned.
     """
-    peers = wait_for_peers(dht, run_id=run_id, expect=expect, timeout_s=timeout_s, settings=settings, stop=stop)
+    peers = wait_for_peers(dht, run_id=run_id, expect=expect, settings=settings, stop=stop)
     if peers is None:
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
@@ -90,18 +91,19 @@ def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, pl
 
 
 def serve_plan(dht: hivemind.DHT, *, signer: RSASignatureValidator, config: RunConfig, planner: str,
-               stages: int | None, expect: int | None, timeout_s: float, settings: RuntimeConfig,
+               stages: int | None, expect: int | None, settings: RuntimeConfig,
                stop: threading.Event) -> None:
     """A planning server's planner thread: plan the announced peers, then publish and refresh the plan until
     stopped. Raises if the swarm cannot be planned, which ends the server with that error."""
     expect = expect if expect is not None else 2 * (stages or 1)
     tokens = config.tokens_per_epoch
     plan = plan_swarm(dht, run_id=config.run_id, model=config.model, tokens=tokens, microbatches=config.microbatches,
-                      planner=planner, stages=stages, seed=config.seed, expect=expect, timeout_s=timeout_s,
-                      settings=settings, stop=stop)
+                      planner=planner, stages=stages, seed=config.seed, expect=expect, settings=settings,
+                      stop=stop)
     if plan is None:
         if not stop.is_set():
-            raise TimeoutError(f"--plan: {expect} servers did not announce their measurements within {timeout_s:.0f} s")
+            raise TimeoutError(f"--plan: {expect} servers did not announce their measurements within "
+                               f"{settings.plan_timeout_s:.0f} s")
         return
     logger.info("\n" + format_plan(plan, title=f"{planner} plan for run {config.run_id} ({config.model}, {tokens} "
                                                f"tokens in {config.microbatches} microbatches)"))

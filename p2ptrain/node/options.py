@@ -34,7 +34,6 @@ class PlanningOptions:
     """A node started without a placement takes it from the plan signed by `planner_key`."""
 
     planner_key: bytes  # the planner's RSASignatureValidator.local_public_key
-    timeout_s: float = 600.0  # how long to wait for a plan that places this node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,8 +90,6 @@ class NodeOptions:
             raise ConfigError("compute_power", self.compute_power, "must be a positive number of FLOP/s")
         if self.fault not in FAULTS:
             raise ConfigError("fault", self.fault, f"unknown fault; choose one of {', '.join(FAULTS)}")
-        if self.planning is not None and not self.planning.timeout_s > 0:
-            raise ConfigError("plan_timeout", self.planning.timeout_s, "must be positive")
 
     @property
     def does_compute(self) -> bool:

@@ -86,7 +86,7 @@ class Peer:
             self._planner = asyncio.create_task(asyncio.to_thread(
                 serve_plan, self.dht, signer=options.planner.signer, config=self.config,
                 planner=options.planner.planner, stages=options.planner.stages, expect=options.planner.expect,
-                timeout_s=options.planning.timeout_s, settings=settings, stop=self._planner_stop))
+                settings=settings, stop=self._planner_stop))
         joined = None
         if options.role != "bootstrap" and self.placement is None:
             joined = await self._join()
@@ -171,7 +171,7 @@ class Peer:
         joining = asyncio.create_task(join_by_plan(
             dht=self.dht, announcer=self._announcer, peer_id=self.peer_id, role=options.role,
             computes=options.does_compute, config=self.config, settings=self.settings,
-            planner_key=options.planning.planner_key, timeout_s=options.planning.timeout_s,
+            planner_key=options.planning.planner_key,
             compute=options.compute_power, stop=self._stopping))
         if self._planner is None:
             return await joining

@@ -225,8 +225,9 @@ GEO_BATCH = {"tokens": 2048 * 2048, "microbatches": 256}
 def geo_files(seed: int = 0) -> dict[str, str]:
     """A generated geo swarm of 64 devices as a swarm file, the size at which planning must stay fast."""
     data = {**geo_swarm_data(64, seed), "model": GEO_MODEL, "batch": GEO_BATCH}
-    return {"geo-64.toml": to_toml(data, f"A random geo-distributed swarm of 64 devices (geo_swarm_data(64, seed={seed}))"
-                                         f",\nwith the planner benchmark's model and batch.")}
+    header = f"A random geo-distributed swarm of 64 devices (geo_swarm_data(64, seed={seed})),\nwith the planner " \
+             "benchmark's model and batch."
+    return {"geo-64.toml": to_toml(data, header)}
 
 
 if __name__ == "__main__":
