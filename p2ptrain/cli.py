@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -15,44 +15,25 @@ from p2ptrain.models import TRAINABLE
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
-def _number(text: str, kind: type) -> int | float:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
+def _checked(kind: type, ok: Callable[[float], bool], problem: str) -> Callable[[str], int | float]:
+    """An argparse type: a finite number of `kind` for which `ok` holds, else an error saying `problem`."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text}: {problem}")
+        return value
+    return parse
 
 
-def count(text: str) -> int:
-    """A whole number of at least 1."""
-    value = _number(text, int)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be at least 1")
-    return value
-
-
-def index(text: str) -> int:
-    """A whole number of at least 0."""
-    value = _number(text, int)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
-    return value
-
-
-def positive(text: str) -> float:
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value:g}: must be positive")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value:g}: must be 0 or more")
-    return value
+count = _checked(int, lambda value: value >= 1, "must be at least 1")
+index = _checked(int, lambda value: value >= 0, "must be 0 or more")
+positive = _checked(float, lambda value: value > 0, "must be positive")
+non_negative = _checked(float, lambda value: value >= 0, "must be 0 or more")
 
 
 def run_id(text: str) -> str:

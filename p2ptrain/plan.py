@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--planner-identity", type=Path,
                       help="the planner's private key (created if missing); its public key goes to PATH.pub")
     live.add_argument("--expect", type=count, help="servers to wait for (default: 2 per stage, at least 2)")
-    live.add_argument("--expect-timeout", type=positive, default=RuntimeConfig.plan_timeout_s,
-                      help="seconds to wait for them")
+    live.add_argument("--expect-timeout", type=positive,
+                      help=f"seconds to wait for them (default: {RuntimeConfig.plan_timeout_s:g})")
     live.add_argument("--publish-for", type=positive, help="seconds to keep the plan alive (default: until stopped)")
     live.add_argument("--run-id", type=run_id, help=f"the swarm's DHT prefix (default: {PEER_DEFAULTS.run_id})")
     live.add_argument("--batch-rows", type=count,
@@ -174,7 +174,7 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
                tokens: int, microbatches: int, expect: int, stop: threading.Event) -> int:
     from p2ptrain.live.publisher import plan_swarm, publish
 
-    settings = RuntimeConfig(plan_timeout_s=args.expect_timeout)
+    settings = RuntimeConfig(plan_timeout_s=args.expect_timeout or RuntimeConfig.plan_timeout_s)
     try:
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect,
