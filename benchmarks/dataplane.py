@@ -5,26 +5,29 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
                                    [--seq-len 64] [--epochs 6] [--warmup 2]
 
 1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
-   each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `p2ptrain.launch.Swarm`),
+   each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
    all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
    per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`.
-   The reference is a plain loop in this process (torch.set_num_threads(1)): the whole `LlamaStage(0..L)`,
-   AdamW, the same `TextSource` microbatches, summed loss / tokens, one step per global batch. Half of its
+   The reference is a plain loop in this process (torch.set_num_threads(1)): the whole model (`build_stage` of
+   all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
+   same `TextSource` microbatches, summed loss / tokens, one step per global batch. Half of its
    epochs run before the swarm and half after, so both see the machine's load of the moment. While the swarm
    trains, the CPU time of every process on the machine is read from /proc, so the report says where the two
    cores went (the clients' compute, the servers, hivemind's DHT and averager processes, the p2pd daemons,
    and processes that are not part of this benchmark) and how long each stage waited at the epoch boundary
    (from the peers' logs: "stage K FS: epoch E closed" -> "stage K stepped to epoch E+1").
 2. RPC: a second process hosts a hivemind P2P with a tiny ServicerBase (sink and echo) that reads and answers
-   with `p2ptrain.transport` packing; this process calls it with `p2ptrain.transport.Caller`, the runtime's own
-   client path. Reported: the round trip of a header-only message, and the time and MB/s of one hop (push: the
-   tensor goes one way, a small reply comes back) and of an echo (the tensor both ways) per codec and size.
+   with `p2ptrain.transport` packing; this process calls it with `p2ptrain.transport.Caller.exchange`, the
+   runtime's own client path. Reported: the round trip of a header-only message, and the time and MB/s of one
+   hop (push: the tensor goes one way, a small reply comes back) and of an echo (the tensor both ways) per codec
+   and size.
 3. Codecs none/fp16/int8 on a real activation and a real output gradient of the benchmark model's boundary
    shape (rows, seq, hidden): bytes, ratio to fp32, encode/decode MB/s (of fp32 input), max abs error.
 A control (part "dht"): the CPU of 7 bare hivemind DHTs idling, to compare with the swarm's DHT processes.
 Everything listens on 127.0.0.1; every wait is bounded; every process started here is stopped before the end.
 
-Writes benchmarks/results/dataplane.md (the command that made it on top) and benchmarks/results/dataplane.json.
+Writes benchmarks/results/dataplane.md (the command that made it on top) and benchmarks/results/dataplane.json,
+or the same two files in --out DIR.
 """
 from __future__ import annotations
 
@@ -33,49 +36,49 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import re
-import shlex
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator  # typing's: hivemind registers rpc_* handlers as streaming only by it
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import hivemind
+import torch
+from harness import (
+    OWN,
+    ROOT,
+    LocalSwarm,
+    Sampler,
+    command_line,
+    consumer_cores,
+    cpu_window,
+    fmt,
+    load,
+    log,
+    machine_info,
+    mean,
+    peer_name,
+    snapshot,
+)
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
 
-import torch  # noqa: E402
-from hivemind.p2p import P2P, P2PContext, ServicerBase  # noqa: E402
-from hivemind.proto import runtime_pb2  # noqa: E402
-
-from p2ptrain.compression import CODECS, deserialize, encoded_nbytes, serialize  # noqa: E402
-from p2ptrain.config import RunConfig  # noqa: E402
-from p2ptrain.data import TextSource  # noqa: E402
-from p2ptrain.models.llama import LLAMA_CONFIGS, LlamaStage  # noqa: E402
-from p2ptrain.transport import Caller, Message, respond, unpack  # noqa: E402
+from p2ptrain.cli import LOOPBACK
+from p2ptrain.compression import deserialize, encoded_nbytes, serialize
+from p2ptrain.config import CODECS, RunConfig
+from p2ptrain.data import TextSource
+from p2ptrain.dht import make_validators
+from p2ptrain.models import TRAINABLE, build_stage
+from p2ptrain.transport import Caller, Envelope, pack, unpack
 
 RESULTS = ROOT / "benchmarks" / "results"
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 MIB = 2**20
-TCK = os.sysconf("SC_CLK_TCK")
 RUN_ID = "dataplane-bench"
-
-
-_T0 = time.monotonic()
-
-
-def log(text: str) -> None:
-    print(f"[{time.monotonic() - _T0:5.0f} s] {text}", file=sys.stderr, flush=True)
-
-
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,15 +86,15 @@ def load() -> list[float]:
 
 
 def stage_timings(config: RunConfig, reps: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Forward+backward of one microbatch on each stage, as the workers compute it (1 torch thread)."""
-    llama, rows = config.llama, config.rows_per_microbatch
+    """Forward+backward of one microbatch on each stage, as the workers compute it (1 torch thread), and the real
+    boundary tensors it produced: stage 0's output activation and stage 1's gradient of its input."""
     source = TextSource(seq_len=config.seq_len, seed=config.seed)
-    ids, labels = source.microbatch(0, 0, rows)
-    out = {"stages": []}
-    tensors = {}
+    ids, labels = source.microbatch(0, 0, config.rows_per_microbatch)
+    out: dict[str, Any] = {"stages": []}
+    tensors: dict[str, torch.Tensor] = {}
     for stage in range(config.num_stages):
         start, end = config.stage_layers(stage)
-        model = LlamaStage(llama, start=start, end=end, seed=config.seed)
+        model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
         params = list(model.parameters())
         times = []
         for _ in range(reps + 2):
@@ -115,16 +118,16 @@ def stage_timings(config: RunConfig, reps: int) -> tuple[dict, dict[str, torch.T
 
 
 def single_process(config: RunConfig, epochs: range, state: dict | None) -> tuple[list[dict], dict]:
-    """The reference: one process, the whole model, AdamW, one step per global batch of summed-loss / tokens."""
+    """The reference: one process, the whole model and the workers' optimizer, one step per global batch of
+    summed loss / tokens. `state` (model, optimizer, data source) carries training on from an earlier call."""
     torch.set_num_threads(1)
-    llama = config.llama
     if state is None:
-        torch.manual_seed(config.seed)
-        model = LlamaStage(llama, start=0, end=llama.num_layers, seed=config.seed)
-        state = {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=config.lr),
-                 "source": TextSource(seq_len=config.seq_len, seed=config.seed)}
+        model = build_stage(config.model_config, start=0, end=config.model_config.num_layers, seed=config.seed)
+        # exactly as the workers build theirs, or the loss columns of swarm and one process part
+        optimizer = model.configure_optimizer(lr=config.lr, weight_decay=config.weight_decay)
+        state = {"model": model, "optimizer": optimizer, "source": TextSource(seq_len=config.seq_len, seed=config.seed)}
     model, optimizer, source = state["model"], state["optimizer"], state["source"]
-    tokens = config.rows_per_epoch * config.seq_len
+    tokens = config.tokens_per_epoch
     records = []
     for epoch in epochs:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -145,122 +148,6 @@ def single_process(config: RunConfig, epochs: range, state: dict | None) -> tupl
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CPU accounting from /proc
-
-
-def proc_table() -> dict[int, tuple[str, int, float]]:
-    """pid -> (comm, ppid, utime+stime seconds) for every process on the machine."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        right = text.rfind(")")
-        fields = text[right + 2:].split()
-        table[int(entry)] = (text[text.find("(") + 1:right], int(fields[1]), (int(fields[11]) + int(fields[12])) / TCK)
-    return table
-
-
-def machine_cpu() -> float:
-    """Busy CPU seconds of the whole machine since boot (all cores)."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
-    return (sum(values) - values[3] - values[4]) / TCK
-
-
-def snapshot() -> dict:
-    return {"t": time.time(), "procs": proc_table(), "machine": machine_cpu()}  # wall clock, as in the peers' logs
-
-
-class Sampler:
-    """Snapshots of every process's CPU time, twice a second, from a background thread (bounded in count)."""
-
-    def __init__(self, period_s: float = 0.5, max_snapshots: int = 4000):
-        self.period_s, self.max_snapshots = period_s, max_snapshots
-        self.snapshots: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5.0)
-
-    def _run(self) -> None:
-        while not self._stop.is_set() and len(self.snapshots) < self.max_snapshots:
-            self.snapshots.append(snapshot())
-            self._stop.wait(self.period_s)
-
-    def around(self, start: float, end: float) -> tuple[dict, dict] | None:
-        """The last snapshot at or before `start` and the first at or after `end` (or the nearest ones)."""
-        if len(self.snapshots) < 2:
-            return None
-        before = [x for x in self.snapshots if x["t"] <= start] or self.snapshots[:1]
-        after = [x for x in self.snapshots if x["t"] >= end] or self.snapshots[-1:]
-        return (before[-1], after[0]) if after[0]["t"] > before[-1]["t"] else None
-
-
-def classify(table: dict, roots: dict[str, int]) -> dict[int, tuple[str, str]]:
-    """pid -> (owner, kind): the swarm peers' process trees and this benchmark's own (its status reader).
-
-    kind: main (the peer's own process), dht (hivemind's DHT process: the python child that runs a p2pd),
-    p2pd (the libp2p daemon), averager (hivemind's averager processes), other (torch_shm_manager)."""
-    children = defaultdict(list)
-    for pid, (_, ppid, _) in table.items():
-        children[ppid].append(pid)
-    owners: dict[int, tuple[str, str]] = {}
-    root_pids = set(roots.values())
-
-    def walk(pid: int, owner: str) -> None:
-        for child in children.get(pid, []):
-            if child in root_pids:
-                continue
-            comm = table[child][0]
-            if comm == "p2pd":
-                kind = "p2pd"
-            elif comm.startswith("torch_shm"):
-                kind = "other"
-            elif any(table[c][0] == "p2pd" for c in children.get(child, [])):
-                kind = "dht"
-            else:
-                kind = "averager"
-            owners[child] = (owner, kind)
-            walk(child, owner)
-
-    for owner, pid in roots.items():
-        if pid in table:
-            owners[pid] = (owner, "main")
-            walk(pid, owner)
-    return owners
-
-
-def cpu_window(first: dict, last: dict, roots: dict[str, int]) -> dict:
-    """CPU cores used over the window between two snapshots, per (owner, kind), and by everything else."""
-    wall = last["t"] - first["t"]
-    owners = classify(last["procs"], roots)
-    for pid, owner in classify(first["procs"], roots).items():
-        owners.setdefault(pid, owner)
-    used: dict[str, float] = defaultdict(float)
-    for pid, (owner, kind) in owners.items():
-        end = last["procs"].get(pid)
-        if end is None:
-            continue  # exited during the window: its last CPU time is lost
-        begin = first["procs"].get(pid)
-        used[f"{owner}/{kind}"] += end[2] - (begin[2] if begin and begin[0] == end[0] else 0.0)
-    ours = sum(used.values())
-    machine = last["machine"] - first["machine"]
-    return {"wall_s": wall, "cores": {k: v / wall for k, v in sorted(used.items())},
-            "ours_cores": ours / wall, "machine_cores": machine / wall,
-            "others_cores": max(0.0, machine - ours) / wall}
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # the swarm
 
 
@@ -271,13 +158,13 @@ def _parse_time(text: str) -> float:
     return dt.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-def epoch_boundaries(workdir: Path, num_stages: int) -> dict:
+def epoch_boundaries(swarm: LocalSwarm) -> dict:
     """From the peers' logs: when each stage's FS closed an epoch and when its client stepped past it."""
     closed: dict[int, dict[int, float]] = defaultdict(dict)
     stepped: dict[int, dict[int, float]] = defaultdict(dict)
-    for stage in range(num_stages):
-        fs_log = workdir / f"s{stage}-fs.log"
-        client_log = workdir / f"s{stage}-client.log"
+    for stage in range(swarm.config.num_stages):
+        fs_log = swarm.log_path(peer_name(stage, "fs"))
+        client_log = swarm.log_path(peer_name(stage, "client"))
         for line in fs_log.read_text(errors="replace").splitlines() if fs_log.exists() else []:
             m = re.match(LOG_TIME + rf".*stage {stage} FS: epoch (\d+) closed", line)
             if m:
@@ -289,93 +176,52 @@ def epoch_boundaries(workdir: Path, num_stages: int) -> dict:
     return {"closed": closed, "stepped": stepped}
 
 
-def run_swarm(args, config: RunConfig, workdir: Path) -> dict:
-    import hivemind
-
-    from p2ptrain.dht import make_validators
-    from p2ptrain.launch import Swarm
-    from p2ptrain.status import collect
-
-    recipe = ["--run-id", RUN_ID, "--model", config.model, "--num-stages", str(config.num_stages),
-              "--batch-rows", str(config.rows_per_microbatch), "--microbatches", str(config.microbatches),
-              "--seq-len", str(config.seq_len), "--epochs", str(args.epochs), "--compression", "none",
-              "--threads", "1", "--host-maddrs", LOOPBACK]
-    swarm = Swarm(workdir=workdir)
-    dht = None
-    result: dict = {"workdir": str(workdir), "timed_out": False, "recipe_flags": recipe}
-    started = time.monotonic()
-    sampler = Sampler()
+def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path) -> dict:
+    """Train the swarm for `args.epochs` epochs, reading every process's CPU time meanwhile, then the idle swarm's.
+    A failure is reported (`error`) with what the logs show, not raised."""
+    swarm = LocalSwarm(workdir, config, epochs=args.epochs)
+    result: dict[str, Any] = {"workdir": str(workdir), "timed_out": False, "recipe_flags": swarm.flags,
+                              "roles": swarm.roles}
     try:
-        initial = swarm.start_bootstrap(RUN_ID, timeout=120.0)  # imports take long under load
-        for stage in range(config.num_stages):
-            for role in ("fs", "bs"):
-                swarm.start(f"s{stage}-{role}", [*recipe, "--role", "server", "--stage", str(stage),
-                                                 "--server-role", role, "--initial-peers", *initial])
-            swarm.start(f"s{stage}-client", [*recipe, "--role", "client", "--stage", str(stage),
-                                             "--initial-peers", *initial])
-        log(f"  swarm of {len(swarm.processes)} processes, logs in {workdir}")
-        dht = hivemind.DHT(initial_peers=initial, client_mode=True, start=True,
-                           record_validators=make_validators(RUN_ID))
-        roots = {name: p.pid for name, p in swarm.processes.items()}
-        roots["benchmark"] = os.getpid()
-        deadline = started + args.swarm_timeout
-        seen, report, reads = -2, None, []
-        sampler.__enter__()
-        while True:
-            failed = swarm.failed()
-            if failed:
-                raise RuntimeError(f"peers {failed} exited with an error; see their logs in {workdir}")
-            try:
-                began = time.perf_counter()
-                report = collect(dht, RUN_ID)
-                reads.append(time.perf_counter() - began)
-            except Exception as e:  # a slow DHT read under load: try again until the deadline
-                log(f"  status read failed: {e!r}")
-                time.sleep(1.0)
-                if time.monotonic() > deadline:
-                    result["timed_out"] = True
-                    break
-                continue
-            closed = report["epoch"]
-            if closed != seen:
-                seen = closed
-                log(f"  swarm: epoch {closed} closed at {time.monotonic() - started:.0f} s, "
-                    f"{report['tokens_per_s'] or 0:.0f} tokens/s, load {load()}")
-            if report["finished"] and closed + 1 >= args.epochs:
-                break
-            if time.monotonic() > deadline:
-                result["timed_out"] = True
-                log(f"  swarm: deadline of {args.swarm_timeout:.0f} s reached at epoch {closed}; reporting what closed")
-                break
-            time.sleep(args.poll_s)
-        sampler.__exit__()
-        result["report"] = report
-        result["wall_s"] = time.monotonic() - started
-        result["status_read_s"] = {"median": statistics.median(reads) if reads else None,
-                                   "max": max(reads) if reads else None, "reads": len(reads)}
-        # the CPU window: from the start of the first steady epoch to the close of the last one, as the stage-0
-        # FS logged them (the data source starts an epoch as soon as the previous one closed there)
-        closed_at = epoch_boundaries(workdir, config.num_stages)["closed"].get(0, {})
-        epochs = {e["epoch"]: e for e in (report or {}).get("epochs", []) if e["seconds"]}
-        steady = [e for e in sorted(closed_at) if e >= args.warmup and e in epochs]
-        if steady:
-            start = closed_at[steady[0]] - epochs[steady[0]]["seconds"]
-            pair = sampler.around(start, closed_at[steady[-1]])
-            if pair is not None:
-                result["cpu"] = cpu_window(*pair, roots)
-                result["cpu"]["epochs"] = [steady[0], steady[-1]]
-                result["cpu"]["window_wanted_s"] = closed_at[steady[-1]] - start
-        if not result["timed_out"] and args.idle_s > 0:
-            # the same swarm with nothing to train and nobody reading its status: its background cost
-            idle_first = snapshot()
-            time.sleep(args.idle_s)
-            result["cpu_idle"] = cpu_window(idle_first, snapshot(), roots)
-    finally:
-        sampler.__exit__()
-        if dht is not None:
-            dht.shutdown()
-        swarm.stop()
-    result["boundaries"] = epoch_boundaries(workdir, config.num_stages)
+        with swarm:
+            swarm.start_bootstrap()
+            for stage in range(config.num_stages):
+                swarm.start_server(stage, "fs")
+                swarm.start_server(stage, "bs")
+                swarm.start_client(stage)
+            log(f"  swarm of {len(swarm.roles)} processes, logs in {workdir}")
+            swarm.connect()
+            roots = swarm.roots()
+            with Sampler() as sampler:
+                progress = swarm.follow(deadline=swarm.started + args.swarm_timeout, poll_s=args.poll_s)
+            report = progress.report
+            result["timed_out"] = progress.timed_out
+            result["report"] = report
+            result["wall_s"] = time.monotonic() - swarm.started
+            reads = progress.read_s
+            result["status_read_s"] = {"median": statistics.median(reads) if reads else None,
+                                       "max": max(reads) if reads else None, "reads": len(reads)}
+            # the CPU window: from the start of the first steady epoch to the close of the last one, as the stage-0
+            # FS logged them (the data source starts an epoch as soon as the previous one closed there)
+            closed_at = epoch_boundaries(swarm)["closed"].get(0, {})
+            epochs = {e["epoch"]: e for e in (report or {}).get("epochs", []) if e["seconds"]}
+            steady = [e for e in sorted(closed_at) if e >= args.warmup and e in epochs]
+            if steady:
+                start = closed_at[steady[0]] - epochs[steady[0]]["seconds"]
+                pair = sampler.around(start, closed_at[steady[-1]])
+                if pair is not None:
+                    result["cpu"] = cpu_window(*pair, roots)
+                    result["cpu"]["epochs"] = [steady[0], steady[-1]]
+                    result["cpu"]["window_wanted_s"] = closed_at[steady[-1]] - start
+            if not progress.timed_out and args.idle_s > 0:
+                # the same swarm with nothing to train and nobody reading its status: its background cost
+                idle_first = snapshot()
+                time.sleep(args.idle_s)
+                result["cpu_idle"] = cpu_window(idle_first, snapshot(), roots)
+    except Exception as e:  # report what was measured, and why the swarm part is missing
+        log(f"  swarm failed: {e!r}")
+        result = {"error": repr(e), "workdir": str(workdir), "report": None}
+    result["boundaries"] = epoch_boundaries(swarm)
     return result
 
 
@@ -384,19 +230,25 @@ def run_swarm(args, config: RunConfig, workdir: Path) -> dict:
 
 
 class DataplaneBench(ServicerBase):
+    """Registered as "DataplaneBench.rpc_sink" and "DataplaneBench.rpc_echo", the names `Caller.exchange` calls."""
+
     async def rpc_sink(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        message = await unpack(requests)
-        for response in respond(Message({"ok": True, "tensors": len(message.tensors)}), codec="none"):
+        envelope = await unpack(requests)
+        reply = Envelope({"ok": True, "tensors": len(envelope.tensors)})
+        for response in pack(reply, codec="none", proto=runtime_pb2.ExpertResponse):
             yield response
 
     async def rpc_echo(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        message = await unpack(requests)
-        for response in respond(message, codec=message.header.get("codec", "none")):
+        envelope = await unpack(requests)
+        for response in pack(envelope, codec=envelope.header.get("codec", "none"), proto=runtime_pb2.ExpertResponse):
             yield response
+
+
+SERVICE = DataplaneBench.__name__
 
 
 async def _serve(address_file: Path, max_lifetime_s: float) -> None:
@@ -437,14 +289,15 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
     peer = address["peer_id"]
     out: dict = {"small": {}, "transfers": []}
     try:
-        callers = {codec: Caller(p2p=p2p, local={}, codec=codec, timeout=120.0) for codec in CODECS}
-        small = Message({"worker": "12D3KooW" + "x" * 44, "compute": 1.0e9, "epoch": 3, "wait_s": 0.0})
+        callers = {codec: Caller(p2p=p2p, peer_id=p2p.peer_id.to_base58(), codec=codec, timeout=120.0)
+                   for codec in CODECS}
+        small = Envelope({"worker": "12D3KooW" + "x" * 44, "compute": 1.0e9, "epoch": 3, "wait_s": 0.0})
         for _ in range(10):
-            await callers["none"].call(peer, DataplaneBench, "rpc_sink", small)
+            await callers["none"].exchange(peer, SERVICE, "rpc_sink", small)
         times = []
         for _ in range(small_reps):
             begin = time.perf_counter()
-            await callers["none"].call(peer, DataplaneBench, "rpc_sink", small)
+            await callers["none"].exchange(peer, SERVICE, "rpc_sink", small)
             times.append(time.perf_counter() - begin)
         out["small"] = {"reps": small_reps, "median_ms": 1e3 * statistics.median(times),
                         "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))], "min_ms": 1e3 * min(times)}
@@ -455,13 +308,13 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
                 wire = encoded_nbytes(serialize(tensor, codec))
                 row = {"size": label, "fp32_bytes": nbytes, "codec": codec, "wire_bytes": wire}
                 for method in ("rpc_sink", "rpc_echo"):
-                    message = Message({"codec": codec}, {"x": tensor})
+                    envelope = Envelope({"codec": codec}, {"x": tensor})
                     for _ in range(2 if nbytes <= MIB else 1):  # warm-up
-                        await callers[codec].call(peer, DataplaneBench, method, message)
+                        await callers[codec].exchange(peer, SERVICE, method, envelope)
                     times = []
                     for _ in range(reps[label]):
                         begin = time.perf_counter()
-                        reply = await callers[codec].call(peer, DataplaneBench, method, message)
+                        reply = await callers[codec].exchange(peer, SERVICE, method, envelope)
                         times.append(time.perf_counter() - begin)
                     if method == "rpc_echo" and reply.tensors["x"].shape != tensor.shape:
                         raise RuntimeError("echo returned a different tensor")
@@ -480,7 +333,7 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
     return out
 
 
-def run_rpc(args, activation_bytes: int, workdir: Path) -> dict:
+def run_rpc(args: argparse.Namespace, activation_bytes: int, workdir: Path) -> dict:
     address_file = workdir / "rpc-server.json"
     server_log = open(workdir / "rpc-server.log", "w")
     server = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--rpc-server", str(address_file)],
@@ -495,8 +348,8 @@ def run_rpc(args, activation_bytes: int, workdir: Path) -> dict:
         sizes = [(f"act {activation_bytes / 1024:.0f} KiB", activation_bytes), ("1 MiB", MIB), ("8 MiB", 8 * MIB)]
         if not args.quick:
             sizes.append(("32 MiB", 32 * MIB))
-        reps = {sizes[0][0]: 10 if args.quick else 30, "1 MiB": 5 if args.quick else 10, "8 MiB": 3 if args.quick else 5,
-                "32 MiB": 2}
+        reps = {sizes[0][0]: 10 if args.quick else 30, "1 MiB": 5 if args.quick else 10,
+                "8 MiB": 3 if args.quick else 5, "32 MiB": 2}
         torch.set_num_threads(1)
         return asyncio.run(asyncio.wait_for(_rpc_client(address, sizes, reps, 30 if args.quick else 100), 300.0))
     finally:
@@ -517,10 +370,6 @@ def run_rpc(args, activation_bytes: int, workdir: Path) -> dict:
 def dht_control(peers: int, seconds: float) -> dict:
     """CPU of `peers` bare hivemind DHTs (p2ptrain's validators, no records, no readers) idling on loopback: what the
     swarm's DHT processes would cost without p2ptrain's periodic records and reads."""
-    import hivemind
-
-    from p2ptrain.dht import make_validators
-
     dhts = []
     try:
         boot = hivemind.DHT(host_maddrs=[LOOPBACK], start=True, record_validators=make_validators(RUN_ID))
@@ -532,13 +381,13 @@ def dht_control(peers: int, seconds: float) -> dict:
         time.sleep(2.0)
         first = snapshot()
         time.sleep(seconds)
-        window = cpu_window(first, snapshot(), {"benchmark": os.getpid()})
+        window = cpu_window(first, snapshot(), {OWN: os.getpid()})
     finally:
         for dht in dhts:
             dht.shutdown()
     cores = window["cores"]
-    return {"peers": peers, "seconds": window["wall_s"], "dht_cores": cores.get("benchmark/dht", 0.0),
-            "p2pd_cores": cores.get("benchmark/p2pd", 0.0)}
+    return {"peers": peers, "seconds": window["wall_s"], "dht_cores": cores.get(f"{OWN}/dht", 0.0),
+            "p2pd_cores": cores.get(f"{OWN}/p2pd", 0.0)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -574,15 +423,6 @@ def run_codecs(tensors: dict[str, torch.Tensor], reps: int) -> list[dict]:
 # report
 
 
-def mean(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def fmt(value, spec: str = ".2f", none: str = "-") -> str:
-    return none if value is None else format(value, spec)
-
-
 CPU_GROUPS = {
     "client": "client processes of stages 0 and 1 (the compute)",
     "server": "FS/BS server processes (4)",
@@ -590,33 +430,16 @@ CPU_GROUPS = {
     "dht": "hivemind DHT processes of the 7 peers",
     "p2pd": "p2pd daemons of the 7 peers",
     "averager": "hivemind averager processes of the clients",
-    "benchmark": "this benchmark (status reader: main, its DHT and p2pd)",
+    OWN: "this benchmark (status reader: main, its DHT and p2pd)",
     "other": "torch_shm_manager",
     "outside": "processes outside this benchmark (other work on the machine)",
     "idle": "idle",
-}
+}  # what each group of harness.consumer_cores is in this swarm
 
 
-def cpu_groups(cpu: dict) -> dict[str, float]:
-    """Cores in use per consumer group over a window (see CPU_GROUPS), idle included; sums to nproc."""
-    groups: dict[str, float] = {key: 0.0 for key in CPU_GROUPS}
-    for key, cores in cpu["cores"].items():
-        owner, kind = key.split("/")
-        if owner == "benchmark":
-            group = "benchmark"
-        elif kind == "main":
-            group = "client" if owner.endswith("-client") else "bootstrap" if owner == "bootstrap" else "server"
-        else:
-            group = kind
-        groups[group] += cores
-    groups["outside"] = cpu["others_cores"]
-    groups["idle"] = max(0.0, (os.cpu_count() or 1) - cpu["machine_cores"])
-    return groups
-
-
-
-def analyse(args, config: RunConfig, timings: dict, single: list[dict], swarm: dict) -> dict:
-    tokens = config.rows_per_epoch * config.seq_len
+def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: list[dict], swarm: dict) -> dict:
+    """The report's numbers: steady-epoch speeds and their ratio, the ideal pipeline, step stalls, CPU per group."""
+    tokens = config.tokens_per_epoch
     steady_single = [r for r in single if r["epoch"] >= args.warmup]
     epochs = swarm.get("report", {}).get("epochs", []) if swarm.get("report") else []
     steady = [e for e in epochs if e["epoch"] >= args.warmup and e["seconds"]]
@@ -654,10 +477,10 @@ def analyse(args, config: RunConfig, timings: dict, single: list[dict], swarm: d
     out["step_stall_per_epoch"] = {stage: v for stage, v in stalls.items()}
     cpu = swarm.get("cpu")
     if cpu and swarm_s:
-        out["cpu_cores"] = cpu_groups(cpu)
+        out["cpu_cores"] = consumer_cores(cpu, swarm["roles"])
         out["cpu_s_per_epoch"] = {k: v * swarm_s for k, v in out["cpu_cores"].items()}
         out["cpu_window_s"] = cpu["wall_s"]
-        swarm_cores = cpu["ours_cores"] - out["cpu_cores"]["benchmark"]
+        swarm_cores = cpu["ours_cores"] - out["cpu_cores"][OWN]
         out["swarm_tokens_per_cpu_s"] = tokens / (swarm_cores * swarm_s) if swarm_cores > 0 else None
         out["machine_cores_used"] = cpu["machine_cores"]
         g = out["cpu_cores"]
@@ -672,14 +495,15 @@ def analyse(args, config: RunConfig, timings: dict, single: list[dict], swarm: d
             cores = min(float(config.num_stages), (os.cpu_count() or 1) - control)
             out["cpu_bound_ratio"] = min(out["ideal_ratio"], cores * single_cpu / clients_cpu)
     if swarm.get("cpu_idle"):
-        out["cpu_cores_idle"] = cpu_groups(swarm["cpu_idle"])
+        out["cpu_cores_idle"] = consumer_cores(swarm["cpu_idle"], swarm["roles"])
         out["cpu_idle_window_s"] = swarm["cpu_idle"]["wall_s"]
     return out
 
 
-def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, single: list[dict], swarm: dict,
-             analysis: dict, rpc: dict, codecs: list[dict], control: dict | None) -> str:
-    llama = config.llama
+def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConfig, timings: dict,
+             single: list[dict], swarm: dict, analysis: dict, rpc: dict | None, codecs: list[dict],
+             control: dict | None) -> str:
+    model = config.model_config
     a = analysis
     out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
            f"Date: {info['date']}; machine: nproc {info['nproc']}, {info['cpu']}, Python {info['python']}, "
@@ -690,8 +514,8 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
            f"Load average (1, 5, 15 min): {info['load_start']} at start, {info['load_end']} at the end "
            f"(other work on the machine shares these {info['nproc']} cores; see the CPU table).", ""]
     out += ["## 1. Swarm vs one process", "",
-            f"Recipe: `{config.model}` ({llama.num_layers} layers, hidden {llama.hidden_size}, "
-            f"{sum(p.numel() for p in LlamaStage(llama, start=0, end=llama.num_layers).parameters()) / 1e6:.2f} M "
+            f"Recipe: `{config.model}` ({model.num_layers} layers, hidden {model.hidden_size}, "
+            f"{sum(p.numel() for p in build_stage(model, start=0, end=model.num_layers).parameters()) / 1e6:.2f} M "
             f"params), {config.num_stages} stages, {config.microbatches} microbatches x {config.rows_per_microbatch} "
             f"rows x {config.seq_len} tokens = {a['tokens_per_epoch']} tokens per epoch, {args.epochs} epochs, "
             f"first {args.warmup} skipped as warm-up; swarm: bootstrap + FS + BS + 1 client per stage "
@@ -709,7 +533,8 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
             f"| one process, whole model, 1 thread | {fmt(a['single_s_per_epoch'])} | "
             f"{fmt(a['single_tokens_per_s'], '.0f')} | {fmt(a['single_tokens_per_cpu_s'], '.0f')} |",
             f"| swarm, 7 processes (status `seconds`) | {fmt(a['swarm_s_per_epoch'])} | "
-            f"{fmt(a['swarm_tokens_per_s'], '.0f')} | {fmt(a.get('swarm_tokens_per_cpu_s'), '.0f')} (all swarm processes) |",
+            f"{fmt(a['swarm_tokens_per_s'], '.0f')} | {fmt(a.get('swarm_tokens_per_cpu_s'), '.0f')} "
+            "(all swarm processes) |",
             f"| **ratio swarm / one process** (mean steady epochs) | | **{fmt(a['ratio'], '.3f')}** | |",
             f"| ratio of the fastest steady epochs (one process {fmt(a['single_best_s'])} s, swarm "
             f"{fmt(a['swarm_best_s'])} s) | | {fmt(a['ratio_best'], '.3f')} | |",
@@ -744,8 +569,8 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
         out += ["", f"Where the {nproc} cores went while the swarm ran its steady epochs (utime+stime from /proc over "
                 f"{a['cpu_window_s']:.0f} s, every process on the machine; CPU-s per epoch = cores x the mean steady "
                 f"epoch of {fmt(a['swarm_s_per_epoch'])} s)"
-                + (f", and the same swarm idle after training, nobody reading its status ({a['cpu_idle_window_s']:.0f} s)"
-                   if idle else "") + ":", "",
+                + (f", and the same swarm idle after training, nobody reading its status "
+                   f"({a['cpu_idle_window_s']:.0f} s)" if idle else "") + ":", "",
                 "| consumer | cores (training) | CPU-s per epoch | share of the machine | cores (idle swarm) |",
                 "|---|---|---|---|---|"]
         for group, cores in sorted(a["cpu_cores"].items(), key=lambda kv: -kv[1]):
@@ -761,13 +586,12 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
                 "Step stall at the epoch boundary (FS closed the epoch -> the stage's client stepped; mean over "
                 "steady epochs): " + ", ".join(f"stage {k} {fmt(v)} s" for k, v in a["step_stall_s"].items())
                 + (f". Control: 7 bare hivemind DHTs (same validators, no records, nobody reading) idling on this "
-                   f"machine use {control['dht_cores']:.3f} cores in their DHT processes and {control['p2pd_cores']:.3f} "
-                   "in their p2pd daemons" if control else "")
-                + f". One status read (4 DHT gets with latest=True) took median {fmt(swarm['status_read_s']['median'])} s"
-                f", max {fmt(swarm['status_read_s']['max'])} s."]
+                   f"machine use {control['dht_cores']:.3f} cores in their DHT processes and "
+                   f"{control['p2pd_cores']:.3f} in their p2pd daemons" if control else "")
+                + ". One status read (4 DHT gets with latest=True) took median "
+                f"{fmt(swarm['status_read_s']['median'])} s, max {fmt(swarm['status_read_s']['max'])} s."]
     if "cpu_cores" in a and a["swarm_s_per_epoch"]:
         g, w = a["cpu_cores"], a["swarm_s_per_epoch"]
-        control = g["server"] + g["bootstrap"] + g["dht"] + g["p2pd"] + g["averager"]
         stall0 = a["step_stall_s"].get(0) or 0.0
         out += ["", "Summary of the gap: on " f"{info['nproc']} cores with nothing else running, the two stages "
                 f"could overlap for a ratio of about {a['ideal_ratio']:.2f} (compute only). Measured: "
@@ -776,37 +600,40 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
                 f"{fmt(a.get('clients_cpu_s_per_epoch'))} CPU-s (compute plus their RPC work), and the swarm's "
                 f"control plane keeps {a['control_cores']:.2f} cores busy whether it trains or not; with the machine "
                 f"to itself the clients could get at most {info['nproc']} - {a['control_cores']:.2f} cores, which "
-                f"bounds the ratio at about {fmt(a.get('cpu_bound_ratio'), '.2f')}. During the steady epochs the two clients got {g['client']:.2f} cores "
-                f"between them, the swarm's control plane (hivemind DHT processes, p2pd daemons, FS/BS and "
-                f"bootstrap processes, averagers) used {control:.2f} cores (the DHT processes alone {g['dht']:.2f}), "
-                f"this benchmark's status reader {g['benchmark']:.2f}, other work on the machine {g['outside']:.2f}, "
-                f"and {g['idle']:.2f} stayed idle. At each epoch boundary stage 0 waits {stall0:.2f} s "
+                f"bounds the ratio at about {fmt(a.get('cpu_bound_ratio'), '.2f')}. During the steady epochs the "
+                f"two clients got {g['client']:.2f} cores between them, the swarm's control plane (hivemind DHT "
+                f"processes, p2pd daemons, FS/BS and bootstrap processes, averagers) used {a['control_cores']:.2f} "
+                f"cores (the DHT processes alone {g['dht']:.2f}), this benchmark's status reader {g[OWN]:.2f}, other "
+                f"work on the machine {g['outside']:.2f}, and {g['idle']:.2f} stayed idle. At each epoch boundary "
+                f"stage 0 waits {stall0:.2f} s "
                 f"({100 * stall0 / w:.0f}% of a {w:.2f} s epoch) between its FS closing the epoch and its client "
                 "stepping, and the data source feeds nothing of the next epoch until the last microbatch's backward "
                 "is back at stage 0, so the pipeline drains and refills once per epoch."]
     out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]
     if rpc is None:
         out += ["## 2. RPC: not run (--parts)", ""]
-    # RPC
-    out += [] if rpc is None else ["## 2. RPC over hivemind P2P (two processes on 127.0.0.1, `p2ptrain.transport` packing, streaming)", "",
-            f"Small message (header only, like `rpc_take_task`) round trip: median {rpc['small']['median_ms']:.2f} ms, "
-            f"p90 {rpc['small']['p90_ms']:.2f} ms, min {rpc['small']['min_ms']:.2f} ms over {rpc['small']['reps']} calls.",
-            "", "push = one hop: the tensor goes to the peer, which decodes it and answers with a small reply; "
-            "echo = the peer decodes and sends it back encoded with the same codec. Times include encode and decode; "
-            "MB/s counts fp32 megabytes moved (10^6 bytes) and, for wire MB/s, the encoded bytes.", "",
-            "| size (fp32) | codec | wire bytes | push ms | push MB/s (fp32) | push MB/s (wire) | echo ms | "
-            "echo MB/s (fp32) | reps |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rpc["transfers"] if rpc else []:
-        out.append(f"| {r['size']} | {r['codec']} | {r['wire_bytes']} | {r['push_ms']:.2f} | {r['push_fp32_MBps']:.0f} | "
-                   f"{r['push_wire_MBps']:.0f} | {r['echo_ms']:.2f} | {r['echo_fp32_MBps']:.0f} | {r['reps']} |")
-    act = [r for r in rpc["transfers"] if r["size"].startswith("act")] if rpc else []
-    if act:
-        out += ["", "A microbatch crosses 6 activation-sized hops in this 2-stage swarm (client0->BS0, BS0->FS1, "
-                "FS1->client1, client1->FS1 grads, FS1->BS0 grads, BS0->client0 grads) plus about 7 small ones "
-                "(token ids in, task results, the loss, reports) and the workers' task polls. At the measured push time of one activation, 6 hops cost "
-                + ", ".join(f"{6 * r['push_ms']:.1f} ms ({r['codec']})" for r in act)
-                + f" per microbatch, against {sum(a['stage_ms_used']):.0f} ms of compute "
-                "(both stages)."]
+    else:
+        small = rpc["small"]
+        out += ["## 2. RPC over hivemind P2P (two processes on 127.0.0.1, `p2ptrain.transport` packing, streaming)",
+                "", f"Small message (header only, like `rpc_take_task`) round trip: median {small['median_ms']:.2f} "
+                f"ms, p90 {small['p90_ms']:.2f} ms, min {small['min_ms']:.2f} ms over {small['reps']} calls.",
+                "", "push = one hop: the tensor goes to the peer, which decodes it and answers with a small reply; "
+                "echo = the peer decodes and sends it back encoded with the same codec. Times include encode and "
+                "decode; MB/s counts fp32 megabytes moved (10^6 bytes) and, for wire MB/s, the encoded bytes.", "",
+                "| size (fp32) | codec | wire bytes | push ms | push MB/s (fp32) | push MB/s (wire) | echo ms | "
+                "echo MB/s (fp32) | reps |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rpc["transfers"]:
+            out.append(f"| {r['size']} | {r['codec']} | {r['wire_bytes']} | {r['push_ms']:.2f} | "
+                       f"{r['push_fp32_MBps']:.0f} | {r['push_wire_MBps']:.0f} | {r['echo_ms']:.2f} | "
+                       f"{r['echo_fp32_MBps']:.0f} | {r['reps']} |")
+        act = [r for r in rpc["transfers"] if r["size"].startswith("act")]
+        if act:
+            out += ["", "A microbatch crosses 6 activation-sized hops in this 2-stage swarm (client0->BS0, BS0->FS1, "
+                    "FS1->client1, client1->FS1 grads, FS1->BS0 grads, BS0->client0 grads) plus about 7 small ones "
+                    "(token ids in, task results, the loss, reports) and the workers' task polls. At the measured "
+                    "push time of one activation, 6 hops cost "
+                    + ", ".join(f"{6 * r['push_ms']:.1f} ms ({r['codec']})" for r in act)
+                    + f" per microbatch, against {sum(a['stage_ms_used']):.0f} ms of compute (both stages)."]
     # codecs
     out += ["", "## 3. Codecs on the benchmark model's boundary tensors", "",
             "| tensor | shape | codec | bytes | ratio vs fp32 | encode MB/s | decode MB/s | max abs err | "
@@ -821,7 +648,7 @@ def markdown(args, command: str, info: dict, config: RunConfig, timings: dict, s
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama-small", choices=sorted(k for k in LLAMA_CONFIGS if k != "llama-33b"))
+    parser.add_argument("--model", default="llama-small", choices=sorted(k for k in TRAINABLE if k != "llama-33b"))
     parser.add_argument("--batch-rows", type=int, default=None, help="rows per microbatch (default 4)")
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per epoch (default 8; quick 4)")
     parser.add_argument("--seq-len", type=int, default=64)
@@ -856,25 +683,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--warmup must be smaller than --epochs")
     config = RunConfig(run_id=RUN_ID, model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
                        microbatches=args.microbatches, seq_len=args.seq_len)
-    command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/dataplane.py", *(argv or sys.argv[1:])])
-    import hivemind
-
-    info = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(),
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "hivemind": hivemind.__version__, "load_start": load()}
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True, timeout=10).stdout.strip()
-        info["uncommitted"] = [line[3:] for line in subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
-            timeout=10).stdout.splitlines()]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                           if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    command = command_line(__file__, argv)
+    info = machine_info()
     torch.set_num_threads(1)
     began = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-dataplane-"))
@@ -913,12 +723,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
         single, state = single_process(config, range(0, half), None)
         log(f"[5/5] swarm: {args.epochs} epochs")
-        try:
-            swarm = run_swarm(args, config, workdir)
-        except Exception as e:  # report what was measured, and why the swarm part is missing
-            log(f"  swarm failed: {e!r}")
-            swarm = {"error": repr(e), "workdir": str(workdir), "report": None,
-                     "boundaries": epoch_boundaries(workdir, config.num_stages)}
+        swarm = run_swarm(args, config, workdir)
         log(f"  one process, epochs {half}..{args.epochs - 1} (after the swarm)")
         more, state = single_process(config, range(half, args.epochs), state)
         single += more
@@ -940,7 +745,7 @@ def main(argv: list[str] | None = None) -> None:
     (out_dir / "dataplane.json").write_text(json.dumps({
         "command": command, "machine": info, "recipe": {"model": config.model, "num_stages": config.num_stages,
         "batch_rows": config.rows_per_microbatch, "microbatches": config.microbatches, "seq_len": config.seq_len,
-        "epochs": args.epochs, "warmup": args.warmup, "lr": config.lr},
+        "epochs": args.epochs, "warmup": args.warmup, "lr": config.lr, "weight_decay": config.weight_decay},
         "stage_timings": timings, "single_process": single, "swarm": swarm_json, "analysis": analysis,
         "rpc": rpc, "codecs": codecs, "dht_control": control,
     }, indent=2, default=str))

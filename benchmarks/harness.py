@@ -1,0 +1,377 @@
+"""What every swarm benchmark needs: a local swarm of real peer processes, its status read through the DHT, the CPU
+time of every process on the machine from /proc, and the small helpers of a report.
+
+    from harness import LocalSwarm, Sampler, consumer_cores, cpu_window, log
+
+A benchmark script imports this module before `p2ptrain`: importing it puts this checkout first on sys.path, so
+the runtime measured is the working tree's.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import hivemind
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS  # noqa: E402
+from p2ptrain.config import RunConfig  # noqa: E402
+from p2ptrain.dht import make_validators  # noqa: E402
+from p2ptrain.launch import Swarm  # noqa: E402
+from p2ptrain.status import collect  # noqa: E402
+
+TCK = os.sysconf("SC_CLK_TCK")
+OWN = "benchmark"  # the owner of this process and its children (its status reader's DHT and p2pd) in CPU tables
+CHILD_KINDS = ("dht", "p2pd", "averager", "other")  # what classify calls the processes a peer starts
+
+_T0 = time.monotonic()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers of a report
+
+
+def log(text: str) -> None:
+    """A progress line on stderr, stamped with the seconds since the benchmark started."""
+    print(f"[{time.monotonic() - _T0:5.0f} s] {text}", file=sys.stderr, flush=True)
+
+
+def load() -> list[float]:
+    """The machine's load average over 1, 5 and 15 minutes."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def mean(values: Iterable[float | None]) -> float | None:
+    """The mean of the values that are not None; None if there are none."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def fmt(value: float | None, spec: str = ".2f", none: str = "-") -> str:
+    """`value` formatted with `spec`, or `none` for a missing value."""
+    return none if value is None else format(value, spec)
+
+
+def command_line(script: str | Path, argv: list[str] | None = None) -> str:
+    """How the benchmark was started, to put on top of its report: `python <script relative to the checkout> ARGS`."""
+    path = Path(script).resolve().relative_to(ROOT)
+    return "python " + " ".join(shlex.quote(a) for a in [str(path), *(sys.argv[1:] if argv is None else argv)])
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine and code a benchmark runs on: date, nproc, CPU model, Python, torch and hivemind versions, the load
+    average now (`load_start`), and the commit with the tracked files that differ from it (when git can tell)."""
+    info: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "nproc": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "torch": torch.__version__, "hivemind": hivemind.__version__, "load_start": load()}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=10).stdout.strip()
+        info["uncommitted"] = [line[3:] for line in subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
+            timeout=10).stdout.splitlines()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                           if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU accounting from /proc
+
+
+ProcTable = dict[int, tuple[str, int, float]]  # pid -> (comm, ppid, utime+stime seconds)
+
+
+def proc_table() -> ProcTable:
+    """Every process on the machine: pid -> (comm, ppid, utime+stime seconds)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # exited while we listed /proc
+            continue
+        right = text.rfind(")")  # comm may itself contain spaces and parentheses
+        stat = text[right + 2:].split()
+        table[int(entry)] = (text[text.find("(") + 1:right], int(stat[1]), (int(stat[11]) + int(stat[12])) / TCK)
+    return table
+
+
+def machine_cpu() -> float:
+    """Busy CPU seconds of the whole machine since boot (all cores)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+    return (sum(values) - values[3] - values[4]) / TCK  # all but idle and iowait
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The CPU time of every process and of the whole machine at wall-clock time `t` (the clock of the peers'
+    logs, so that windows can be cut at the times they logged)."""
+
+    t: float
+    procs: ProcTable
+    machine: float
+
+
+def snapshot() -> Snapshot:
+    """The CPU time of every process and of the machine, now."""
+    return Snapshot(t=time.time(), procs=proc_table(), machine=machine_cpu())
+
+
+class Sampler:
+    """Snapshots of every process's CPU time, every `period_s`, from a background thread while in its `with` block
+    (at most `max_snapshots` of them, so a run that hangs cannot fill the memory)."""
+
+    def __init__(self, period_s: float = 0.5, max_snapshots: int = 4000):
+        self.period_s, self.max_snapshots = period_s, max_snapshots
+        self.snapshots: list[Snapshot] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and len(self.snapshots) < self.max_snapshots:
+            self.snapshots.append(snapshot())
+            self._stop.wait(self.period_s)
+
+    def around(self, start: float, end: float) -> tuple[Snapshot, Snapshot] | None:
+        """The last snapshot at or before wall-clock time `start` and the first at or after `end` (or the nearest
+        ones); None if there is no window between two snapshots."""
+        if len(self.snapshots) < 2:
+            return None
+        before = [x for x in self.snapshots if x.t <= start] or self.snapshots[:1]
+        after = [x for x in self.snapshots if x.t >= end] or self.snapshots[-1:]
+        return (before[-1], after[0]) if after[0].t > before[-1].t else None
+
+
+def classify(table: ProcTable, roots: dict[str, int]) -> dict[int, tuple[str, str]]:
+    """pid -> (owner, kind) for the process trees of `roots` (owner -> pid of its main process).
+
+    kind: main (the root itself), dht (hivemind's DHT process: the python child that runs a p2pd), p2pd (the libp2p
+    daemon), averager (hivemind's other python children: the averagers), other (torch_shm_manager). A root found
+    in another root's tree counts as its own owner."""
+    children = defaultdict(list)
+    for pid, (_, ppid, _) in table.items():
+        children[ppid].append(pid)
+    owners: dict[int, tuple[str, str]] = {}
+    root_pids = set(roots.values())
+
+    def walk(pid: int, owner: str) -> None:
+        for child in children.get(pid, []):
+            if child in root_pids:
+                continue
+            comm = table[child][0]
+            if comm == "p2pd":
+                kind = "p2pd"
+            elif comm.startswith("torch_shm"):
+                kind = "other"
+            elif any(table[c][0] == "p2pd" for c in children.get(child, [])):
+                kind = "dht"
+            else:
+                kind = "averager"
+            owners[child] = (owner, kind)
+            walk(child, owner)
+
+    for owner, pid in roots.items():
+        if pid in table:
+            owners[pid] = (owner, "main")
+            walk(pid, owner)
+    return owners
+
+
+def cpu_window(first: Snapshot, last: Snapshot, roots: dict[str, int]) -> dict[str, Any]:
+    """CPU cores used between two snapshots: `cores` per "owner/kind" (see `classify`), `ours_cores` by all of
+    `roots`' trees, `machine_cores` by the whole machine, `others_cores` by everything else; and `wall_s`."""
+    wall = last.t - first.t
+    owners = classify(last.procs, roots)
+    for pid, owner in classify(first.procs, roots).items():
+        owners.setdefault(pid, owner)
+    used: dict[str, float] = defaultdict(float)
+    for pid, (owner, kind) in owners.items():
+        end = last.procs.get(pid)
+        if end is None:
+            continue  # exited during the window: its last CPU time is lost
+        begin = first.procs.get(pid)
+        used[f"{owner}/{kind}"] += end[2] - (begin[2] if begin and begin[0] == end[0] else 0.0)  # else a reused pid
+    ours = sum(used.values())
+    machine = last.machine - first.machine
+    return {"wall_s": wall, "cores": {k: v / wall for k, v in sorted(used.items())},
+            "ours_cores": ours / wall, "machine_cores": machine / wall,
+            "others_cores": max(0.0, machine - ours) / wall}
+
+
+def consumer_cores(window: dict[str, Any], roles: dict[str, str]) -> dict[str, float]:
+    """Cores per consumer over a `cpu_window` of a swarm whose peers have `roles` (name -> role): each peer's main
+    process counts as its role, the processes it started as their kind (CHILD_KINDS), all of this benchmark's own
+    as OWN, the rest of the machine as "outside", and the cores nobody used as "idle"; the values sum to nproc."""
+    groups = dict.fromkeys([*roles.values(), *CHILD_KINDS, OWN, "outside", "idle"], 0.0)
+    for key, cores in window["cores"].items():
+        owner, kind = key.split("/")
+        if owner == OWN:
+            group = OWN
+        elif kind == "main":
+            group = roles[owner]
+        else:
+            group = kind
+        groups[group] += cores
+    groups["outside"] = window["others_cores"]
+    groups["idle"] = max(0.0, (os.cpu_count() or 1) - window["machine_cores"])
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a local swarm
+
+
+def peer_name(stage: int, role: str) -> str:
+    """How `LocalSwarm` names the peer of `role` (fs, bs or client) at `stage`."""
+    return f"s{stage}-{role}"
+
+
+@dataclass
+class Progress:
+    """How `LocalSwarm.follow` ended: the last status report read (None if no read succeeded), whether the deadline
+    passed first, and how long each successful status read took."""
+
+    report: dict[str, Any] | None
+    timed_out: bool
+    read_s: list[float]
+
+
+class LocalSwarm:
+    """A swarm of real `python -m p2ptrain.peer` processes on 127.0.0.1 (started and stopped by
+    `p2ptrain.launch.Swarm`, their logs in `workdir`), all given the same recipe, and an in-process hivemind DHT
+    client that reads the swarm's status. Leaving its `with` block stops the client and every peer process.
+
+    `flags` are the flags every peer gets: `--run-id` first, then the rest of `config`'s recipe, `--epochs`,
+    `--threads` and `--host-maddrs` (loopback). The data source feeds `epochs` epochs."""
+
+    def __init__(self, workdir: Path, config: RunConfig, *, epochs: int, threads: int = 1):
+        self.workdir, self.config, self.epochs = workdir, config, epochs
+        self.flags = ["--run-id", config.run_id]
+        config_fields = {f.name for f in fields(config)} - {"run_id"}
+        for name, flag in RECIPE_FLAGS.items():  # the peers' own flag of each field, so no field is left out
+            value = getattr(config, name) if name in config_fields else None
+            if value is not None:
+                self.flags += [flag, str(value)]
+        self.flags += ["--epochs", str(epochs), "--threads", str(threads), "--host-maddrs", LOOPBACK]
+        self.roles: dict[str, str] = {}  # peer name -> its --role
+        self.started = time.monotonic()  # what `follow`'s progress lines count from
+        self._swarm = Swarm(workdir=workdir)
+        self._dht: hivemind.DHT | None = None
+
+    def __enter__(self) -> LocalSwarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_path(self, name: str) -> Path:
+        """The log of peer `name` (its stdout and stderr), where `p2ptrain.launch.Swarm` writes it."""
+        return self.workdir / f"{name}.log"
+
+    def start_bootstrap(self, timeout: float = 120.0) -> list[str]:
+        """Start the bootstrap peer and wait (at most `timeout` seconds: imports are slow on a loaded machine) for
+        its addresses, which the other peers get as --initial-peers."""
+        self.roles["bootstrap"] = "bootstrap"
+        return self._swarm.start_bootstrap(self.config.run_id, timeout=timeout)
+
+    def start_server(self, stage: int, server_role: str) -> str:
+        """Start the FS or BS (`server_role`) of `stage`; returns its name."""
+        return self._start(peer_name(stage, server_role), "server",
+                           ["--stage", str(stage), "--server-role", server_role])
+
+    def start_client(self, stage: int) -> str:
+        """Start a client (a worker) of `stage`; returns its name."""
+        return self._start(peer_name(stage, "client"), "client", ["--stage", str(stage)])
+
+    def _start(self, name: str, role: str, args: list[str]) -> str:
+        self.roles[name] = role
+        self._swarm.start(name, [*self.flags, "--role", role, *args, "--initial-peers",
+                                 *self._swarm.initial_peers])
+        return name
+
+    def roots(self) -> dict[str, int]:
+        """Owner -> pid of the processes to account CPU to: every peer, and this process as OWN."""
+        return {**{name: p.pid for name, p in self._swarm.processes.items()}, OWN: os.getpid()}
+
+    def failed(self) -> list[str]:
+        """The peers that exited with an error."""
+        return self._swarm.failed()
+
+    def connect(self) -> None:
+        """Start the DHT client that `status` reads through (a DHT process and a p2pd, children of this process)."""
+        self._dht = hivemind.DHT(initial_peers=self._swarm.initial_peers, client_mode=True, start=True,
+                                 record_validators=make_validators(self.config.run_id))
+
+    def status(self) -> dict[str, Any]:
+        """The swarm's status report (`p2ptrain.status.collect`); `connect` first."""
+        if self._dht is None:
+            raise RuntimeError("connect() before reading the status")
+        return collect(self._dht, self.config.run_id)
+
+    def follow(self, *, deadline: float, poll_s: float) -> Progress:
+        """Read the status every `poll_s` seconds, logging each epoch that closes, until the data source has fed and
+        closed all its epochs or time.monotonic() passes `deadline`. RuntimeError if a peer exits with an error."""
+        seen, report, reads = -2, None, []
+        while True:
+            failed = self.failed()
+            if failed:
+                raise RuntimeError(f"peers {failed} exited with an error; see their logs in {self.workdir}")
+            try:
+                began = time.perf_counter()
+                report = self.status()
+                reads.append(time.perf_counter() - began)
+            except Exception as e:  # a slow DHT read under load: try again until the deadline
+                log(f"  status read failed: {e!r}")
+                time.sleep(1.0)
+                if time.monotonic() > deadline:
+                    return Progress(report, timed_out=True, read_s=reads)
+                continue
+            closed = report["epoch"]
+            if closed != seen:
+                seen = closed
+                log(f"  swarm: epoch {closed} closed at {time.monotonic() - self.started:.0f} s, "
+                    f"{report['tokens_per_s'] or 0:.0f} tokens/s, load {load()}")
+            if report["finished"] and closed + 1 >= self.epochs:
+                return Progress(report, timed_out=False, read_s=reads)
+            if time.monotonic() > deadline:
+                log(f"  swarm: deadline of {deadline - self.started:.0f} s reached at epoch {closed}; "
+                    "reporting what closed")
+                return Progress(report, timed_out=True, read_s=reads)
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        """Stop the status client and every peer (their daemons included)."""
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None
+        self._swarm.stop()
