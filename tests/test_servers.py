@@ -3,6 +3,7 @@ saved mid-epoch and restored into a new server, and the message framing under a 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from p2ptrain.protocol.messages import (
     PushInputGrads,
     PushOutputs,
     PushRows,
+    ReportTask,
     TakeTask,
     TaskOffer,
 )
@@ -116,6 +118,21 @@ def test_results_are_refused_unless_their_issuer_confirms_them_and_a_worker_spea
         assert bs.state.closed_epoch == 0 and bs.epoch_stats(0).loss_sum == 3.0
         with pytest.raises(Refused, match="duplicate"):
             await bs.push_outputs(loss(task, "w1"), "w1")
+
+    asyncio.run(scenario())
+
+
+def test_a_confirmation_asked_again_after_a_lost_reply_is_confirmed_again_for_the_same_worker_only():
+    async def scenario() -> None:
+        fs, _ = servers()
+        await feed(fs, 0)
+        task = await take(fs, "w1", 0)
+        report = ReportTask(task=task.task, worker="w1", epoch=0, ok=True)
+        assert await fs.task_result(report, "fs") == Ack()
+        assert await fs.task_result(report, "fs") == Ack(again=True)
+        with pytest.raises(Refused, match="done by another worker"):
+            await fs.task_result(dataclasses.replace(report, worker="w2"), "fs")
+        assert fs.state.settled == {0: {(task.task, "w1")}}
 
     asyncio.run(scenario())
 

@@ -19,7 +19,6 @@ from p2ptrain.protocol.messages import (
     PushOutputGrads,
     PushOutputs,
     PushRows,
-    ReportTask,
     TaskOffer,
     TaskReply,
 )
@@ -148,13 +147,10 @@ class BackwardServer(StageServer[BackwardState]):
                           forward_task=work.forward_task)
         return TaskReply(task=offer, closed_epoch=self.state.closed_epoch, grad=work.grad)
 
-    def settle(self, report: ReportTask, sender: str) -> Ack:
-        if not self.state.pool.complete(report.task):
-            raise Refused(f"task {report.task} is unknown here, or done already")
-        task = self.state.work.pop(report.task).task
+    def completed(self, task: Task) -> None:
+        del self.state.work[task.task_id]
         self._progress(task.epoch).rows_backward += len(task.rows)
         self._maybe_close_epochs()
-        return Ack()
 
     def _maybe_close_epochs(self) -> None:
         """An epoch closes here when every row of its segment has done its backward (or, last stage, its loss)."""

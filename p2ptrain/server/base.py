@@ -4,8 +4,10 @@ or refused.
 
 A result is accepted only once its task's issuer confirms it (`ReportTask` with ok, which completes the task in
 the issuer's pool), so a result for a task nobody handed out never enters the ledger or the gradients, and no row
-counts twice. A result that fails a check is refused, counted against its worker, and reported to the issuer,
-which hands the task to another worker.
+counts twice. A confirmation is idempotent: the issuer remembers whose result it confirmed, and confirms the same
+(task, worker) again, so the confirming server can ask again when a reply is lost in transport (hivemind streams
+here sometimes end early under load). A result that fails a check is refused, counted against its worker, and
+reported to the issuer, which hands the task to another worker.
 """
 from __future__ import annotations
 
@@ -163,19 +165,44 @@ class StageServer(Service, Generic[S]):
         return "bs" if self.role == "fs" else "fs"
 
     def settle(self, report: ReportTask, sender: str) -> Ack:
-        """Complete a task whose result `sender` accepted; Refused if it is not this server's to complete."""
-        raise NotImplementedError
+        """Complete a task whose result `sender` accepted, or confirm again one completed for the same worker before;
+        Refused if it is not this server's to complete."""
+        settled = self.state.settled.setdefault(report.epoch, set())
+        if (report.task, report.worker) in settled:
+            return Ack(again=True)
+        task = self.state.pool.get(report.task)
+        if task is None or not self.may_complete(task, sender) or not self.state.pool.complete(report.task):
+            raise Refused(f"task {report.task} of {report.worker} is not done here, or was done by another worker")
+        settled.add((report.task, report.worker))
+        self.completed(task)
+        return Ack()
+
+    def may_complete(self, task: Task, sender: str) -> bool:
+        """Whether `sender`'s confirmation may complete `task` of this server's pool."""
+        return True
+
+    def completed(self, task: Task) -> None:
+        """What follows in this role when one of its tasks is complete."""
 
     async def confirm(self, issuer: str, *, task: str, worker: str, epoch: int) -> None:
         """Have `issuer` complete the task in its pool before this server counts the result; Refused if it will not
-        (the task is unknown to it, or done by another worker) or cannot be reached."""
+        (the task is unknown to it, or done by another worker) or cannot be reached. Asks again when the transport
+        fails: the issuer may have completed the task and only the reply been lost, and then it confirms again."""
         service = self.service if issuer == self.peer_id else self.other_service
-        try:
-            await self.caller.call(issuer, service, ReportTask(task=task, worker=worker, epoch=epoch, ok=True))
-        except Refused as e:
-            raise Refused(f"{issuer} does not confirm task {task} of {worker}: {e}") from None
-        except Exception as e:
-            raise Refused(f"could not confirm task {task} with {issuer}: {e!r}") from None
+        report = ReportTask(task=task, worker=worker, epoch=epoch, ok=True)
+        attempts = self.settings.push_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                await self.caller.call(issuer, service, report)
+                return
+            except Refused as e:
+                raise Refused(f"{issuer} does not confirm task {task} of {worker}: {e}") from None
+            except Exception as e:
+                if attempt == attempts:
+                    raise Refused(f"could not confirm task {task} with {issuer}: {e!r}") from None
+                logger.warning(f"{self.name}: confirming task {task} with {issuer} failed (attempt {attempt} of "
+                               f"{attempts}): {e!r}")
+                await asyncio.sleep(self.settings.push_backoff_s * attempt)
 
     async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
                              taken: list[Rows]) -> None:
@@ -259,4 +286,6 @@ class StageServer(Service, Generic[S]):
         for key in [key for key in self.state.microbatches if key[0] == epoch]:
             del self.state.microbatches[key]
         self.state.pool.forget_epoch(epoch)
+        # a confirmation whose reply was lost may be asked again after the epoch closed here
+        self.state.settled.pop(epoch - self.settings.closures_kept, None)
         logger.info(f"{self.name}: epoch {epoch} closed")

@@ -174,13 +174,14 @@ class FrontalServer(StageServer[FrontalState]):
         return Answer(Ack(), then=lambda: self._finish_microbatch(epoch, request.microbatch, mb))
 
     def settle(self, report: ReportTask, sender: str) -> Ack:
+        if (report.task, report.worker) in self.state.accepted.get(report.epoch, ()):
+            return Ack(again=True)  # the last stage's BS asking about a loss whose rows this FS accepted
+        return super().settle(report, sender)
+
+    def may_complete(self, task: Task, sender: str) -> bool:
         # in the last stage a forward task's result is its input gradients, which this FS accepts itself; the BS
         # only asks whether it did before it counts the loss of those rows
-        if (not self.is_last or sender == self.peer_id) and self.state.pool.complete(report.task):
-            return Ack()
-        if (report.task, report.worker) in self.state.accepted.get(report.epoch, ()):
-            return Ack(again=True)
-        raise Refused(f"task {report.task} of {report.worker} is not done here, or was done by another worker")
+        return not self.is_last or sender == self.peer_id
 
     async def _finish_microbatch(self, epoch: int, index: int, mb: MicrobatchInputs) -> None:
         """All input gradients of this segment are in: pass them back, then count the microbatch done."""

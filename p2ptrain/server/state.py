@@ -101,6 +101,9 @@ class StageState:
     task_counter: int = 0
     workers: dict[str, WorkerRecord] = field(default_factory=dict)
     epochs: dict[int, EpochStats] = field(default_factory=dict)
+    # epoch -> (task, worker) of every task of this server's pool whose result the other role confirmed, kept past
+    # closure: a confirmation asked again after a lost reply is confirmed again
+    settled: dict[int, set[tuple[str, str]]] = field(default_factory=dict)
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Plain data (JSON-ready) and the tensors it refers to by name."""
@@ -110,6 +113,7 @@ class StageState:
             "task_counter": self.task_counter,
             "workers": {w: vars(record) for w, record in self.workers.items()},
             "epochs": [[epoch, vars(stats)] for epoch, stats in self.epochs.items()],
+            "settled": [[epoch, sorted(pairs)] for epoch, pairs in self.settled.items()],
             **self._snapshot_role(tensors),
         }
         return meta, tensors
@@ -122,6 +126,7 @@ class StageState:
                    task_counter=meta["task_counter"],
                    workers={w: WorkerRecord(**record) for w, record in meta["workers"].items()},
                    epochs={epoch: EpochStats(**stats) for epoch, stats in meta["epochs"]},
+                   settled={epoch: {(task, worker) for task, worker in pairs} for epoch, pairs in meta["settled"]},
                    **cls._restore_role(meta, tensors))
 
     def save(self, path: str | Path) -> None:
