@@ -258,16 +258,30 @@ class Fuzzer:
         return message.to_header(), message.tensors()
 
 
+LOST_REPLY_ATTEMPTS = 3
+
+
 async def fuzz(caller: Caller, fuzzer: Fuzzer, targets: dict[str, str]) -> Counter:
-    """Send PER_RPC malformed messages on each RPC; returns how many of each kind of defect went to each RPC.
-    Fails on the first reply that is not a refusal."""
+    """Send PER_RPC malformed messages on each RPC; returns how many of each kind of defect went to each RPC, and
+    under "lost" how many replies the transport lost. Fails on the first reply that is not a refusal.
+
+    hivemind's streams here sometimes end early under load (DESIGN §7; old and new code alike): a message whose
+    reply was lost is sent again, up to LOST_REPLY_ATTEMPTS times. A server that broke the stream on a malformed
+    message would lose every reply to it, and fail the test."""
     sent: Counter = Counter()
     for rpc, (service, cases) in fuzzer.rpcs().items():
         server, method = rpc.split(".")
         generator = cases()
         for _ in range(PER_RPC):
             what, header, tensors = next(generator)
-            reply = await caller.exchange(targets[server], service, f"rpc_{method}", Envelope(header, tensors))
+            for attempt in range(1, LOST_REPLY_ATTEMPTS + 1):
+                try:
+                    reply = await caller.exchange(targets[server], service, f"rpc_{method}", Envelope(header, tensors))
+                    break
+                except ConnectionError:
+                    sent["lost", "reply"] += 1
+                    if attempt == LOST_REPLY_ATTEMPTS:
+                        raise
             assert set(reply.header) == {REFUSED}, f"{rpc} accepted a message with {what}: {header} -> {reply.header}"
             sent[rpc, what] += 1
     return sent
@@ -281,7 +295,7 @@ def test_in_process_servers_refuse_every_malformed_message():
                         caller=Caller(p2p=None, peer_id="bs0", codec="none", timeout=10.0, local=local))
     caller = Caller(p2p=None, peer_id="fuzzer", codec="none", timeout=10.0, local=local)
     sent = asyncio.run(fuzz(caller, Fuzzer(me="fuzzer", fs="fs0", bs="bs0", seed=0), {"fs": "fs0", "bs": "bs0"}))
-    assert sum(sent.values()) == 9 * PER_RPC
+    assert sum(sent.values()) == 9 * PER_RPC and sent["lost", "reply"] == 0
     assert not fs.state.microbatches and not bs.state.microbatches and not fs.state.workers and not bs.state.workers
     assert fs.state.closed_epoch == bs.state.closed_epoch == -1 and fs.state.pool.pending == bs.state.pool.pending == 0
 
@@ -320,6 +334,8 @@ def test_live_servers_refuse_malformed_messages_stay_up_and_then_train(make_swar
         sent = asyncio.run(over_the_network())
     finally:
         dht.shutdown()
+    lost = sent.pop(("lost", "reply"), 0)
+    assert lost < 0.01 * 9 * PER_RPC, f"the transport lost {lost} replies"
     assert min(sum(n for (rpc, _), n in sent.items() if rpc == name) for name, _ in sent) == PER_RPC
     assert len({what for _, what in sent}) >= 10, sent  # many kinds of defect, not one over and over
     assert swarm.failed() == [] and all(swarm.processes[name].poll() is None for name in ("fs0", "bs0"))
