@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS  # noqa: E402
 from p2ptrain.config import RunConfig  # noqa: E402
-from p2ptrain.dht import make_validators  # noqa: E402
+from p2ptrain.dht import start_dht  # noqa: E402
 from p2ptrain.launch import Swarm  # noqa: E402
 from p2ptrain.status import collect  # noqa: E402
 
@@ -329,8 +329,7 @@ class LocalSwarm:
 
     def connect(self) -> None:
         """Start the DHT client that `status` reads through (a DHT process and a p2pd, children of this process)."""
-        self._dht = hivemind.DHT(initial_peers=self._swarm.initial_peers, client_mode=True, start=True,
-                                 record_validators=make_validators(self.config.run_id))
+        self._dht = start_dht(self.config.run_id, initial_peers=self._swarm.initial_peers, client_mode=True)
 
     def status(self) -> dict[str, Any]:
         """The swarm's status report (`p2ptrain.status.collect`); `connect` first."""

@@ -7,6 +7,7 @@ Every option is checked, and the swarm planned, before any process starts: a bad
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import signal
 import subprocess
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.peers}: {e}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    # the status reader's DHT needs torch and hivemind: load them before the first peer starts, so that a Ctrl-C
+    # soon after the swarm is up finds this process watching it, not importing
+    importlib.import_module("p2ptrain.dht")
     common = ["--run-id", config.run_id, "--model", config.model, "--seq-len", str(config.seq_len), "--batch-rows",
               str(rows), "--microbatches", str(microbatches), "--epochs", str(args.epochs), "--compression",
               config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else [])]
@@ -165,13 +169,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
     """Follow the swarm through the DHT with a progress bar until the data source finishes."""
-    import hivemind
-
-    from p2ptrain.dht import make_validators
+    from p2ptrain.dht import start_dht
     from p2ptrain.status import collect
 
-    dht = hivemind.DHT(initial_peers=initial, client_mode=True, start=True,
-                       record_validators=make_validators(args.run_id))
+    dht = start_dht(args.run_id, initial_peers=initial, client_mode=True)
     deadline = time.monotonic() + args.timeout
     try:
         with tqdm(total=args.epochs, unit="epoch", desc="training") as bar:

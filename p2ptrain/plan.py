@@ -150,8 +150,8 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     run = args.run_id or PEER_DEFAULTS.run_id
     from hivemind.dht.crypto import RSASignatureValidator
 
+    from p2ptrain.dht import start_dht
     from p2ptrain.live.identity import load_or_create_identity
-    from p2ptrain.live.publisher import join_as_planner
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -159,7 +159,8 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         signer = load_or_create_identity(args.planner_identity) if args.publish else RSASignatureValidator()
-        dht = join_as_planner(initial_peers=args.initial_peers, signer=signer, run_id=run)
+        # the planner's own key signs the plan: a DHT keeps only its first signer
+        dht = start_dht(run, signer=signer, initial_peers=args.initial_peers, client_mode=True)
         try:
             return _plan_live(args, dht=dht, signer=signer, run_id=run, model=model, tokens=tokens,
                               microbatches=microbatches, expect=expect, stop=stop)

@@ -127,13 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON (fields: see module doc)")
     args = parser.parse_args(argv)
     check_maddrs(parser, "--initial-peers", args.initial_peers)
-    import hivemind
-
-    from p2ptrain.dht import make_validators
+    from p2ptrain.dht import start_dht
 
     try:
-        dht = hivemind.DHT(initial_peers=args.initial_peers, client_mode=True, start=True,
-                           record_validators=make_validators(args.run_id))
+        dht = start_dht(args.run_id, initial_peers=args.initial_peers, client_mode=True)
     except Exception as e:
         print(f"error: could not join the swarm at {' '.join(args.initial_peers)}: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,11 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-import hivemind
 import pytest
 
 from p2ptrain.cli import LOOPBACK
-from p2ptrain.dht import make_validators
+from p2ptrain.dht import start_dht
 from p2ptrain.launch import Swarm
 from p2ptrain.status import collect
 
@@ -40,8 +39,7 @@ class TestSwarm(Swarm):
     def status(self) -> dict:
         """The same report, read by a DHT client in this process (cheaper to poll than a new process)."""
         if self._dht is None:
-            self._dht = hivemind.DHT(initial_peers=self.initial_peers, client_mode=True, start=True,
-                                     record_validators=make_validators(self.run_id))
+            self._dht = start_dht(self.run_id, initial_peers=self.initial_peers, client_mode=True)
         return collect(self._dht, self.run_id)
 
     def wait_finished(self, timeout: float) -> dict:

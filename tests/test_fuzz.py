@@ -14,13 +14,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
-import hivemind
 import numpy as np
 import pytest
 import torch
 
 from p2ptrain.config import RunConfig, RuntimeConfig
-from p2ptrain.dht import make_validators
+from p2ptrain.dht import start_dht
 from p2ptrain.protocol.layout import Layout, StageServers
 from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
@@ -318,8 +317,7 @@ def test_live_servers_refuse_malformed_messages_stay_up_and_then_train(make_swar
         assert time.monotonic() < deadline, "the stage-0 servers did not come up\n" + swarm.logs()
         time.sleep(1.0)
 
-    dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
-                       record_validators=make_validators("fuzz"))
+    dht = start_dht("fuzz", initial_peers=swarm.initial_peers, client_mode=True)
     try:
         me = dht.peer_id.to_base58()
 

@@ -13,7 +13,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2ptrain.dht import Link, PeerInfo, PlanRecord, get_peers, get_plan, make_validators, plan_key
+from p2ptrain.dht import Link, PeerInfo, PlanRecord, get_peers, get_plan, plan_key, start_dht
 from p2ptrain.live.identity import load_or_create_identity, public_key_path, read_planner_key
 from p2ptrain.live.planning import place_client, place_server, plan_stages
 from p2ptrain.live.swarm import NONCOMPUTING_FLOPS, planning_peers, swarm_from_peers
@@ -184,8 +184,7 @@ def test_servers_take_their_places_from_the_signed_plan_and_the_swarm_trains(mak
         swarm.peer(f"client{i}", "--role", "client", "--planner-key", pub)
 
     rogue = RSASignatureValidator(RSAPrivateKey())
-    dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
-                       record_validators=make_validators(run_id, signer=rogue))
+    dht = start_dht(run_id, signer=rogue, initial_peers=swarm.initial_peers, client_mode=True)
     try:
         # before the planner runs: a plan naming the real servers, one stage, a version no real plan beats
         servers = wait_for_servers(dht, run_id, 4, timeout=180)
@@ -225,8 +224,7 @@ def test_a_server_started_with_plan_places_the_swarm_and_itself(make_swarm):
     swarm.peer("client0", "--role", "client", "--planner-key", pub)
     report = swarm.wait_finished(timeout=300)
 
-    dht = hivemind.DHT(initial_peers=swarm.initial_peers, client_mode=True, start=True,
-                       record_validators=make_validators(run_id))
+    dht = start_dht(run_id, initial_peers=swarm.initial_peers, client_mode=True)
     try:
         record = get_plan(dht, run_id, planner_public_key)
         servers = [p.peer_id for p in get_peers(dht, run_id) if p.role == "server"]

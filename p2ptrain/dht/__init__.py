@@ -10,6 +10,7 @@ from p2ptrain.dht.keys import (
     split_subkey,
     stage_key,
 )
+from p2ptrain.dht.node import start_dht
 from p2ptrain.dht.readers import get_metrics, get_peers, get_plan, get_stage_members
 from p2ptrain.dht.records import MAX_EPOCHS_KEPT, EpochMetrics, Link, Membership, Metrics, PeerInfo, PlanRecord
 
@@ -34,4 +35,5 @@ __all__ = [
     "plan_key",
     "split_subkey",
     "stage_key",
+    "start_dht",
 ]

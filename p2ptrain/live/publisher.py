@@ -14,17 +14,12 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
 from p2ptrain.config import RunConfig, RuntimeConfig
-from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers, make_validators
+from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers
 from p2ptrain.live.swarm import planning_peers, swarm_from_peers
 from p2ptrain.planner import Plan, format_plan, make_plan
 from p2ptrain.planner.presets import model_spec
 
 logger = logging.getLogger(__name__)
-
-
-def join_as_planner(*, initial_peers: list[str], signer: RSASignatureValidator, run_id: str) -> hivemind.DHT:
-    return hivemind.DHT(initial_peers=initial_peers, client_mode=True, start=True,
-                        record_validators=make_validators(run_id, signer=signer))
 
 
 def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: RuntimeConfig,

@@ -18,7 +18,7 @@ from p2ptrain.client.averaging import StageAllReduce
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.data import TextSource
-from p2ptrain.dht import Announcer, Membership, PeerInfo, make_validators
+from p2ptrain.dht import Announcer, Membership, PeerInfo, start_dht
 from p2ptrain.dht.membership import MembershipCache
 from p2ptrain.live.planning import Joined, join_by_plan
 from p2ptrain.live.probe import measure_compute
@@ -154,12 +154,12 @@ class Peer:
         network = self.options.network
         if network.identity_path is not None:
             network.identity_path.parent.mkdir(parents=True, exist_ok=True)
-        dht = hivemind.DHT(
-            initial_peers=list(network.initial_peers), host_maddrs=list(network.host_maddrs),
+        dht = start_dht(
+            self.config.run_id, signer=signer, initial_peers=list(network.initial_peers),
+            host_maddrs=list(network.host_maddrs),
             announce_maddrs=list(network.announce_maddrs) if network.announce_maddrs is not None else None,
             identity_path=str(network.identity_path) if network.identity_path else None,
-            client_mode=network.client_mode, start=True,
-            record_validators=make_validators(self.config.run_id, signer=signer),
+            client_mode=network.client_mode,
         )
         if network.maddrs_file is not None:
             network.maddrs_file.write_text("\n".join(str(a) for a in dht.get_visible_maddrs()) + "\n")
