@@ -2,6 +2,7 @@
 at the end and on Ctrl-C, leaving no process behind."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -14,6 +15,15 @@ import pytest
 def leftovers(run_id: str) -> list[str]:
     ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in ps.splitlines() if run_id in line and "p2ptrain.peer" in line]
+
+
+def kill_leftovers(run_id: str) -> None:
+    """After a failure: each peer leads its own process group (its DHT process and p2pd daemon are in it)."""
+    for line in leftovers(run_id):
+        try:
+            os.killpg(int(line.split()[0]), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.mark.timeout(400)
@@ -39,6 +49,7 @@ def test_ctrl_c_stops_the_whole_swarm(tmp_path):
         [sys.executable, "-m", "p2ptrain.launch", "--epochs", "1000", "--run-id", run_id, "--workdir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    err = ""
     try:
         deadline = time.monotonic() + 200
         while not (tmp_path / "client-1.log").exists() and time.monotonic() < deadline:
@@ -54,6 +65,7 @@ def test_ctrl_c_stops_the_whole_swarm(tmp_path):
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+                kill_leftovers(run_id)
     assert process.returncode == 130, err[-2000:]
     assert "interrupted: all peers stopped" in err
     assert leftovers(run_id) == []
