@@ -297,6 +297,7 @@ def test_in_process_servers_refuse_every_malformed_message():
     assert sum(sent.values()) == 9 * PER_RPC and sent["lost", "reply"] == 0
     assert not fs.state.microbatches and not bs.state.microbatches and not fs.state.workers and not bs.state.workers
     assert fs.state.closed_epoch == bs.state.closed_epoch == -1 and fs.state.pool.pending == bs.state.pool.pending == 0
+    assert not fs.state.settled and not bs.state.settled and not fs.state.epochs and not bs.state.epochs
 
 
 RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES), "--seq-len", str(SEQ),

@@ -167,13 +167,13 @@ class StageServer(Service, Generic[S]):
     def settle(self, report: ReportTask, sender: str) -> Ack:
         """Complete a task whose result `sender` accepted, or confirm again one completed for the same worker before;
         Refused if it is not this server's to complete."""
-        settled = self.state.settled.setdefault(report.epoch, set())
-        if (report.task, report.worker) in settled:
+        if (report.task, report.worker) in self.state.settled.get(report.epoch, ()):
             return Ack(again=True)
         task = self.state.pool.get(report.task)
-        if task is None or not self.may_complete(task, sender) or not self.state.pool.complete(report.task):
+        if (task is None or task.epoch != report.epoch or not self.may_complete(task, sender)
+                or not self.state.pool.complete(report.task)):
             raise Refused(f"task {report.task} of {report.worker} is not done here, or was done by another worker")
-        settled.add((report.task, report.worker))
+        self.state.settled.setdefault(task.epoch, set()).add((report.task, report.worker))
         self.completed(task)
         return Ack()
 
