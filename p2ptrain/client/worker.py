@@ -136,14 +136,10 @@ class Worker:
             await self._step(verdict.group)
 
     async def _ask(self, server: str, service: str, request: TakeTask) -> TaskReply | None:
-        try:
-            return await self.caller.call(server, service, request)
-        except Refused as e:
-            logger.warning(f"worker {self.worker_id}: {server} refused a task poll: {e}")
-        except Exception as e:
-            logger.warning(f"worker {self.worker_id}: could not reach {server}: {e!r}")
-        await asyncio.sleep(self.settings.unreachable_backoff_s)
-        return None
+        reply = await self._call(server, service, request)
+        if reply is None:  # unreachable, or it refused the poll: ask the others before this one again
+            await asyncio.sleep(self.settings.unreachable_backoff_s)
+        return reply
 
     async def _run_task(self, reply: TaskReply) -> None:
         if reply.task.kind == Kind.FORWARD:

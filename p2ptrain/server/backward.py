@@ -51,10 +51,7 @@ class BackwardServer(StageServer[BackwardState]):
         epoch, index, rows = request.epoch, request.microbatch, request.rows
         if epoch <= self.state.closed_epoch:  # a retry whose first push got through: counted already
             raise Refused(f"duplicate: epoch {epoch} is closed here")
-        segment = self.check_layout(request.layout, total_rows=request.total_rows, microbatch=index)
-        known = self.state.microbatches.get((epoch, index))
-        if known is not None and known.layout != request.layout:
-            raise Refused(f"microbatch {epoch}:{index} came with another layout")
+        segment = self.check_layout(request.layout, epoch=epoch, microbatch=index, total_rows=request.total_rows)
         self.check_peer(request.fs, request.layout, stage=self.stage, role="fs", what="issuer")
         try:
             if rows.intersect(segment) != rows:

@@ -241,15 +241,18 @@ class StageServer(Service, Generic[S]):
         if claimed != sender:
             raise Refused(f"worker {claimed} is not the sender {sender}")
 
-    def check_layout(self, layout: Layout, *, total_rows: int, microbatch: int) -> Rows:
+    def check_layout(self, layout: Layout, *, epoch: int, microbatch: int, total_rows: int) -> Rows:
         """This server's segment of a microbatch under `layout`; Refused if the layout or the microbatch does not
-        fit the run's recipe, or the layout leaves this server out."""
+        fit the run's recipe, the layout leaves this server out, or the microbatch came here with another layout."""
         if len(layout.stages) != self.config.num_stages:
             raise Refused(f"a layout of {len(layout.stages)} stages, but the run has {self.config.num_stages}")
         if total_rows != self.config.rows_per_microbatch:
             raise Refused(f"a microbatch of {total_rows} rows, but the run's have {self.config.rows_per_microbatch}")
         if microbatch >= self.config.microbatches:
             raise Refused(f"microbatch {microbatch}, but the run's epochs have {self.config.microbatches}")
+        known = self.state.microbatches.get((epoch, microbatch))
+        if known is not None and known.layout != layout:
+            raise Refused(f"microbatch {epoch}:{microbatch} came with another layout")
         try:
             return layout.segment(self.stage, self.role, self.peer_id, total_rows)
         except ValueError as e:

@@ -62,7 +62,8 @@ class FrontalServer(StageServer[FrontalState]):
         return self.serve(requests, context, PushRows, self.push_rows)
 
     async def push_rows(self, request: PushRows, sender: str) -> Ack:
-        segment = self.check_layout(request.layout, total_rows=request.total_rows, microbatch=request.microbatch)
+        segment = self.check_layout(request.layout, epoch=request.epoch, microbatch=request.microbatch,
+                                    total_rows=request.total_rows)
         if self.is_first:
             self.check_peer(sender, request.layout, stage=0, role="fs", what="the data source")
         else:
@@ -70,9 +71,6 @@ class FrontalServer(StageServer[FrontalState]):
         if request.epoch <= self.state.closed_epoch:
             raise Refused(f"epoch {request.epoch} is closed here")
         key = (request.epoch, request.microbatch)
-        known = self.state.microbatches.get(key)
-        if known is not None and known.layout != request.layout:
-            raise Refused(f"microbatch {request.epoch}:{request.microbatch} came with another layout")
         rows = request.rows
         try:
             if rows.intersect(segment) != rows:
