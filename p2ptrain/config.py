@@ -114,6 +114,8 @@ class RuntimeConfig:
     rpc_timeout_s: float = 60.0  # longest one RPC may take, transfer included
     push_attempts: int = 3  # a worker pushes a result this many times when its reply is lost in transport
     push_backoff_s: float = 0.2  # ...sleeping this times the attempt number between tries
+    delivery_backoff_max_s: float = 5.0  # a server retries a push to another server until it lands, backing off
+    # exponentially from push_backoff_s up to this
     # workers
     unreachable_backoff_s: float = 0.2  # after a server did not answer a task poll
     no_servers_wait_s: float = 0.5  # a worker that knows no FS of its stage looks again after this
@@ -124,6 +126,8 @@ class RuntimeConfig:
     lease_timeout_s: float = 30.0  # a task whose worker sent no result in this long goes back to the pool
     worker_seen_s: float = 5.0  # an FS counts a worker into the averaging group if it polled within this long...
     contributor_seen_s: float = 30.0  # ...or if it handed in rows of the epoch and polled within this long
+    worker_lost_s: float = 10.0  # a worker silent this long is gone: its leases go back to the pool, and the rows
+    # whose parameter gradients it held in an epoch not yet closed are redone by others
     active_worker_s: float = 30.0  # an FS sizes tasks for the workers that polled within this long
     refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no more tasks
     closures_kept: int = 4  # epochs an FS remembers the averaging group of, for workers still finishing one

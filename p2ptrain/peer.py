@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "lease_timeout_s": "--lease-timeout", "averaging_timeout_s": "--averaging-timeout",
+              "worker_lost_s": "--worker-lost",
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage"}
 
 
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds before a task goes back to the pool")
     run.add_argument("--averaging-timeout", type=positive, default=RuntimeConfig.averaging_timeout_s,
                      help="seconds an all-reduce round may take")
+    run.add_argument("--worker-lost", type=positive, default=RuntimeConfig.worker_lost_s,
+                     help="seconds of silence after which a server counts a worker as gone and has its work redone")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
@@ -166,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault)
         settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout,
-                                 plan_timeout_s=args.plan_timeout)
+                                 plan_timeout_s=args.plan_timeout, worker_lost_s=args.worker_lost)
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
 

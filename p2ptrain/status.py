@@ -10,10 +10,17 @@ JSON fields (stable; later tools and outside checks read them):
   loss                   mean token loss (nats) of the last closed epoch, from the last stage
   tokens_per_s           training tokens per second over the last closed epoch, at the data source
   epochs                 [{epoch, loss, tokens_per_s, seconds,
-                           stages: [{stage, rows_in_batch, rows_averaged, tasks_redone}]}] oldest first:
+                           stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
+                                     workers_lost}]}] oldest first:
                            rows_in_batch: rows of the global batch that entered the stage;
-                           rows_averaged: rows whose gradients reached the stage's averaged optimizer step;
-                           tasks_redone: tasks handed out again (refused results, timed-out workers)
+                           rows_averaged: rows whose gradients reached the stage's averaged optimizer step: the
+                             rows the FS handed to the epoch's averaging group, less those of any worker that
+                             reports its round failed (a worker's own record may be gone, a server's stays);
+                           tasks_redone: tasks handed out again (refused results, timed-out or vanished workers,
+                             rows redone);
+                           rows_recomputed: rows whose forward and backward were done again because the worker
+                             that held their parameter gradients vanished before the stage averaged;
+                           workers_lost: workers that vanished holding parameter gradients of the epoch
 """
 from __future__ import annotations
 
@@ -69,6 +76,7 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
 def _epochs(metrics: list, num_stages: int) -> list[dict]:
     """Per epoch and stage: rows in (FS), rows averaged (workers), tasks redone (FS and BS); loss; speed."""
     rows_in, averaged, redone = defaultdict(int), defaultdict(int), defaultdict(int)
+    recomputed, lost = defaultdict(int), defaultdict(int)
     closed_at: dict[int, set[int]] = defaultdict(set)
     loss, speed, seconds = {}, {}, {}
     for record in metrics:
@@ -79,11 +87,14 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             redone[key] += entry.tasks_redone
             if record.role == "fs":
                 rows_in[key] += entry.rows_in_batch
+                averaged[key] += entry.rows_averaged
+                recomputed[key] += entry.rows_recomputed
+                lost[key] += entry.workers_lost
                 closed_at[entry.epoch].add(record.stage)
             if entry.loss is not None:
                 loss[entry.epoch] = entry.loss
-        for entry in workers:
-            averaged[(entry.epoch, record.stage)] += entry.rows_averaged
+        for entry in workers:  # a worker whose round failed stepped on its own gradients
+            averaged[(entry.epoch, record.stage)] -= entry.rows_in_batch - entry.rows_averaged
         for entry in record.source_epochs:
             seconds[entry.epoch] = entry.seconds
             speed[entry.epoch] = entry.tokens / entry.seconds if entry.seconds else None
@@ -93,7 +104,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             "epoch": epoch, "loss": loss.get(epoch), "tokens_per_s": speed.get(epoch), "seconds": seconds.get(epoch),
             "closed": len(closed_at[epoch]) == num_stages and epoch in loss,
             "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
-                        "rows_averaged": averaged[(epoch, stage)], "tasks_redone": redone[(epoch, stage)]}
+                        "rows_averaged": averaged[(epoch, stage)], "tasks_redone": redone[(epoch, stage)],
+                        "rows_recomputed": recomputed[(epoch, stage)], "workers_lost": lost[(epoch, stage)]}
                        for stage in range(num_stages)],
         }
         for epoch in all_epochs

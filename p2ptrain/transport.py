@@ -3,6 +3,14 @@
 Tensors always travel as streams of chunks of at most 1 MiB: hivemind refuses unary requests over 4 MiB and a unary
 response over 4 MiB hangs the caller (DESIGN §7). Streaming stubs take no timeout, so every call is wrapped.
 
+The caller, not the server, ends every stream. A message's header announces how many tensor chunks follow, so the
+caller knows when it holds the whole reply and closes the stream then; the server keeps its end open until that
+happens (up to `LINGER_S`). Why: p2pd pipes each libp2p stream to a Unix socket and resets the stream as soon as
+either side closes, and a reset discards whatever the receiving daemon had not yet handed to its Python peer, so
+a reply the server closed right after writing was sometimes lost on a loaded machine ("the peer sent an empty
+stream"; DESIGN §7). Work a handler does after its reply (`Answer.then`) runs as a task of the servicer, not of
+the stream, so a caller that goes away never cancels it halfway.
+
 A servicer (`Service`) decodes every request into its `protocol.messages` type before its handler sees it. A request
 that does not decode, or that the handler refuses (`Refused`), is answered with a refusal naming the reason and
 logged as a warning naming the sender; no exception escapes a handler. The caller (`Caller.call`) gets the typed
@@ -33,6 +41,7 @@ Responses = typing.AsyncIterator[runtime_pb2.ExpertResponse]
 R = TypeVar("R", bound=Request)
 
 REFUSED = "refused"  # the one header key of a refusal; no message has a field of that name
+LINGER_S = 60.0  # longest a server keeps a stream open after its reply, waiting for the caller to close it
 
 
 class Refused(Exception):
@@ -58,7 +67,7 @@ class LocalCall:
 
 @dataclass(frozen=True)
 class Answer:
-    """A handler's reply, and work to do once it is sent (the caller's stream stays open until that work is done)."""
+    """A handler's reply, and work that follows it; the servicer runs that work as its own task (`Service.spawn`)."""
 
     reply: Message
     then: Callable[[], Awaitable[None]] | None = None
@@ -75,24 +84,39 @@ def pack(envelope: Envelope, *, codec: str, proto: type[Proto]) -> list[Proto]:
     return [proto(metadata=meta)] + [proto(tensors=[chunk]) for chunk in chunks]
 
 
+async def _items(stream: AsyncIterator[Proto] | Iterable[Proto]) -> AsyncIterator[Proto]:
+    if hasattr(stream, "__aiter__"):
+        async for item in stream:
+            yield item
+    else:
+        for item in stream:
+            yield item
+
+
 async def unpack(stream: AsyncIterator[Proto] | Iterable[Proto]) -> Envelope:
-    """Read a whole message. ConnectionError if the stream ended early (the caller may retry); MessageError if what
-    arrived is not a message."""
-    protos = [item async for item in stream] if hasattr(stream, "__aiter__") else list(stream)
-    if not protos:
+    """Read one whole message: its header, then exactly the tensor chunks the header announces (nothing after them
+    is read, so the reader may close the stream at once). ConnectionError if the stream ended early (the caller may
+    retry); MessageError if what arrived is not a message."""
+    items = _items(stream)
+    first = await anext(items, None)
+    if first is None:
         raise ConnectionError("the peer sent an empty stream")
     try:
-        meta = msgpack.unpackb(protos[0].metadata, raw=False)
+        meta = msgpack.unpackb(first.metadata, raw=False)
         header, layout = meta["header"], [(str(name), int(count)) for name, count in meta["tensors"]]
     except Exception as e:  # msgpack raises several types for garbage
         raise MessageError(f"not a message: {e!r}") from None
     if not isinstance(header, dict):
         raise MessageError(f"not a message: the header is a {type(header).__name__}")
-    chunks = [chunk for proto in protos[1:] for chunk in proto.tensors]
-    announced = sum(count for _, count in layout)
-    if len(chunks) < announced:  # a transport failure like an empty stream: the caller may retry
-        raise ConnectionError(f"the stream ended early: {len(chunks)} of {announced} tensor chunks arrived")
-    if len(chunks) > announced or any(count < 1 for _, count in layout):
+    if any(count < 1 for _, count in layout):
+        raise MessageError("the message announced a tensor of no chunks")
+    announced, chunks = sum(count for _, count in layout), list(first.tensors)
+    while len(chunks) < announced:
+        proto = await anext(items, None)
+        if proto is None:  # a transport failure like an empty stream: the caller may retry
+            raise ConnectionError(f"the stream ended early: {len(chunks)} of {announced} tensor chunks arrived")
+        chunks.extend(proto.tensors)
+    if len(chunks) > announced:
         raise MessageError(f"the message announced {announced} tensor chunks but {len(chunks)} arrived")
     tensors, position = {}, 0
     for name, count in layout:
@@ -110,13 +134,32 @@ def handle_name(service: str, method: str, namespace: str | None = None) -> str:
 
 class Service(ServicerBase):
     """A p2ptrain servicer: its handlers are registered as ``{service}.{method}``, so callers name the service
-    without importing its class, and `serve` gives every handler typed requests and refusals."""
+    without importing its class, and `serve` gives every handler typed requests and refusals. Owns the follow-up
+    tasks its handlers leave behind (`Answer.then`); `shutdown` cancels them."""
 
     service: ClassVar[str]
 
     def __init__(self, *, peer_id: str, name: str, codec: str):
         self.peer_id, self.name, self.codec = peer_id, name, codec  # name: how logs call this servicer
         self.logger = logging.getLogger(type(self).__module__)
+        self._follow_ups: set[asyncio.Task] = set()
+
+    def spawn(self, work: Awaitable[None], *, what: str) -> None:
+        """Run `work` as a task of this servicer; a failure is logged with `what` it was."""
+        task = asyncio.ensure_future(self._logged(work, what))
+        self._follow_ups.add(task)
+        task.add_done_callback(self._follow_ups.discard)
+
+    async def _logged(self, work: Awaitable[None], what: str) -> None:
+        try:
+            await work
+        except Exception:
+            self.logger.exception(f"{self.name}: {what} failed")
+
+    async def shutdown(self) -> None:
+        for task in list(self._follow_ups):
+            task.cancel()
+        await asyncio.gather(*self._follow_ups, return_exceptions=True)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -144,13 +187,12 @@ class Service(ServicerBase):
         except Exception as e:  # a bug here must not end the handler silently or stall the caller until timeout
             self.logger.exception(f"{self.name}: failed on {kind.__name__} from {sender}")
             answer, responses = None, self.refusal(f"internal error: {e!r}")
+        if answer is not None and answer.then is not None:
+            self.spawn(answer.then(), what=f"follow-up of {kind.__name__} from {sender}")
         for response in responses:
             yield response
-        if answer is not None and answer.then is not None:
-            try:
-                await answer.then()
-            except Exception:
-                self.logger.exception(f"{self.name}: follow-up of {kind.__name__} from {sender} failed")
+        if not isinstance(context, LocalCall):
+            await asyncio.sleep(LINGER_S)  # the caller closes the stream once it holds the reply; that cancels this
 
     def pack(self, reply: Message) -> list[runtime_pb2.ExpertResponse]:
         return pack(Envelope(reply.to_header(), reply.tensors()), codec=self.codec, proto=runtime_pb2.ExpertResponse)
@@ -198,4 +240,7 @@ class Caller:
         else:
             responses = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), handle_name(service, method), _aiter(requests), runtime_pb2.ExpertResponse)
-        return await unpack(responses)
+        try:
+            return await unpack(responses)
+        finally:
+            await responses.aclose()  # this side ends the stream, once the whole reply is here (see the docstring)

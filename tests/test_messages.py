@@ -114,7 +114,7 @@ def test_cross_field_rules_of_replies_and_results():
         TaskReply.from_header(header)
     with pytest.raises(MessageError, match=r"TaskReply\.task\.forward_task: a backward task names its forward"):
         TaskReply.from_header({**header, "task": {**header["task"], "forward_task": None}}, {"grad": X})
-    with pytest.raises(MessageError, match=r"TaskReply\.task\.kind: expected one of \['forward', 'backward'\]"):
+    with pytest.raises(MessageError, match=r"TaskReply\.task\.kind: expected one of \['forward', 'backward', 'redo'\]"):
         TaskReply.from_header({**header, "task": {**header["task"], "kind": "sideways"}}, {"grad": X})
     outputs = EXAMPLES[8]
     with pytest.raises(MessageError, match="carries either a loss, or outputs and labels"):

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Awaitable, Callable
 
 import torch
 
@@ -70,11 +70,14 @@ class Worker:
         optimizer: torch.optim.Optimizer, averager: StageAllReduce, caller: Caller,
         servers: Callable[[], tuple[list[str], list[str]]], compute: float, client_mode: bool = False,
         fault: str = "none", dump_dir: Path | None = None,
+        download_state: Callable[[Worker], Awaitable[int | None]] | None = None,
     ):
         self.worker_id, self.stage, self.config, self.settings = worker_id, stage, config, settings
         self.model, self.optimizer, self.averager, self.caller = model, optimizer, averager, caller
         self.servers, self.compute, self.client_mode, self.fault = servers, compute, client_mode, fault
         self.dump_dir = dump_dir
+        self.download_state = download_state  # loads the stage's state from a mate before the first task
+        self.loaded_state = False  # it holds a mate's state, not the seed's, even before its first step
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
         self.rows_accumulated = 0
@@ -93,6 +96,8 @@ class Worker:
         return self.stage == self.config.num_stages - 1
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.download_state is not None:  # a worker that joins a running stage must not compute on seed weights
+            await self.download_state(self)
         while not stop.is_set():
             fs_list, bs_list = self.servers()
             # the FS of this epoch's layout are polled even if the DHT briefly misses one: each must close the epoch
@@ -105,6 +110,13 @@ class Worker:
                 await self._run_task(reply)
             else:
                 await self._after_idle_poll(polls)
+
+    def load_state(self, *, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], epoch: int) -> None:
+        """Take a stage mate's parameters and optimizer state, current for `epoch` (`client.state_sync`)."""
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.loaded_state = True
+        self._advance(epoch)
 
     async def _take(self, fs_list: list[str], bs_list: list[str]
                     ) -> tuple[TaskReply | None, dict[str, TaskReply | None]]:
@@ -132,6 +144,8 @@ class Worker:
         self.epoch_fs = verdict.epoch_fs
         if verdict.catch_up_to is not None:
             self._advance(verdict.catch_up_to)
+            if self.download_state is not None:  # the stage stepped without this worker: take its parameters
+                await self.download_state(self)
         elif verdict.group is not None:
             await self._step(verdict.group)
 
@@ -144,8 +158,24 @@ class Worker:
     async def _run_task(self, reply: TaskReply) -> None:
         if reply.task.kind == Kind.FORWARD:
             await self._forward(reply.task, reply.inputs, reply.labels)
-        else:
+        elif reply.task.kind == Kind.BACKWARD:
             await self._backward(reply.task, reply.grad)
+        else:
+            await self._redo(reply.task, reply.inputs, reply.labels, reply.grad)
+
+    async def _redo(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor,
+                    grad: torch.Tensor | None) -> None:
+        """Forward and backward again on rows whose parameter gradients a vanished worker took with it; the outputs
+        and the loss went on the first time, so only the gradients are handed in."""
+        if not self.is_first:
+            inputs.requires_grad_(True)
+        if self.is_last:
+            _, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
+        else:
+            outputs = await asyncio.to_thread(self._forward_compute, inputs)
+            state = ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
+            grads = await asyncio.to_thread(self._backward_compute, state, grad)
+        await self._push_input_grads(offer, grads, issuer=offer.fs)
 
     async def _forward(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         self.epoch_fs = offer.layout.stages[self.stage].fs
@@ -160,7 +190,8 @@ class Worker:
             return
         outputs = await asyncio.to_thread(self._forward_compute, inputs)
         result = self._outputs(offer, outputs=self._corrupt(outputs.detach()), labels=labels)
-        if await self._call(offer.bs, BACKWARD_SERVER, result) is not None:
+        # the BS acknowledges a push it recorded already, so a retry after a lost reply is harmless
+        if await self._call(offer.bs, BACKWARD_SERVER, result, attempts=self.settings.push_attempts) is not None:
             self.cache[offer.task] = ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
 
     def _outputs(self, offer: TaskOffer, **tensors: torch.Tensor) -> PushOutputs:
@@ -250,9 +281,9 @@ class Worker:
         """The stage closed this epoch: average gradients with the group the stage's first FS fixed, then step."""
         rows, epoch = self.rows_accumulated, self.epoch
         if self.worker_id not in {member.peer_id for member in group}:
-            if rows:  # the status shows these as rows in the batch that were not averaged
-                logger.error(f"worker {self.worker_id}: left out of the averaging group of epoch {epoch}; "
-                             f"its {rows} accepted rows are lost")
+            if rows:  # the FS counted this worker as gone and had its rows redone by others
+                logger.warning(f"worker {self.worker_id}: left out of the averaging group of epoch {epoch}; "
+                               f"its {rows} rows were redone by others")
             else:  # joined as the epoch closed: nothing of it to hand in
                 logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping it")
             self._advance(epoch + 1)
@@ -260,6 +291,7 @@ class Worker:
         tokens = rows * self.config.seq_len
         # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
         grads = [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
+        logger.info(f"worker {self.worker_id}: averaging epoch {epoch} in a group of {len(group)}")
         averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
         if not result.ok:
             logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed; "

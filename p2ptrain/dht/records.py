@@ -64,6 +64,8 @@ class EpochMetricsModel(_Strict):
     loss: Optional[pydantic.StrictFloat]
     tokens: _NonNegInt
     seconds: _NonNegFloat
+    rows_recomputed: _NonNegInt = 0
+    workers_lost: _NonNegInt = 0
 
 
 class MetricsModel(_Strict):
@@ -182,6 +184,8 @@ class EpochMetrics:
     loss: float | None = None
     tokens: int = 0
     seconds: float = 0.0  # wall time of the epoch as this peer saw it
+    rows_recomputed: int = 0  # rows redone because the worker that held their gradients vanished (an FS)
+    workers_lost: int = 0  # workers that vanished holding gradients of the epoch (an FS)
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)

@@ -26,10 +26,11 @@ def server_epochs(server: StageServer) -> list[EpochMetrics]:
             continue
         last_stage_bs = isinstance(server, BackwardServer) and server.is_last and stats.tokens > 0
         records.append(EpochMetrics(
-            epoch=epoch, rows_in_batch=stats.rows, rows_averaged=0,
+            epoch=epoch, rows_in_batch=stats.rows, rows_averaged=stats.rows_grouped,
             tasks_redone=server.state.pool.redone.get(epoch, 0),
             loss=stats.loss_sum / stats.tokens if last_stage_bs else None, tokens=stats.tokens,
-            seconds=stats.finished - (stats.started or stats.finished),
+            seconds=stats.finished - (stats.started or stats.finished), rows_recomputed=stats.rows_recomputed,
+            workers_lost=stats.workers_lost,
         ))
     return records[-HISTORY:]
 

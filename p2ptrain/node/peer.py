@@ -15,11 +15,13 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
 from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import Announcer, Membership, PeerInfo, start_dht
 from p2ptrain.dht.membership import MembershipCache
+from p2ptrain.dht.readers import get_stage_workers
 from p2ptrain.live.planning import Joined, join_by_plan
 from p2ptrain.live.probe import measure_compute
 from p2ptrain.live.publisher import serve_plan
@@ -120,6 +122,8 @@ class Peer:
         # a thread cannot be cancelled: the planner ends on _planner_stop, withdrawing its plan
         await asyncio.gather(*self._tasks, *([self._planner] if self._planner else []), return_exceptions=True)
         self._tasks, self._planner = [], None
+        if self.server is not None:
+            await self.server.shutdown()
         if self._p2p is not None:
             await self._p2p.shutdown()
             self._p2p = None
@@ -235,11 +239,24 @@ class Peer:
         await averager.start()
         # what live planning measured was one block; tasks are sized by the speed on the whole stage
         compute = self.options.compute_power or measure_compute(model, config)
-        return Worker(worker_id=self.peer_id, stage=placement.stage, config=config, settings=self.settings,
-                      model=model, optimizer=model.configure_optimizer(lr=config.lr, weight_decay=config.weight_decay),
-                      averager=averager, caller=caller, servers=lambda: membership.servers(placement.stage),
-                      compute=compute, client_mode=self.options.network.client_mode, fault=self.options.fault,
-                      dump_dir=self.options.dump_grads)
+        worker = Worker(worker_id=self.peer_id, stage=placement.stage, config=config, settings=self.settings,
+                        model=model, optimizer=model.configure_optimizer(lr=config.lr, weight_decay=config.weight_decay),
+                        averager=averager, caller=caller, servers=lambda: membership.servers(placement.stage),
+                        compute=compute, client_mode=self.options.network.client_mode, fault=self.options.fault,
+                        dump_dir=self.options.dump_grads, download_state=self._download_state)
+        await StageStateServer(worker=worker).add_p2p_handlers(self._p2p)
+        return worker
+
+    async def _download_state(self, worker: Worker) -> int | None:
+        """Load the stage's current state into `worker` from a stage mate (`client.state_sync`); its epoch, or None
+        if no mate served one."""
+        try:  # a fresh read: the membership cache knows servers only, and may not have read the DHT yet
+            mates = await asyncio.wait_for(asyncio.to_thread(get_stage_workers, self.dht, self.config.run_id,
+                                                             worker.stage), self.settings.rpc_timeout_s)
+        except Exception as e:  # the DHT failed or timed out: start as the first workers of a run do
+            logger.warning(f"could not read the workers of stage {worker.stage}: {e!r}; starting from the seed")
+            return None
+        return await load_state_from_peers(worker, caller=worker.caller, candidates=mates)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         self._tasks.append(asyncio.create_task(coroutine))

@@ -33,6 +33,11 @@ class Ledger:
         bisect.insort(entries, Entry(rows=rows, worker=worker, task_id=task_id))
         return True
 
+    def holds(self, *, epoch: int, microbatch: int, task_id: str, worker: str) -> bool:
+        """Whether `worker`'s result of task `task_id` is recorded."""
+        return any(entry.task_id == task_id and entry.worker == worker
+                   for entry in self._entries.get((epoch, microbatch), []))
+
     def rows(self, *, epoch: int, microbatch: int) -> list[Rows]:
         """The row ranges recorded for a microbatch."""
         return [entry.rows for entry in self._entries.get((epoch, microbatch), [])]

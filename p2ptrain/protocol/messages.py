@@ -38,12 +38,14 @@ MAX_ID = 128  # characters of a peer id (base58 peer ids have about 52)
 MAX_TASK_ID = 64
 MAX_WAIT_S = 60.0  # a task poll may wait this long for work
 MAX_FLOPS = 1e21
+MAX_LAYERS = 2**16  # layers of a whole model
 
 
 # The services peers call: the stage servers, and the probe every joining peer answers (`transport.Service`).
 FRONTAL_SERVER = "FrontalServer"
 BACKWARD_SERVER = "BackwardServer"
 LINK_PROBE = "LinkProbe"
+STAGE_STATE = "StageState"  # a worker's parameters and optimizer state, for a stage mate that joins
 
 
 class MessageError(ValueError):
@@ -82,6 +84,8 @@ TaskId = Annotated[str, Length(1, MAX_TASK_ID)]
 Flops = Annotated[float, Between(1e-9, MAX_FLOPS)]
 WaitSeconds = Annotated[float, Between(0.0, MAX_WAIT_S)]
 ByteCount = Annotated[int, Between(0, 2**62)]
+Stage = Annotated[int, Between(0, MAX_STAGES - 1)]
+Layer = Annotated[int, Between(0, MAX_LAYERS)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,7 +245,9 @@ class TaskReply(Message):
         carried = {name for name in ("inputs", "labels", "grad") if getattr(self, name) is not None}
         wanted: set[str] = set()
         if self.task is not None:
-            wanted = {"inputs", "labels"} if self.task.kind == Kind.FORWARD else {"grad"}
+            wanted = {Kind.FORWARD: {"inputs", "labels"}, Kind.BACKWARD: {"grad"},
+                      # a redo outside the last stage also carries the output gradients of its rows
+                      Kind.REDO: {"inputs", "labels"} | ({"grad"} & carried)}[self.task.kind]
         if carried != wanted:
             raise MessageError(f"{path}: a {self.task.kind.value if self.task else 'missing'} task carries tensors "
                                f"{sorted(wanted)}, not {sorted(carried)}")
@@ -275,6 +281,26 @@ class FetchInputs(Request):
 
     method: ClassVar[str] = "rpc_fetch_inputs"
     reply: ClassVar[type[Message]] = Inputs
+
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputGrads(Message):
+    """The output gradients a BS received for some rows."""
+
+    grad: Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class FetchOutputGrads(Request):
+    """An FS that redoes rows of a vanished worker asks the BS for their output gradients, which the BS keeps for
+    a few epochs after it closed them."""
+
+    method: ClassVar[str] = "rpc_fetch_output_grads"
+    reply: ClassVar[type[Message]] = OutputGrads
 
     epoch: Epoch
     microbatch: Microbatch
@@ -366,6 +392,32 @@ class Probe(Request):
     reply: ClassVar[type[Message]] = Echo
 
     payload: Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageStateReply(Message):
+    """A worker's stage state: its parameters and optimizer state as one uint8 `blob` (encoded by
+    `p2ptrain.client.state_sync`), current for `epoch`, the epoch the sender computes next."""
+
+    epoch: Epoch
+    blob: Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class DownloadState(Request):
+    """A joining or restarted worker asks a stage mate for its state; it names the layers [start, end) of its stage
+    so that a peer holding other layers refuses before it sends anything."""
+
+    method: ClassVar[str] = "rpc_download_state"
+    reply: ClassVar[type[Message]] = StageStateReply
+
+    stage: Stage
+    start: Layer
+    end: Layer
+
+    def check(self, path: str) -> None:
+        if self.start >= self.end:
+            raise MessageError(f"{path}.end: layers [{self.start}, {self.end}) are not a non-empty range")
 
 
 # -- field codecs --------------------------------------------------------------------------------------------------

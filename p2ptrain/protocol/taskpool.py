@@ -16,6 +16,9 @@ from p2ptrain.protocol.rows import Rows
 class Kind(str, Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+    # forward and backward again, on rows whose parameter gradients were lost with a vanished worker: only the
+    # parameter gradients count, the stage's outputs and input gradients went on already
+    REDO = "redo"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,11 +63,14 @@ class TaskPool:
     _epochs: dict[int, set[str]] = field(default_factory=dict)  # epoch -> ids of its tasks, in any state
     redone: dict[int, int] = field(default_factory=dict)  # epoch -> tasks handed out again
 
-    def add(self, task: Task) -> None:
+    def add(self, task: Task, *, again: bool = False) -> None:
+        """Queue a new task; `again`: it redoes work that was lost, and counts as a task redone."""
         if self.knows(task.task_id):
             raise ValueError(f"task {task.task_id} is already known")
         self._pending[task.task_id] = task
         self._epochs.setdefault(task.epoch, set()).add(task.task_id)
+        if again:
+            self.redone[task.epoch] = self.redone.get(task.epoch, 0) + 1
 
     def knows(self, task_id: str) -> bool:
         return task_id in self._pending or task_id in self._leased or task_id in self._done
@@ -117,6 +123,14 @@ class TaskPool:
         self._pending[task_id] = lease.task
         self.redone[lease.task.epoch] = self.redone.get(lease.task.epoch, 0) + 1
         return lease.task
+
+    def requeue_worker(self, worker: str) -> list[Task]:
+        """Requeue every task leased to `worker` (it is gone); returns them."""
+        mine = [task_id for task_id, lease in self._leased.items() if lease.worker == worker]
+        return [task for task_id in mine if (task := self.requeue(task_id)) is not None]
+
+    def leased_to(self, worker: str) -> bool:
+        return any(lease.worker == worker for lease in self._leased.values())
 
     def expire(self, *, now: float) -> list[Task]:
         """Requeue every lease past its deadline; returns the requeued tasks."""

@@ -6,6 +6,7 @@ In the last stage the workers compute the loss and backward at once; the BS then
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -16,6 +17,8 @@ from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
     Ack,
+    FetchOutputGrads,
+    OutputGrads,
     PushOutputGrads,
     PushOutputs,
     PushRows,
@@ -24,7 +27,7 @@ from p2ptrain.protocol.messages import (
 )
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
-from p2ptrain.server.state import BackwardState, BackwardWork, EpochProgress, MicrobatchOutputs
+from p2ptrain.server.state import BackwardState, BackwardWork, EpochProgress, KeptGrads, MicrobatchOutputs
 from p2ptrain.transport import Answer, Refused, Requests, Responses
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,8 @@ class BackwardServer(StageServer[BackwardState]):
         if epoch <= self.state.closed_epoch:  # a retry whose first push got through: counted already
             raise Refused(f"duplicate: epoch {epoch} is closed here")
         segment = self.check_layout(request.layout, epoch=epoch, microbatch=index, total_rows=request.total_rows)
+        if self.state.ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
+            return Ack(again=True)  # a push repeated after its reply was lost
         self.check_peer(request.fs, request.layout, stage=self.stage, role="fs", what="issuer")
         try:
             if rows.intersect(segment) != rows:
@@ -97,15 +102,15 @@ class BackwardServer(StageServer[BackwardState]):
 
     async def _forward(self, epoch: int, index: int, mb: MicrobatchOutputs) -> None:
         """The segment is complete: send it to the next stage's frontal servers, segmented over them."""
-        for fs, part in mb.layout.route(self.stage + 1, "fs", mb.segment, mb.total_rows):
-            window = part.relative_to(mb.segment)
-            request = PushRows(epoch=epoch, microbatch=index, rows=part, total_rows=mb.total_rows, layout=mb.layout,
-                               inputs=mb.outputs[window], labels=mb.labels[window])
-            try:
-                await self.caller.call(fs, FRONTAL_SERVER, request)
-            except Refused as e:
-                logger.error(f"{self.name}: stage {self.stage + 1} FS {fs} refused rows: {e}")
-        mb.outputs, mb.labels = None, None
+        outputs, labels = mb.outputs, mb.labels
+        mb.outputs, mb.labels = None, None  # the pushes below hold their rows; nothing else needs them
+        await asyncio.gather(*(
+            self.deliver(fs, FRONTAL_SERVER, PushRows(epoch=epoch, microbatch=index, rows=part,
+                                                      total_rows=mb.total_rows, layout=mb.layout,
+                                                      inputs=outputs[part.relative_to(mb.segment)],
+                                                      labels=labels[part.relative_to(mb.segment)]),
+                         what=f"rows {part} of {epoch}:{index}")
+            for fs, part in mb.layout.route(self.stage + 1, "fs", mb.segment, mb.total_rows)))
 
     # -- backward tasks out --------------------------------------------------------------------------------------
 
@@ -121,19 +126,39 @@ class BackwardServer(StageServer[BackwardState]):
         self.check_peer(sender, mb.layout, stage=self.stage + 1, role="fs", what="sender")
         if mb.segment.intersect(rows) != rows:
             raise Refused(f"rows {rows} of microbatch {epoch}:{index} are not held here")
+        if any(part.intersect(rows) for part in mb.grads_received):
+            if rows in mb.grads_received:
+                return Ack(again=True)  # a push repeated after its reply was lost: its tasks exist already
+            raise Refused(f"output gradients of rows {rows} of {epoch}:{index} overlap ones received already")
         try:
             check_tensor(request.grad, shape=(len(rows), *self.hidden_shape), dtype=torch.float32,
                          what="output gradients")
             entries = self.state.ledger.split(epoch=epoch, microbatch=index, rows=rows)
         except (BadTensorError, KeyError) as e:
             raise Refused(str(e)) from None
+        kept = self.state.kept_grads.get((epoch, index))
+        if kept is None:
+            kept = self.state.kept_grads[(epoch, index)] = KeptGrads(
+                segment=mb.segment, grad=torch.zeros(len(mb.segment), *self.hidden_shape))
+        kept.grad[rows.relative_to(mb.segment)] = request.grad
         for entry in entries:
             task = Task(task_id=self.new_task_id(epoch, index, "B"), kind=Kind.BACKWARD, epoch=epoch, microbatch=index,
                         rows=entry.rows, preferred=entry.worker)
             self.state.work[task.task_id] = BackwardWork(task=task, grad=request.grad[entry.rows.relative_to(rows)]
                                                          .clone(), forward_task=entry.task_id)
             self.add_task(task)
+        mb.grads_received.append(rows)
         return Ack()
+
+    def rpc_fetch_output_grads(self, requests: Requests, context: P2PContext) -> Responses:
+        """The output gradients of some rows, for an FS that redoes the rows of a vanished worker."""
+        return self.serve(requests, context, FetchOutputGrads, self.fetch_output_grads)
+
+    async def fetch_output_grads(self, request: FetchOutputGrads, sender: str) -> OutputGrads:
+        kept = self.state.kept_grads.get((request.epoch, request.microbatch))
+        if kept is None or kept.segment.intersect(request.rows) != request.rows:
+            raise Refused(f"no output gradients of rows {request.rows} of {request.epoch}:{request.microbatch} here")
+        return OutputGrads(grad=kept.grad[request.rows.relative_to(kept.segment)])
 
     def offer(self, task: Task) -> TaskReply:
         mb = self.state.microbatches[(task.epoch, task.microbatch)]
@@ -162,4 +187,6 @@ class BackwardServer(StageServer[BackwardState]):
                 return
             self.state.ledger.forget_epoch(epoch)
             self.state.progress.pop(epoch, None)
+            for key in [key for key in self.state.kept_grads if key[0] <= epoch - self.settings.closures_kept]:
+                del self.state.kept_grads[key]
             self.close_epoch(epoch)

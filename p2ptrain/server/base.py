@@ -21,7 +21,7 @@ from hivemind.p2p import P2PContext
 
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.protocol.layout import Layout, ServerRole
-from p2ptrain.protocol.messages import Ack, ReportTask, TakeTask, TaskReply
+from p2ptrain.protocol.messages import Ack, ReportTask, Request, TakeTask, TaskReply
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
 from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, StageState, WorkerRecord
@@ -81,11 +81,15 @@ class StageServer(Service, Generic[S]):
         record = self._worker(request.worker, request.epoch)
         record.compute, record.epoch, record.last_seen = request.compute, request.epoch, self.clock()
         record.client_mode = request.client_mode
+        self.tick()
         task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s)
         return self.no_task() if task is None else self.offer(task)
 
     def offer(self, task: Task) -> TaskReply:
         raise NotImplementedError
+
+    def tick(self) -> None:
+        """What a role does on each task poll, besides handing out work."""
 
     def no_task(self) -> TaskReply:
         return TaskReply(closed_epoch=self.state.closed_epoch)
@@ -137,9 +141,16 @@ class StageServer(Service, Generic[S]):
                 pass
 
     def expire_leases(self) -> None:
-        for task in self.state.pool.expire(now=self.clock()):
+        now, pool = self.clock(), self.state.pool
+        for task in pool.expire(now=now):
             logger.warning(f"{self.name}: task {task.task_id} timed out, back in the pool")
             self.task_added.set()
+        for worker, record in self.state.workers.items():
+            if now - record.last_seen >= self.settings.worker_lost_s and pool.leased_to(worker):
+                tasks = pool.requeue_worker(worker)
+                logger.warning(f"{self.name}: worker {worker} silent for {now - record.last_seen:.0f} s; its "
+                               f"{len(tasks)} task(s) back in the pool")
+                self.task_added.set()
 
     # -- reports between the servers of a stage -----------------------------------------------------------------
 
@@ -203,6 +214,25 @@ class StageServer(Service, Generic[S]):
                 logger.warning(f"{self.name}: confirming task {task} with {issuer} failed (attempt {attempt} of "
                                f"{attempts}): {e!r}")
                 await asyncio.sleep(self.settings.push_backoff_s * attempt)
+
+    async def deliver(self, peer: str, service: str, request: Request, *, what: str) -> bool:
+        """Push `request` to another server until it lands: True once accepted, False if refused. A transport failure
+        is retried with exponential backoff for as long as this server runs, since the receiver takes a repeated
+        push as the same one (rows it holds already are acknowledged again), and a microbatch must never be left
+        half-delivered."""
+        backoff, attempt = self.settings.push_backoff_s, 1
+        while True:
+            try:
+                await self.caller.call(peer, service, request)
+                return True
+            except Refused as e:
+                logger.error(f"{self.name}: {peer} refused {what}: {e}")
+                return False
+            except Exception as e:
+                logger.warning(f"{self.name}: {what} to {peer} failed (attempt {attempt}), retrying in "
+                               f"{backoff:.1f} s: {e!r}")
+            await asyncio.sleep(backoff)
+            backoff, attempt = min(2 * backoff, self.settings.delivery_backoff_max_s), attempt + 1
 
     async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
                              taken: list[Rows]) -> None:

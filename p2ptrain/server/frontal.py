@@ -6,6 +6,7 @@ forward activations (or another worker's) can be recomputed (paper §3.2.1).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -18,6 +19,7 @@ from p2ptrain.protocol.messages import (
     Ack,
     Closure,
     FetchInputs,
+    FetchOutputGrads,
     GroupMember,
     Inputs,
     PushInputGrads,
@@ -30,7 +32,7 @@ from p2ptrain.protocol.messages import (
 from p2ptrain.protocol.rows import Rows, split_by_compute
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
-from p2ptrain.server.state import FrontalState, MicrobatchInputs
+from p2ptrain.server.state import FrontalState, MicrobatchInputs, RedoWork, Result
 from p2ptrain.transport import Answer, Refused, Requests, Responses
 
 logger = logging.getLogger(__name__)
@@ -116,8 +118,9 @@ class FrontalServer(StageServer[FrontalState]):
         (bs, _), = mb.layout.route(self.stage, "bs", task.rows, mb.total_rows)
         offer = TaskOffer(task=task.task_id, kind=task.kind, epoch=task.epoch, microbatch=task.microbatch,
                           rows=task.rows, total_rows=mb.total_rows, fs=self.peer_id, bs=bs, layout=mb.layout)
+        redo = self.state.redo.get(task.task_id)
         return TaskReply(task=offer, closed_epoch=self.state.closed_epoch, inputs=mb.inputs[window],
-                         labels=mb.labels[window])
+                         labels=mb.labels[window], grad=None if redo is None else redo.grad)
 
     def no_task(self) -> TaskReply:
         closures = tuple(self.state.closures[epoch] for epoch in sorted(self.state.closures))
@@ -147,6 +150,7 @@ class FrontalServer(StageServer[FrontalState]):
             return Ack(again=True)  # a retry after a lost reply: the rows counted once, and the worker must count them
         mb = self.held(epoch, request.microbatch)
         self.check_peer(request.issuer, mb.layout, stage=self.stage, role="bs", what="issuer")
+        redo = self.state.redo.get(request.task)
         try:
             if mb.segment.intersect(rows) != rows:
                 raise BadTensorError(f"rows {rows} are not in this server's segment {mb.segment}")
@@ -158,18 +162,40 @@ class FrontalServer(StageServer[FrontalState]):
         except BadTensorError as e:
             await self.refuse_result(task=request.task, worker=request.worker, epoch=epoch, issuer=request.issuer,
                                      error=str(e))
+        if redo is not None:
+            return await self._accept_redo(request, redo)
         await self.confirm_result(request.issuer, task=request.task, worker=request.worker, epoch=epoch,
                                   microbatch=request.microbatch, rows=rows, taken=mb.grads_received)
+        self._record(request)
         if not self.is_first:
             if mb.grads is None:
                 mb.grads = torch.zeros(len(mb.segment), *self.hidden_shape)
             mb.grads[rows.relative_to(mb.segment)] = request.grad
         mb.grads_received.append(rows)
-        self.see_result(request.worker, epoch=epoch, client_mode=request.client_mode)
-        self.state.accepted.setdefault(epoch, set()).add((request.task, request.worker))
         if _covered(mb.grads_received) < len(mb.segment):
             return Ack()
         return Answer(Ack(), then=lambda: self._finish_microbatch(epoch, request.microbatch, mb))
+
+    def _record(self, request: PushInputGrads) -> None:
+        """The worker now holds these rows' parameter gradients: note it, for the averaging group and for a redo."""
+        self.see_result(request.worker, epoch=request.epoch, client_mode=request.client_mode)
+        self.state.accepted.setdefault(request.epoch, set()).add((request.task, request.worker))
+        self.state.results.setdefault(request.epoch, []).append(Result(
+            task=request.task, worker=request.worker, microbatch=request.microbatch, rows=request.rows,
+            issuer=request.issuer))
+
+    async def _accept_redo(self, request: PushInputGrads, redo: RedoWork) -> Ack:
+        """A redo's result: its input gradients went on the first time, so only who holds the rows changes."""
+        await self.confirm_result(self.peer_id, task=request.task, worker=request.worker, epoch=request.epoch,
+                                  microbatch=request.microbatch, rows=request.rows, taken=[])
+        del self.state.redo[request.task]
+        self._record(request)
+        self.epoch_stats(request.epoch).rows_recomputed += len(request.rows)
+        self._maybe_close_epochs()
+        return Ack()
+
+    def tick(self) -> None:
+        self._maybe_close_epochs()
 
     def settle(self, report: ReportTask, sender: str) -> Ack:
         if (report.task, report.worker) in self.state.accepted.get(report.epoch, ()):
@@ -178,40 +204,91 @@ class FrontalServer(StageServer[FrontalState]):
 
     def may_complete(self, task: Task, sender: str) -> bool:
         # in the last stage a forward task's result is its input gradients, which this FS accepts itself; the BS
-        # only asks whether it did before it counts the loss of those rows
-        return not self.is_last or sender == self.peer_id
+        # only asks whether it did before it counts the loss of those rows. A redo is this FS's alone.
+        return (not self.is_last and task.kind != Kind.REDO) or sender == self.peer_id
 
     async def _finish_microbatch(self, epoch: int, index: int, mb: MicrobatchInputs) -> None:
         """All input gradients of this segment are in: pass them back, then count the microbatch done."""
         if not self.is_first:
-            for bs, part in mb.layout.route(self.stage - 1, "bs", mb.segment, mb.total_rows):
-                request = PushOutputGrads(epoch=epoch, microbatch=index, rows=part,
-                                          grad=mb.grads[part.relative_to(mb.segment)])
-                try:
-                    await self.caller.call(bs, BACKWARD_SERVER, request)
-                except Refused as e:
-                    logger.error(f"{self.name}: stage {self.stage - 1} BS {bs} refused output gradients: {e}")
+            await asyncio.gather(*(
+                self.deliver(bs, BACKWARD_SERVER, PushOutputGrads(epoch=epoch, microbatch=index, rows=part,
+                                                                  grad=mb.grads[part.relative_to(mb.segment)]),
+                             what=f"output gradients of {epoch}:{index} rows {part}")
+                for bs, part in mb.layout.route(self.stage - 1, "bs", mb.segment, mb.total_rows)))
         mb.done = True
         self.state.completed.setdefault(epoch, set()).add(index)
         self._maybe_close_epochs()
 
     def _maybe_close_epochs(self) -> None:
+        """Close every epoch whose rows are all back, once each worker holding some of its parameter gradients is
+        known to be alive (it polled lately) or gone (silent for `worker_lost_s`, or banned); the rows of the gone
+        ones are redone by others first, so every row reaches the average exactly once (DESIGN §5)."""
         state, settings = self.state, self.settings
         while len(state.completed.get(state.closed_epoch + 1, ())) == self.config.microbatches:
             epoch = state.closed_epoch + 1
-            # workers poll every FS of their stage, so this FS has seen the live ones lately; one whose results it
-            # accepted may have been busy with backward work since, and counts unless silent for long
-            contributors = {w for _, w in state.accepted.get(epoch, ())} & set(self.active_workers(
-                within_s=settings.contributor_seen_s))
-            workers = {*self.active_workers(within_s=settings.worker_seen_s), *contributors}
+            if any(work.task.epoch == epoch for work in state.redo.values()):
+                return
+            now, fresh = self.clock(), set(self.active_workers(within_s=settings.worker_seen_s))
+            contributors = {result.worker for result in state.results.get(epoch, ())}
+            lost = {w for w in contributors - fresh if state.workers[w].refusals >= settings.refusals_before_ban
+                    or now - state.workers[w].last_seen >= settings.worker_lost_s}
+            if contributors - fresh - lost:
+                return  # a contributor that is busy elsewhere, or just gone: the next poll here tells which
+            if lost:
+                self._redo(epoch, lost)
+                return
             layout = next(mb.layout for key, mb in state.microbatches.items() if key[0] == epoch)
             state.closures[epoch] = Closure(
                 epoch=epoch, fs=layout.stages[self.stage].fs,
-                group=tuple(GroupMember(peer_id=w, client_mode=state.workers[w].client_mode) for w in sorted(workers)))
+                group=tuple(GroupMember(peer_id=w, client_mode=state.workers[w].client_mode) for w in sorted(fresh)))
             state.closures.pop(epoch - settings.closures_kept, None)
             state.accepted.pop(epoch - settings.closures_kept, None)
             state.completed.pop(epoch, None)
+            self.epoch_stats(epoch).rows_grouped = sum(len(r.rows) for r in state.results.pop(epoch, ()))
             self.close_epoch(epoch)
+
+    def _redo(self, epoch: int, lost: set[str]) -> None:
+        """Hand the rows whose parameter gradients `lost` workers took with them to other workers."""
+        state = self.state
+        kept, gone = [], []
+        for result in state.results.get(epoch, []):
+            (gone if result.worker in lost else kept).append(result)
+        state.results[epoch] = kept
+        stats = self.epoch_stats(epoch)
+        stats.workers_lost += len(lost)
+        logger.warning(f"{self.name}: worker(s) {sorted(lost)} gone with the parameter gradients of "
+                       f"{sum(len(r.rows) for r in gone)} rows of epoch {epoch}; redoing them")
+        for worker in lost:
+            state.pool.requeue_worker(worker)
+        for result in gone:
+            state.accepted.get(epoch, set()).discard((result.task, result.worker))
+            task = Task(task_id=self.new_task_id(epoch, result.microbatch, "R"), kind=Kind.REDO, epoch=epoch,
+                        microbatch=result.microbatch, rows=result.rows)
+            state.redo[task.task_id] = RedoWork(task=task)
+            if self.is_last:
+                self.state.pool.add(task, again=True)
+                self.task_added.set()
+            else:
+                self.spawn(self._fetch_output_grads(task, bs=result.issuer), what=f"redo {task.task_id}")
+
+    async def _fetch_output_grads(self, task: Task, *, bs: str) -> None:
+        """Fetch a redo's output gradients from the BS that keeps them, then hand the task out."""
+        request = FetchOutputGrads(epoch=task.epoch, microbatch=task.microbatch, rows=task.rows)
+        backoff = self.settings.push_backoff_s
+        while True:
+            try:
+                reply = await self.caller.call(bs, BACKWARD_SERVER, request)
+                break
+            except Refused as e:
+                logger.error(f"{self.name}: {bs} has no output gradients for {task.task_id}, which cannot be redone: {e}")
+                return
+            except Exception as e:
+                logger.warning(f"{self.name}: fetching output gradients for {task.task_id} from {bs} failed: {e!r}")
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, self.settings.delivery_backoff_max_s)
+        self.state.redo[task.task_id].grad = reply.grad
+        self.state.pool.add(task, again=True)
+        self.task_added.set()
 
     def in_flight(self) -> int:
         return sum(1 for mb in self.state.microbatches.values() if not mb.done)

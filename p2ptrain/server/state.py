@@ -42,6 +42,9 @@ class WorkerRecord:
 @dataclass
 class EpochStats:
     rows: int = 0
+    rows_recomputed: int = 0  # rows redone because the worker holding their parameter gradients vanished
+    rows_grouped: int = 0  # rows whose parameter gradients the epoch's averaging group holds (an FS, at closure)
+    workers_lost: int = 0
     loss_sum: float = 0.0
     tokens: int = 0
     started: float | None = None
@@ -64,6 +67,27 @@ class MicrobatchInputs:
     done: bool = False
 
 
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """A result an FS accepted: `worker` now holds the parameter gradients of these rows until its stage averages.
+    `issuer`: the server that issued the task (a BS, or this FS in the last stage)."""
+
+    task: str
+    worker: str
+    microbatch: int
+    rows: Rows
+    issuer: str
+
+
+@dataclass(kw_only=True)
+class RedoWork:
+    """A task that redoes a vanished worker's rows, with the output gradients of those rows (none in the last
+    stage, which computes its own)."""
+
+    task: Task
+    grad: torch.Tensor | None = None
+
+
 @dataclass(kw_only=True)
 class MicrobatchOutputs:
     """A BS's segment of one microbatch: the output rows assembled until the segment is complete."""
@@ -73,6 +97,7 @@ class MicrobatchOutputs:
     layout: Layout
     outputs: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    grads_received: list[Rows] = field(default_factory=list)  # rows whose output gradients came back
 
 
 @dataclass(kw_only=True)
@@ -82,6 +107,15 @@ class BackwardWork:
     task: Task
     grad: torch.Tensor
     forward_task: str
+
+
+@dataclass(kw_only=True)
+class KeptGrads:
+    """The output gradients a BS received for its segment of one microbatch, kept a few epochs past closure so
+    that rows of a vanished worker can be redone (`FetchOutputGrads`)."""
+
+    segment: Rows
+    grad: torch.Tensor
 
 
 @dataclass
@@ -165,6 +199,8 @@ class FrontalState(StageState):
     completed: dict[int, set[int]] = field(default_factory=dict)
     closures: dict[int, Closure] = field(default_factory=dict)
     accepted: dict[int, set[tuple[str, str]]] = field(default_factory=dict)
+    results: dict[int, list[Result]] = field(default_factory=dict)  # of epochs not yet closed
+    redo: dict[str, RedoWork] = field(default_factory=dict)
 
     def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         microbatches = []
@@ -181,6 +217,10 @@ class FrontalState(StageState):
             "completed": [[epoch, sorted(indices)] for epoch, indices in self.completed.items()],
             "closures": [closure.to_header() for closure in self.closures.values()],
             "accepted": [[epoch, sorted(pairs)] for epoch, pairs in self.accepted.items()],
+            "results": [[epoch, [[r.task, r.worker, r.microbatch, r.rows.start, r.rows.end, r.issuer] for r in results]]
+                        for epoch, results in self.results.items()],
+            "redo": [{"task": work.task.to_dict(), "has_grad": _keep(tensors, f"redo/{task_id}/grad", work.grad)}
+                     for task_id, work in self.redo.items()],
         }
 
     @classmethod
@@ -199,6 +239,13 @@ class FrontalState(StageState):
             "completed": {epoch: set(indices) for epoch, indices in meta["completed"]},
             "closures": {closure.epoch: closure for closure in closures},
             "accepted": {epoch: {(task, worker) for task, worker in pairs} for epoch, pairs in meta["accepted"]},
+            "results": {epoch: [Result(task=task, worker=worker, microbatch=index, rows=Rows(start, end), issuer=issuer)
+                                for task, worker, index, start, end, issuer in results]
+                        for epoch, results in meta["results"]},
+            "redo": {work["task"]["task_id"]: RedoWork(
+                task=Task.from_dict(work["task"]),
+                grad=tensors[f"redo/{work['task']['task_id']}/grad"] if work["has_grad"] else None)
+                for work in meta["redo"]},
         }
 
 
@@ -213,16 +260,22 @@ class BackwardState(StageState):
     ledger: Ledger = field(default_factory=Ledger)
     work: dict[str, BackwardWork] = field(default_factory=dict)
     progress: dict[int, EpochProgress] = field(default_factory=dict)
+    kept_grads: dict[Key, KeptGrads] = field(default_factory=dict)
 
     def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         microbatches = []
         for (epoch, index), mb in self.microbatches.items():
             if mb.outputs is not None:
                 tensors[f"mb/{epoch}/{index}/outputs"], tensors[f"mb/{epoch}/{index}/labels"] = mb.outputs, mb.labels
-            microbatches.append({"key": [epoch, index], **_common(mb), "has_outputs": mb.outputs is not None})
+            microbatches.append({"key": [epoch, index], **_common(mb), "has_outputs": mb.outputs is not None,
+                                 "grads_received": _rows_list(mb.grads_received)})
         for task_id, work in self.work.items():
             tensors[f"work/{task_id}/grad"] = work.grad
+        for (epoch, index), kept in self.kept_grads.items():
+            tensors[f"kept/{epoch}/{index}/grad"] = kept.grad
         return {
+            "kept_grads": [[epoch, index, kept.segment.start, kept.segment.end]
+                           for (epoch, index), kept in self.kept_grads.items()],
             "microbatches": microbatches, "ledger": self.ledger.to_dict(),
             "work": [{"task": work.task.to_dict(), "forward_task": work.forward_task} for work in self.work.values()],
             "progress": [[epoch, vars(progress)] for epoch, progress in self.progress.items()],
@@ -236,14 +289,24 @@ class BackwardState(StageState):
             held = mb["has_outputs"]
             microbatches[(epoch, index)] = MicrobatchOutputs(
                 **_common_back(mb), outputs=tensors[f"mb/{epoch}/{index}/outputs"] if held else None,
-                labels=tensors[f"mb/{epoch}/{index}/labels"] if held else None)
+                labels=tensors[f"mb/{epoch}/{index}/labels"] if held else None,
+                grads_received=_rows_back(mb["grads_received"]))
         work = {}
         for entry in meta["work"]:
             task = Task.from_dict(entry["task"])
             work[task.task_id] = BackwardWork(task=task, grad=tensors[f"work/{task.task_id}/grad"],
                                               forward_task=entry["forward_task"])
+        kept = {(epoch, index): KeptGrads(segment=Rows(start, end), grad=tensors[f"kept/{epoch}/{index}/grad"])
+                for epoch, index, start, end in meta["kept_grads"]}
         return {"microbatches": microbatches, "ledger": Ledger.from_dict(meta["ledger"]), "work": work,
-                "progress": {epoch: EpochProgress(**progress) for epoch, progress in meta["progress"]}}
+                "progress": {epoch: EpochProgress(**progress) for epoch, progress in meta["progress"]},
+                "kept_grads": kept}
+
+
+def _keep(tensors: dict[str, torch.Tensor], name: str, tensor: torch.Tensor | None) -> bool:
+    if tensor is not None:
+        tensors[name] = tensor
+    return tensor is not None
 
 
 def _rows_list(parts: list[Rows]) -> list[list[int]]:

@@ -1,0 +1,212 @@
+"""A joining worker downloads its stage's parameters and optimizer state from a stage mate: in-process through the real
+handler, the state arrives bit-equal and keeps training in lockstep; a state of other layers or of another model is
+refused; a worker that holds only the seed's weights, or runs in client mode, serves nothing; and over real
+hivemind P2P on 127.0.0.1 a state of several MiB (several chunks) arrives bit-equal."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.state_sync import (
+    StageStateServer,
+    StateMismatch,
+    decode_state,
+    encode_state,
+    load_state_from_peers,
+)
+from p2ptrain.client.worker import Worker
+from p2ptrain.compression import CHUNK_BYTES
+from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.models import build_stage
+from p2ptrain.models.configs import LlamaConfig, ModelConfig
+from p2ptrain.protocol.messages import (
+    STAGE_STATE,
+    DownloadState,
+    GroupMember,
+    MessageError,
+    StageStateReply,
+)
+from p2ptrain.transport import Caller, Refused, Service
+
+CONFIG = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
+TINY = CONFIG.model_config
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def make_worker(worker_id: str, *, local: dict[tuple[str, str], Service], stage: int = 0,
+                model_config: ModelConfig = TINY, client_mode: bool = False, caller: Caller | None = None) -> Worker:
+    """A worker of `stage` (layers as the run splits them) whose calls reach the servicers in `local`."""
+    start, end = CONFIG.stage_layers(stage)
+    model = build_stage(model_config, start=start, end=end, seed=CONFIG.seed)
+    return Worker(worker_id=worker_id, stage=stage, config=CONFIG, settings=RuntimeConfig(), model=model,
+                  optimizer=model.configure_optimizer(lr=CONFIG.lr, weight_decay=CONFIG.weight_decay),
+                  # a group of one averages without the network: the averager is never started
+                  averager=StageAllReduce(p2p=None, run_id=CONFIG.run_id, stage=stage, timeout=1.0),
+                  caller=caller or Caller(p2p=None, peer_id=worker_id, codec="none", timeout=10.0, local=local),
+                  servers=lambda: ([], []), compute=1e9, client_mode=client_mode)
+
+
+def serving(worker: Worker, local: dict[tuple[str, str], Service]) -> Worker:
+    local[(worker.worker_id, STAGE_STATE)] = StageStateServer(worker=worker)
+    return worker
+
+
+async def step(worker: Worker, seed: int) -> None:
+    """One epoch's step through the worker's own path, on gradients drawn from `seed`, alone in its group."""
+    generator = torch.Generator().manual_seed(seed)
+    for accumulated in worker.accumulated:
+        accumulated.copy_(torch.randn(accumulated.shape, generator=generator))
+    worker.rows_accumulated = CONFIG.rows_per_microbatch
+    await worker._step((GroupMember(peer_id=worker.worker_id, client_mode=False),))
+
+
+def assert_same_state(a: Worker, b: Worker) -> None:
+    model_a, model_b = a.model.state_dict(), b.model.state_dict()
+    assert model_a.keys() == model_b.keys()
+    for name in model_a:
+        assert model_a[name].dtype == model_b[name].dtype and torch.equal(model_a[name], model_b[name]), name
+    optim_a, optim_b = a.optimizer.state_dict(), b.optimizer.state_dict()
+    assert optim_a["param_groups"] == optim_b["param_groups"]
+    assert optim_a["state"].keys() == optim_b["state"].keys() and optim_a["state"]
+    for index, entries in optim_a["state"].items():
+        assert entries.keys() == optim_b["state"][index].keys()
+        for name, value in entries.items():
+            other = optim_b["state"][index][name]
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == other.dtype and torch.equal(value, other), (index, name)
+            else:
+                assert value == other, (index, name)
+
+
+def test_the_messages_survive_the_wire_and_refuse_an_empty_layer_range():
+    request = DownloadState(stage=1, start=2, end=4)
+    assert DownloadState.from_header(request.to_header()) == request
+    assert (DownloadState.method, DownloadState.reply) == ("rpc_download_state", StageStateReply)
+    blob = torch.zeros(3, dtype=torch.uint8)
+    reply = StageStateReply.from_header(StageStateReply(epoch=7, blob=blob).to_header(), {"blob": blob})
+    assert reply.epoch == 7 and reply.blob is blob
+    with pytest.raises(MessageError, match=r"DownloadState.end: layers \[2, 2\)"):
+        DownloadState.from_header({"stage": 0, "start": 2, "end": 2})
+
+
+@pytest.mark.timeout(60)
+def test_a_joining_worker_loads_a_mates_state_bit_equal_and_trains_on_in_lockstep():
+    async def scenario() -> None:
+        local: dict[tuple[str, str], Service] = {}
+        mate = serving(make_worker("mate", local=local), local)
+        for epoch in range(3):
+            await step(mate, seed=epoch)
+        assert mate.epoch == 3
+        joiner = serving(make_worker("joiner", local=local), local)
+        assert await load_state_from_peers(joiner, caller=joiner.caller, candidates=["mate", "joiner"]) == 3
+        assert joiner.epoch == 3 and joiner.loaded_state
+        assert_same_state(mate, joiner)
+        # the optimizer state is whole (moments and step counts): the same gradients keep both bit-equal
+        await step(mate, seed=10)
+        await step(joiner, seed=10)
+        assert_same_state(mate, joiner)
+        # a worker that loaded a mate's state serves it on, even before it stepped itself
+        later = make_worker("later", local=local)
+        await load_state_from_peers(joiner, caller=joiner.caller, candidates=["mate"])  # both now at epoch 4
+        assert await load_state_from_peers(later, caller=later.caller, candidates=["joiner"]) == 4
+        assert_same_state(mate, later)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_state_that_does_not_fit_is_refused_and_the_worker_keeps_its_own():
+    async def scenario() -> None:
+        local: dict[tuple[str, str], Service] = {}
+        other_layers = serving(make_worker("stage1", local=local, stage=1), local)
+        other_model = LlamaConfig(hidden_size=32, intermediate_size=88, num_heads=4, num_kv_heads=2,
+                                  num_layers=TINY.num_layers)
+        other_width = serving(make_worker("narrow", local=local, model_config=other_model), local)
+        for worker in (other_layers, other_width):
+            await step(worker, seed=0)
+        joiner = make_worker("joiner", local=local)
+        seed_weights = {name: tensor.clone() for name, tensor in joiner.model.state_dict().items()}
+
+        with pytest.raises(Refused, match=r"holds layers \[2, 4\) of stage 1, not \[0, 2\) of stage 0"):
+            await joiner.caller.call("stage1", STAGE_STATE, DownloadState(stage=0, start=0, end=2))
+        reply = await joiner.caller.call("narrow", STAGE_STATE, DownloadState(stage=0, start=0, end=2))
+        with pytest.raises(StateMismatch, match=r"model entry 'embed.weight' is torch.float32 \[256, 32\], this stage's "
+                                                r"is torch.float32 \[256, 64\]"):
+            decode_state(reply.blob, joiner.model, joiner.optimizer)
+        with pytest.raises(StateMismatch, match="the state does not decode"):
+            decode_state(torch.arange(100, dtype=torch.uint8), joiner.model, joiner.optimizer)
+
+        assert await load_state_from_peers(joiner, caller=joiner.caller,
+                                           candidates=["stage1", "narrow", "nobody"]) is None
+        assert joiner.epoch == 0 and not joiner.loaded_state and not joiner.optimizer.state
+        assert all(torch.equal(tensor, seed_weights[name]) for name, tensor in joiner.model.state_dict().items())
+
+    asyncio.run(scenario())
+
+
+def test_the_optimizer_state_is_checked_against_the_local_parameters():
+    mate, joiner = make_worker("mate", local={}), make_worker("joiner", local={})
+    asyncio.run(step(mate, seed=0))
+    state = mate.optimizer.state_dict()
+    exp_avg = state["state"][0]["exp_avg"]
+    state["state"][0] = {**state["state"][0], "exp_avg": exp_avg.reshape(-1)[:-1].clone()}
+    blob = encode_state({name: t.clone() for name, t in mate.model.state_dict().items()}, state)
+    with pytest.raises(StateMismatch, match=r"optimizer entry 'optimizer/0/exp_avg' is torch.float32 \[16383\], its "
+                                            r"parameter is torch.float32 \[256, 64\]"):
+        decode_state(blob, joiner.model, joiner.optimizer)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_with_only_seed_weights_or_in_client_mode_serves_nothing():
+    async def scenario() -> None:
+        local: dict[tuple[str, str], Service] = {}
+        fresh = serving(make_worker("fresh", local=local), local)
+        behind_nat = serving(make_worker("nat", local=local, client_mode=True), local)
+        await step(behind_nat, seed=0)
+        joiner = make_worker("joiner", local=local)
+        request = DownloadState(stage=0, start=0, end=2)
+        with pytest.raises(Refused, match="holds only the seed's weights: it has not stepped since it started"):
+            await joiner.caller.call("fresh", STAGE_STATE, request)
+        with pytest.raises(Refused, match="a client-mode worker does not serve its state"):
+            await joiner.caller.call("nat", STAGE_STATE, request)
+        assert await load_state_from_peers(joiner, caller=joiner.caller, candidates=["fresh", "nat"]) is None
+        await step(fresh, seed=1)  # one step and it is the stage's state
+        assert await load_state_from_peers(joiner, caller=joiner.caller, candidates=["fresh", "nat"]) == 1
+        assert_same_state(fresh, joiner)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_state_of_several_chunks_crosses_real_p2p_bit_equal():
+    # wide enough that the state (parameters and two AdamW moments) spans several 1 MiB chunks
+    wide = LlamaConfig(hidden_size=128, intermediate_size=352, num_heads=4, num_kv_heads=2,
+                       num_layers=TINY.num_layers)
+
+    async def scenario() -> None:
+        serving_p2p = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 20)
+        joining_p2p = None
+        try:
+            joining_p2p = await asyncio.wait_for(P2P.create(
+                host_maddrs=[LOOPBACK], initial_peers=await serving_p2p.get_visible_maddrs()), 20)
+            mate_id, joiner_id = serving_p2p.peer_id.to_base58(), joining_p2p.peer_id.to_base58()
+            mate = make_worker(mate_id, local={}, model_config=wide)
+            await StageStateServer(worker=mate).add_p2p_handlers(serving_p2p)
+            await step(mate, seed=0)
+            joiner = make_worker(joiner_id, local={}, model_config=wide,
+                                 caller=Caller(p2p=joining_p2p, peer_id=joiner_id, codec="none", timeout=20.0))
+            reply = await joiner.caller.call(mate_id, STAGE_STATE, DownloadState(stage=0, start=0, end=2))
+            assert reply.blob.numel() > 4 * CHUNK_BYTES
+            assert await load_state_from_peers(joiner, caller=joiner.caller, candidates=[mate_id], timeout=20.0,
+                                               deadline=20.0) == 1
+            assert_same_state(mate, joiner)
+        finally:
+            for p2p in (joining_p2p, serving_p2p):
+                if p2p is not None:
+                    await p2p.shutdown()
+
+    asyncio.run(scenario())
