@@ -118,14 +118,13 @@ class RuntimeConfig:
     # exponentially from push_backoff_s up to this
     # workers
     unreachable_backoff_s: float = 0.2  # after a server did not answer a task poll
+    leave_timeout_s: float = 5.0  # a stopping worker tells its servers it leaves for at most this long
     no_servers_wait_s: float = 0.5  # a worker that knows no FS of its stage looks again after this
     fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work
     bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
     averaging_timeout_s: float = 30.0  # longest one all-reduce round may take
     # servers
     lease_timeout_s: float = 30.0  # a task whose worker sent no result in this long goes back to the pool
-    worker_seen_s: float = 5.0  # an FS counts a worker into the averaging group if it polled within this long...
-    contributor_seen_s: float = 30.0  # ...or if it handed in rows of the epoch and polled within this long
     worker_lost_s: float = 10.0  # a worker silent this long is gone: its leases go back to the pool, and the rows
     # whose parameter gradients it held in an epoch not yet closed are redone by others
     active_worker_s: float = 30.0  # an FS sizes tasks for the workers that polled within this long

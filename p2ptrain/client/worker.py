@@ -25,6 +25,7 @@ from p2ptrain.protocol.messages import (
     FRONTAL_SERVER,
     FetchInputs,
     GroupMember,
+    Leave,
     Message,
     PushInputGrads,
     PushOutputs,
@@ -111,6 +112,16 @@ class Worker:
             else:
                 await self._after_idle_poll(polls)
 
+    async def leave(self) -> None:
+        """Tell the servers of this stage that this worker stops, so that what it holds is redone at once (its
+        leased tasks, and rows whose parameter gradients it holds in the open epoch) instead of after its
+        silence; a server that does not hear it finds out by the silence."""
+        fs_list, bs_list = self.servers()
+        request = Leave(worker=self.worker_id)
+        await asyncio.gather(*(self._call(server, service, request) for server, service in
+                               [*((fs, FRONTAL_SERVER) for fs in {*fs_list, *self.epoch_fs}),
+                                *((bs, BACKWARD_SERVER) for bs in bs_list)]))
+
     def load_state(self, *, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], epoch: int) -> None:
         """Take a stage mate's parameters and optimizer state, current for `epoch` (`client.state_sync`)."""
         self.model.load_state_dict(model_state)
@@ -165,16 +176,20 @@ class Worker:
 
     async def _redo(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor,
                     grad: torch.Tensor | None) -> None:
-        """Forward and backward again on rows whose parameter gradients a vanished worker took with it; the outputs
-        and the loss went on the first time, so only the gradients are handed in."""
+        """Forward and backward again on rows whose parameter gradients a vanished worker took with it. The outputs
+        went on the first time, so only the gradients are handed in; in the last stage the loss too, which the BS
+        records unless the vanished worker had delivered it."""
         if not self.is_first:
             inputs.requires_grad_(True)
         if self.is_last:
-            _, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
-        else:
-            outputs = await asyncio.to_thread(self._forward_compute, inputs)
-            state = ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
-            grads = await asyncio.to_thread(self._backward_compute, state, grad)
+            loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
+            if await self._push_input_grads(offer, grads, issuer=offer.fs):
+                await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=loss.detach()),
+                                 attempts=self.settings.push_attempts)
+            return
+        outputs = await asyncio.to_thread(self._forward_compute, inputs)
+        state = ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
+        grads = await asyncio.to_thread(self._backward_compute, state, grad)
         await self._push_input_grads(offer, grads, issuer=offer.fs)
 
     async def _forward(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor) -> None:

@@ -117,6 +117,11 @@ class Peer:
         """Stop every part, withdraw this peer's records and shut its DHT node down; safe to call twice."""
         self._stopping.set()
         self._planner_stop.set()
+        if self.worker is not None and self._p2p is not None:
+            try:
+                await asyncio.wait_for(self.worker.leave(), self.settings.leave_timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("the servers did not hear that this worker leaves; they find out by its silence")
         for task in self._tasks:
             task.cancel()
         # a thread cannot be cancelled: the planner ends on _planner_stop, withdrawing its plan

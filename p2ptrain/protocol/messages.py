@@ -378,6 +378,17 @@ class ReportTask(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Leave(Request):
+    """A worker that stops (SIGTERM) tells the servers of its stage: its leases go back to the pool at once, and
+    the rows whose parameter gradients it holds are redone without waiting for it to fall silent."""
+
+    method: ClassVar[str] = "rpc_leave"
+    reply: ClassVar[type[Message]] = Ack
+
+    worker: PeerId
+
+
+@dataclass(frozen=True, kw_only=True)
 class Echo(Message):
     """How many payload bytes arrived."""
 

@@ -21,7 +21,7 @@ from hivemind.p2p import P2PContext
 
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.protocol.layout import Layout, ServerRole
-from p2ptrain.protocol.messages import Ack, ReportTask, Request, TakeTask, TaskReply
+from p2ptrain.protocol.messages import Ack, Leave, ReportTask, Request, TakeTask, TaskReply
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
 from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, StageState, WorkerRecord
@@ -114,18 +114,37 @@ class StageServer(Service, Generic[S]):
         record = self._worker(worker, epoch)
         record.last_seen, record.client_mode = self.clock(), client_mode
 
+    def excluded(self, record: WorkerRecord) -> bool:
+        """A worker that gets no more work here: banned for refused results, or gone by its own word."""
+        return record.left or record.refusals >= self.settings.refusals_before_ban
+
     def active_workers(self, *, within_s: float | None = None) -> dict[str, float]:
-        """The compute of each worker that polled within `within_s` and is not banned."""
+        """The compute of each worker that polled within `within_s` and is not excluded."""
         now, within = self.clock(), self.settings.active_worker_s if within_s is None else within_s
         return {
             worker: record.compute for worker, record in self.state.workers.items()
-            if now - record.last_seen <= within and record.refusals < self.settings.refusals_before_ban
+            if now - record.last_seen <= within and not self.excluded(record)
         }
+
+    def rpc_leave(self, requests: Requests, context: P2PContext) -> Responses:
+        """A worker stops: what it holds goes to the others now."""
+        return self.serve(requests, context, Leave, self.leave)
+
+    async def leave(self, request: Leave, sender: str) -> Ack:
+        self.check_sender(request.worker, sender)
+        record = self.state.workers.get(request.worker)
+        if record is not None and not record.left:
+            record.left = True
+            tasks = self.state.pool.requeue_worker(request.worker)
+            logger.info(f"{self.name}: worker {request.worker} leaves; {len(tasks)} task(s) back in the pool")
+            self.task_added.set()
+            self.tick()
+        return Ack()
 
     async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float) -> Task | None:
         """Take a task for `worker`, waiting up to `wait_s` for one to appear."""
         record = self.state.workers.get(worker)
-        if record is not None and record.refusals >= self.settings.refusals_before_ban:
+        if record is not None and self.excluded(record):
             return None
         deadline = self.clock() + wait_s
         while True:

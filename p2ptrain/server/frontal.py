@@ -174,7 +174,8 @@ class FrontalServer(StageServer[FrontalState]):
         mb.grads_received.append(rows)
         if _covered(mb.grads_received) < len(mb.segment):
             return Ack()
-        return Answer(Ack(), then=lambda: self._finish_microbatch(epoch, request.microbatch, mb))
+        accepted_at = self.state.workers[request.worker].last_seen
+        return Answer(Ack(), then=lambda: self._finish_microbatch(epoch, request.microbatch, mb, at=accepted_at))
 
     def _record(self, request: PushInputGrads) -> None:
         """The worker now holds these rows' parameter gradients: note it, for the averaging group and for a redo."""
@@ -207,8 +208,9 @@ class FrontalServer(StageServer[FrontalState]):
         # only asks whether it did before it counts the loss of those rows. A redo is this FS's alone.
         return (not self.is_last and task.kind != Kind.REDO) or sender == self.peer_id
 
-    async def _finish_microbatch(self, epoch: int, index: int, mb: MicrobatchInputs) -> None:
-        """All input gradients of this segment are in: pass them back, then count the microbatch done."""
+    async def _finish_microbatch(self, epoch: int, index: int, mb: MicrobatchInputs, *, at: float) -> None:
+        """All input gradients of this segment are in (the last one accepted `at`): pass them back, then count the
+        microbatch done."""
         if not self.is_first:
             await asyncio.gather(*(
                 self.deliver(bs, BACKWARD_SERVER, PushOutputGrads(epoch=epoch, microbatch=index, rows=part,
@@ -216,24 +218,31 @@ class FrontalServer(StageServer[FrontalState]):
                              what=f"output gradients of {epoch}:{index} rows {part}")
                 for bs, part in mb.layout.route(self.stage - 1, "bs", mb.segment, mb.total_rows)))
         mb.done = True
-        self.state.completed.setdefault(epoch, set()).add(index)
+        completed = self.state.completed.setdefault(epoch, set())
+        completed.add(index)
+        if len(completed) == self.config.microbatches:
+            # the worker whose result completed the epoch was seen then; every other must poll again
+            self.epoch_stats(epoch).completed = at
         self._maybe_close_epochs()
 
     def _maybe_close_epochs(self) -> None:
         """Close every epoch whose rows are all back, once each worker holding some of its parameter gradients is
-        known to be alive (it polled lately) or gone (silent for `worker_lost_s`, or banned); the rows of the gone
-        ones are redone by others first, so every row reaches the average exactly once (DESIGN §5)."""
+        known to be alive (it polled since the rows were all back) or gone (silent for `worker_lost_s`, left, or
+        banned);
+        the rows of the gone ones are redone by others first, so every row reaches the average exactly once
+        (DESIGN §5). The averaging group is every worker that polled since, and is not excluded."""
         state, settings = self.state, self.settings
         while len(state.completed.get(state.closed_epoch + 1, ())) == self.config.microbatches:
             epoch = state.closed_epoch + 1
             if any(work.task.epoch == epoch for work in state.redo.values()):
                 return
-            now, fresh = self.clock(), set(self.active_workers(within_s=settings.worker_seen_s))
+            now, done = self.clock(), self.epoch_stats(epoch).completed
+            fresh = {w for w, record in state.workers.items() if record.last_seen >= done and not self.excluded(record)}
             contributors = {result.worker for result in state.results.get(epoch, ())}
-            lost = {w for w in contributors - fresh if state.workers[w].refusals >= settings.refusals_before_ban
+            lost = {w for w in contributors - fresh if self.excluded(state.workers[w])
                     or now - state.workers[w].last_seen >= settings.worker_lost_s}
             if contributors - fresh - lost:
-                return  # a contributor that is busy elsewhere, or just gone: the next poll here tells which
+                return  # a contributor that has not polled since: the next polls here tell whether it is gone
             if lost:
                 self._redo(epoch, lost)
                 return

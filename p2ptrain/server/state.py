@@ -37,6 +37,7 @@ class WorkerRecord:
     epoch: int
     client_mode: bool = False
     refusals: int = 0
+    left: bool = False  # it said it stops (`Leave`)
 
 
 @dataclass
@@ -48,6 +49,7 @@ class EpochStats:
     loss_sum: float = 0.0
     tokens: int = 0
     started: float | None = None
+    completed: float | None = None  # every row of the epoch came back (an FS); closing may wait on its workers
     finished: float | None = None
 
 
