@@ -3,6 +3,7 @@
     python -m p2ptrain.peer --role bootstrap --host-maddrs /ip4/127.0.0.1/tcp/31337
     python -m p2ptrain.peer --role server --stage 0 --server-role fs --initial-peers ADDR --epochs 20
     python -m p2ptrain.peer --role client --stage 1 --initial-peers ADDR
+    python -m p2ptrain.peer --role client --initial-peers ADDR    # joins the stage it measures best (--stage-choice)
     python -m p2ptrain.peer --role server --planner-key planner.key.pub --initial-peers ADDR   # placed by the plan
 
 Every option is checked before anything starts: a bad one exits with status 2 and a message naming the flag.
@@ -24,6 +25,7 @@ from p2ptrain.cli import (
     count,
     existing_file,
     fail,
+    non_negative,
     positive,
     recipe_from,
     refusing,
@@ -32,6 +34,7 @@ from p2ptrain.cli import (
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.node.options import FAULTS, NetworkOptions, NodeOptions, PlannerOptions, PlanningOptions
 from p2ptrain.planner import PLANNERS
+from p2ptrain.planner.join import STAGE_CHOICES
 from p2ptrain.protocol.layout import Placement
 
 if TYPE_CHECKING:
@@ -42,7 +45,8 @@ NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "lease_timeout_s": "--lease-timeout", "averaging_timeout_s": "--averaging-timeout",
               "worker_lost_s": "--worker-lost",
-              "server_role": "--server-role", "computes": "--compute", "stage": "--stage"}
+              "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
+              "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,10 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compute", action="store_true", help="a server that also computes its stage's layers")
     parser.add_argument("--layers", help="layers START:END of this stage (default: an even split)")
     live = parser.add_argument_group("live planning (a server or client started without --stage)")
+    live.add_argument("--stage-choice", choices=STAGE_CHOICES, default=None,
+                      help="a client started without --stage and with no plan up measures its links to the servers "
+                           "of every stage and picks one: 'cost' (default) where it lowers the predicted batch time "
+                           "most, 'paper' where the servers' average bandwidth is best")
     live.add_argument("--planner-key", type=existing_file,
                       help="the planner's public key (KEY.pub of `python -m p2ptrain.plan --planner-identity KEY`); "
                            "without --stage, this peer announces its measurements and takes its place from the "
-                           "plan signed by that key")
+                           "plan signed by that key (a client with no plan up joins by probing instead)")
     live.add_argument("--plan-timeout", type=positive, default=RuntimeConfig.plan_timeout_s,
                       help="seconds to wait for a plan that places it")
     live.add_argument("--plan", action="store_true",
@@ -103,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
     run.add_argument("--fault", choices=FAULTS, default="none", help="for tests: send corrupted results")
+    run.add_argument("--probe-delay", type=non_negative, default=0.0, metavar="SECONDS",
+                     help="for tests: answer link probes as if behind a slow link (latency about SECONDS/2, "
+                          "bandwidth at most 1 MiB per SECONDS); training traffic is not slowed")
     run.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
@@ -123,8 +134,10 @@ def parse_args(argv: list[str] | None = None) -> Command:
         parser.error("--planner-identity, --plan-stages and --expect go with --plan")
     if args.expect is not None and args.expect < 2:
         fail(parser, "--expect", args.expect, "a plan needs at least 2 servers (an FS and a BS)")
-    if planned and args.planner_key is None and not args.plan:
-        parser.error(f"--role {args.role} needs --stage K, or --planner-key PATH to take its stage from the plan")
+    if planned and args.role == "server" and args.planner_key is None and not args.plan:
+        parser.error("--role server needs --stage K, or --planner-key PATH to take its stage from the plan")
+    if args.stage_choice is not None and not (planned and args.role == "client"):
+        parser.error("--stage-choice is for a client started without --stage")
     if planned and (args.server_role or args.layers):
         parser.error("without --stage the plan sets the stage, --server-role and --layers; give all or none")
     if not planned and args.planner_key is not None:
@@ -149,7 +162,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
             fail(parser, "--planner-identity", args.planner_identity, str(e))
         planner = PlannerOptions(signer=signer, planner=args.planner, stages=args.plan_stages, expect=args.expect)
         planning = PlanningOptions(planner_key=signer.local_public_key)
-    elif planned:
+    elif planned and args.planner_key is not None:  # a client without it joins by probing
         from p2ptrain.live.identity import read_planner_key
 
         try:
@@ -167,7 +180,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
         options = NodeOptions(
             role=args.role, placement=placement, computes=args.compute, network=network, planning=planning,
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
-            threads=args.threads, dump_grads=args.dump_grads, fault=args.fault)
+            threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
+            stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay)
         settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout,
                                  plan_timeout_s=args.plan_timeout, worker_lost_s=args.worker_lost)
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)

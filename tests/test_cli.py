@@ -77,7 +77,13 @@ PEER_CASES = [
 PEER_ROLE_CASES = [
     (["p2ptrain.peer", "--role", "worker"], "argument --role: invalid choice: 'worker'"),
     (["p2ptrain.peer", "--role", "server", "--stage", "0"], "--role server needs --server-role fs or --server-role bs"),
-    (["p2ptrain.peer", "--role", "client"], "--role client needs --stage K, or --planner-key PATH"),
+    (["p2ptrain.peer", "--role", "server"], "--role server needs --stage K, or --planner-key PATH"),
+    (["p2ptrain.peer", "--role", "client", "--stage-choice", "best"], "argument --stage-choice: invalid choice"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--stage-choice", "paper"],
+     "--stage-choice is for a client started without --stage"),
+    (["p2ptrain.peer", "--role", "server", "--planner-key", "FILE", "--stage-choice", "cost"],
+     "--stage-choice is for a client"),
+    (["p2ptrain.peer", "--role", "client", "--probe-delay", "-1"], "argument --probe-delay: -1: must be 0 or more"),
     (["p2ptrain.peer", "--role", "client", "--stage", "0", "--server-role", "fs"], "--server-role and --compute"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "MISSING"], "argument --planner-key: MISSING: no such"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "FILE"], "--planner-key FILE: "),
@@ -150,3 +156,14 @@ def test_the_real_entry_point_exits_2():
     result = subprocess.run([sys.executable, "-m", "p2ptrain.peer", "--role", "worker"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "invalid choice: 'worker'" in result.stderr, result.stderr
+
+
+def test_a_client_without_stage_joins_by_probing_and_picks_by_cost_unless_told():
+    from p2ptrain.peer import parse_args
+
+    options = parse_args(["--role", "client"]).options
+    assert options.placement is None and options.planning is None and options.stage_choice == "cost"
+    options = parse_args(["--role", "client", "--stage-choice", "paper"]).options
+    assert options.stage_choice == "paper" and options.probe_delay_s == 0.0
+    server = parse_args(["--role", "server", "--stage", "1", "--server-role", "bs", "--probe-delay", "0.2"]).options
+    assert server.probe_delay_s == 0.2

@@ -3,6 +3,7 @@
 The plan is the planner's JSON (p2ptrain.planner.records.Plan.to_json). A server takes the stage and role under
 which the plan lists its peer id; a client takes the stage whose clients list names it, else the stage with the
 fewest workers (planned ones plus clients that joined it since), so clients the planner never saw spread out.
+A client that finds no plan up joins by probing instead (`p2ptrain.live.joining`).
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import hivemind
+from hivemind.p2p import P2P
 
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, Link, PeerInfo, get_peers, get_plan, get_stage_members
-from p2ptrain.live.probe import LinkProbe, available_memory, measure_block_compute, measure_link
+from p2ptrain.live.probe import available_memory, measure_block_compute, measure_link
 from p2ptrain.protocol.layout import PeerRole, Placement
 from p2ptrain.transport import Caller
 
@@ -82,14 +84,13 @@ def place_client(stages: list[dict[str, Any]], peer_id: str, joined: dict[int, s
                      num_stages=len(stages))
 
 
-async def join_by_plan(*, dht: hivemind.DHT, announcer: Announcer, peer_id: str, role: PeerRole, computes: bool,
-                       config: RunConfig, settings: RuntimeConfig, planner_key: bytes, compute: float | None,
-                       stop: asyncio.Event) -> Joined | None:
+async def join_by_plan(*, dht: hivemind.DHT, p2p: P2P, announcer: Announcer, peer_id: str, role: PeerRole,
+                       computes: bool, config: RunConfig, settings: RuntimeConfig, planner_key: bytes,
+                       compute: float | None, stop: asyncio.Event) -> Joined | None:
     """Measure, announce, and wait up to `settings.plan_timeout_s` for a plan signed by `planner_key` that places
-    this peer; None if stopped first. `compute`: this peer's FLOP/s if known, else it is measured on one block."""
-    p2p = await dht.replicate_p2p()
-    # before the first announcement: whoever sees us can probe us
-    await LinkProbe(peer_id=peer_id).add_p2p_handlers(p2p)
+    this peer; None if stopped first. `compute`: this peer's FLOP/s if known, else it is measured on one block.
+    `p2p` must already answer link probes (`LinkProbe`), so that whoever sees this peer's announcement can probe
+    it."""
     caller = Caller(p2p=p2p, peer_id=peer_id, codec="none", timeout=settings.probe_timeout_s)
     compute = compute or await asyncio.to_thread(measure_block_compute, config)
     memory = available_memory()

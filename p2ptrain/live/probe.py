@@ -7,6 +7,7 @@ the peer knows its stage), the quantity the planner's cost model divides by.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -25,19 +26,29 @@ PINGS = 3
 
 
 class LinkProbe(Service):
-    """Answers probes: echoes how many bytes arrived, so a sender can time tiny and bulky messages."""
+    """Answers probes: echoes how many bytes arrived, so a sender can time tiny and bulky messages.
+
+    Every peer but the bootstrap one runs it. `delay_s` (tests only, `--probe-delay`) makes this peer look as if it
+    sat behind a slow link: each echo waits `delay_s`, plus `delay_s` per `PAYLOAD_BYTES` received, so
+    `measure_link` reads a latency of about `delay_s / 2` and a bandwidth of at most `PAYLOAD_BYTES / delay_s`.
+    Only probes are slowed; the training traffic is not.
+    """
 
     service = LINK_PROBE
 
-    def __init__(self, *, peer_id: str):
+    def __init__(self, *, peer_id: str, delay_s: float = 0.0):
         super().__init__(peer_id=peer_id, name="link probe", codec="none")
+        self.delay_s = delay_s
 
     def rpc_echo(self, requests: Requests, context: P2PContext) -> Responses:
         return self.serve(requests, context, Probe, self.echo)
 
     async def echo(self, request: Probe, sender: str) -> Echo:
         payload = request.payload
-        return Echo(received=0 if payload is None else payload.numel() * payload.element_size())
+        received = 0 if payload is None else payload.numel() * payload.element_size()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s * (1 + received / PAYLOAD_BYTES))
+        return Echo(received=received)
 
 
 async def measure_link(caller: Caller, peer: str) -> Link:

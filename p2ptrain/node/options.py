@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.config import ConfigError
+from p2ptrain.planner.join import STAGE_CHOICES
 from p2ptrain.protocol.layout import PeerRole, Placement
 
 if TYPE_CHECKING:
@@ -50,7 +51,9 @@ class PlannerOptions:
 @dataclass(frozen=True, kw_only=True)
 class NodeOptions:
     role: PeerRole
-    placement: Placement | None = None  # None: measure, announce and take the place from the plan (`planning`)
+    # None: a server takes its place from the plan (`planning`); a client takes the plan's place if a plan is up,
+    # else joins by probing the servers of every stage (`stage_choice`)
+    placement: Placement | None = None
     computes: bool = False  # a server that also computes its stage's layers (clients always do)
     network: NetworkOptions = field(default_factory=NetworkOptions)
     planning: PlanningOptions | None = None
@@ -61,14 +64,17 @@ class NodeOptions:
     threads: int = 1  # torch threads of this process
     dump_grads: Path | None = None  # where workers save the averaged gradients of each epoch (tests)
     fault: str = "none"  # one of FAULTS (tests)
+    stage_choice: str = "cost"  # how a client without a placement picks its stage: one of STAGE_CHOICES
+    probe_delay_s: float = 0.0  # tests: this peer answers link probes as over a slow link (live.probe.LinkProbe)
 
     def __post_init__(self) -> None:
         if self.role not in ("bootstrap", "server", "client"):
             raise ConfigError("role", self.role, "unknown role; choose bootstrap, server or client")
-        if self.role != "bootstrap":
-            if (self.placement is None) == (self.planning is None):
-                raise ConfigError("placement", self.placement, f"a {self.role} needs either a placement or planning "
-                                                               "options to take its place from the plan")
+        if self.role == "server" and (self.placement is None) == (self.planning is None):
+            raise ConfigError("placement", self.placement, "a server needs either a placement or planning options to "
+                                                           "take its place from the plan")
+        if self.role == "client" and self.placement is not None and self.planning is not None:
+            raise ConfigError("placement", self.placement, "a client with a placement takes no place from a plan")
         if self.planner is not None:
             if self.role != "server" or self.planning is None:
                 raise ConfigError("planner", self.planner, "only a server placed by the plan can be the planner")
@@ -90,6 +96,11 @@ class NodeOptions:
             raise ConfigError("compute_power", self.compute_power, "must be a positive number of FLOP/s")
         if self.fault not in FAULTS:
             raise ConfigError("fault", self.fault, f"unknown fault; choose one of {', '.join(FAULTS)}")
+        if self.stage_choice not in STAGE_CHOICES:
+            raise ConfigError("stage_choice", self.stage_choice,
+                              f"unknown stage choice; choose one of {', '.join(STAGE_CHOICES)}")
+        if not (math.isfinite(self.probe_delay_s) and self.probe_delay_s >= 0):
+            raise ConfigError("probe_delay_s", self.probe_delay_s, "must be 0 or more seconds")
 
     @property
     def does_compute(self) -> bool:

@@ -22,8 +22,9 @@ from p2ptrain.data import TextSource
 from p2ptrain.dht import Announcer, Membership, PeerInfo, start_dht
 from p2ptrain.dht.membership import MembershipCache
 from p2ptrain.dht.readers import get_stage_workers
+from p2ptrain.live.joining import join_client
 from p2ptrain.live.planning import Joined, join_by_plan
-from p2ptrain.live.probe import measure_compute
+from p2ptrain.live.probe import LinkProbe, measure_compute
 from p2ptrain.live.publisher import serve_plan
 from p2ptrain.models import build_stage
 from p2ptrain.node.metrics import publish_metrics
@@ -43,8 +44,9 @@ class Peer:
 
     Owns its DHT node (and p2p daemon), its announcer and the parts its role needs: a `FrontalServer` or
     `BackwardServer`, a `Worker`, the stage-0 `DataFeeder`, and the tasks that keep its view of the swarm and its
-    metrics fresh. `start()` joins the swarm, takes the placement from the options or from the planner's plan, and
-    brings the parts up; `wait()` returns when stopped and raises if a part failed; `stop()` takes everything down.
+    metrics fresh. `start()` joins the swarm, takes the placement from the options, from the planner's plan or (a
+    client) by probing the stages' servers, and brings the parts up; `wait()` returns when stopped and raises if a
+    part failed; `stop()` takes everything down.
     Several peers can run in one event loop (tests do):
 
         peer = Peer(config=RunConfig(...), options=NodeOptions(role="client", placement=Placement(...)))
@@ -72,8 +74,8 @@ class Peer:
     # -- life cycle ----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Join the swarm and bring up this peer's parts; with live planning, first wait for a plan that places it.
-        Returns once the peer runs (or once it was stopped while waiting for a plan)."""
+        """Join the swarm and bring up this peer's parts; without a placement, first find its place (the plan's, or
+        a client's by probing). Returns once the peer runs (or once it was stopped while finding its place)."""
         options, settings = self.options, self.settings
         signer = options.planner.signer if options.planner else None
         self.dht = await asyncio.to_thread(self._make_dht, signer)
@@ -89,6 +91,10 @@ class Peer:
                 serve_plan, self.dht, signer=options.planner.signer, config=self.config,
                 planner=options.planner.planner, stages=options.planner.stages, expect=options.planner.expect,
                 settings=settings, stop=self._planner_stop))
+        if options.role != "bootstrap":
+            self._p2p = await self.dht.replicate_p2p()
+            # before anything is announced: planners, planned servers and joining clients measure links to it
+            await LinkProbe(peer_id=self.peer_id, delay_s=options.probe_delay_s).add_p2p_handlers(self._p2p)
         joined = None
         if options.role != "bootstrap" and self.placement is None:
             joined = await self._join()
@@ -175,10 +181,16 @@ class Peer:
         return dht
 
     async def _join(self) -> Joined | None:
-        """Take a place from the plan; a planning server also watches its planner, which must not fail meanwhile."""
+        """Take a place from the plan, or (a client) by probing the stages; a planning server also watches its
+        planner, which must not fail meanwhile."""
         options = self.options
+        if options.role == "client":
+            return await join_client(
+                dht=self.dht, p2p=self._p2p, announcer=self._announcer, peer_id=self.peer_id, config=self.config,
+                settings=self.settings, planner_key=options.planning.planner_key if options.planning else None,
+                compute=options.compute_power, stage_choice=options.stage_choice, stop=self._stopping)
         joining = asyncio.create_task(join_by_plan(
-            dht=self.dht, announcer=self._announcer, peer_id=self.peer_id, role=options.role,
+            dht=self.dht, p2p=self._p2p, announcer=self._announcer, peer_id=self.peer_id, role=options.role,
             computes=options.does_compute, config=self.config, settings=self.settings,
             planner_key=options.planning.planner_key,
             compute=options.compute_power, stop=self._stopping))
@@ -204,7 +216,6 @@ class Peer:
     async def _start_parts(self) -> None:
         config, options, settings, placement = self.config, self.options, self.settings, self.placement
         stage, role = placement.stage, placement.server_role
-        self._p2p = await self.dht.replicate_p2p()
         membership = MembershipCache(dht=self.dht, run_id=config.run_id, num_stages=config.num_stages,
                                      period_s=settings.membership_period_s, retry_s=settings.membership_retry_s)
         self._spawn(membership.run(self._stopping))
