@@ -122,7 +122,7 @@ LIVE_RECIPE = ["--num-stages", "2", "--batch-rows", "2", "--microbatches", "2", 
                "--compute-power", "1e9"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_clients_without_stage_avoid_the_stage_whose_servers_answer_probes_slowly(make_swarm):
     swarm = make_swarm("join-probe", LIVE_RECIPE)
     # stage 0's servers sit behind a slow link (latency ~100 ms, ~5 MB/s); stage 1's answer at loopback speed
