@@ -124,11 +124,15 @@ class RuntimeConfig:
     bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
     averaging_timeout_s: float = 30.0  # longest one all-reduce round may take
     # servers
-    lease_timeout_s: float = 30.0  # a task whose worker sent no result in this long goes back to the pool
+    lease_timeout_s: float = 30.0  # the longest a worker may take on a task before it goes back to the pool; a
+    # worker this server has timed gets lease_slack times its measured time for the task's rows, at least lease_min_s
+    lease_slack: float = 4.0
+    lease_min_s: float = 2.0
     worker_lost_s: float = 10.0  # a worker silent this long is gone: its leases go back to the pool, and the rows
     # whose parameter gradients it held in an epoch not yet closed are redone by others
     active_worker_s: float = 30.0  # an FS sizes tasks for the workers that polled within this long
-    refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no more tasks
+    refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no tasks for ban_s,
+    ban_s: float = 30.0  # ...doubled at each ban after the first
     closures_kept: int = 4  # epochs an FS remembers the averaging group of, for workers still finishing one
     feeder_poll_s: float = 0.01  # how often the data source looks whether it may feed the next microbatch
     # DHT

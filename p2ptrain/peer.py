@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-in-flight", type=count, default=4, help="microbatches in the pipeline at once")
     run.add_argument("--compute-power", type=positive, default=None, help="this worker's FLOP/s (default: measured)")
     run.add_argument("--lease-timeout", type=positive, default=RuntimeConfig.lease_timeout_s,
-                     help="seconds before a task goes back to the pool")
+                     help="the longest a task stays with a worker before it goes back to the pool (leases follow each worker's measured speed, up to this)")
     run.add_argument("--averaging-timeout", type=positive, default=RuntimeConfig.averaging_timeout_s,
                      help="seconds an all-reduce round may take")
     run.add_argument("--worker-lost", type=positive, default=RuntimeConfig.worker_lost_s,

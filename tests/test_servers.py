@@ -1,9 +1,12 @@
 """Stage servers driven in-process through their handlers (no network): results counted once, refusals, a state
-saved mid-epoch and restored into a new server, and the message framing under a stream that ends early."""
+saved mid-epoch and restored into a new server, the message framing under a stream that ends early, rows of a
+vanished or leaving worker redone before the stage averages, leases sized by speed, bans that back off."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from p2ptrain.protocol.messages import (
     Ack,
     Closure,
     GroupMember,
+    Leave,
     PushInputGrads,
     PushOutputs,
     PushRows,
@@ -23,6 +27,7 @@ from p2ptrain.protocol.messages import (
     TaskOffer,
 )
 from p2ptrain.protocol.rows import Rows
+from p2ptrain.protocol.taskpool import Kind
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.state import BackwardState, FrontalState
@@ -33,13 +38,23 @@ CONFIG = RunConfig(num_stages=1, rows_per_microbatch=ROWS, microbatches=1, seq_l
 LAYOUT = Layout((StageServers(fs=("fs",), bs=("bs",)),))
 
 
-def servers(*, fs_state: FrontalState | None = None, bs_state: BackwardState | None = None
-            ) -> tuple[FrontalServer, BackwardServer]:
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def servers(*, fs_state: FrontalState | None = None, bs_state: BackwardState | None = None,
+            clock: Callable[[], float] = time.monotonic) -> tuple[FrontalServer, BackwardServer]:
     """The FS and BS of a one-stage run, two peers whose calls reach each other in this process."""
     local, settings = {}, RuntimeConfig()
-    fs = FrontalServer(peer_id="fs", stage=0, config=CONFIG, settings=settings, state=fs_state,
+    fs = FrontalServer(peer_id="fs", stage=0, config=CONFIG, settings=settings, state=fs_state, clock=clock,
                        caller=Caller(p2p=None, peer_id="fs", codec="none", timeout=10.0, local=local))
-    bs = BackwardServer(peer_id="bs", stage=0, config=CONFIG, settings=settings, state=bs_state,
+    bs = BackwardServer(peer_id="bs", stage=0, config=CONFIG, settings=settings, state=bs_state, clock=clock,
                         caller=Caller(p2p=None, peer_id="bs", codec="none", timeout=10.0, local=local))
     return fs, bs
 
@@ -173,3 +188,85 @@ def test_a_stream_cut_short_is_a_connection_error_the_caller_can_retry():
         asyncio.run(unpack(protos[:-1]))
     with pytest.raises(ConnectionError, match="empty stream"):
         asyncio.run(unpack([]))
+
+
+async def poll(server: FrontalServer | BackwardServer, worker: str, epoch: int) -> TaskOffer | None:
+    return (await server.take_task(TakeTask(worker=worker, compute=1.0, epoch=epoch), worker)).task
+
+
+def test_rows_of_a_worker_that_vanished_before_its_stage_averaged_are_redone_by_another():
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock)
+        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None  # both known: half the rows each
+        await feed(fs, 0)
+        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
+        assert {len(first.rows), len(second.rows)} == {ROWS // 2}
+        for task, worker in ((second, "w2"), (first, "w1")):
+            await handled(await fs.push_input_grads(grads(task, worker), worker))
+            await bs.push_outputs(loss(task, worker), worker)
+            clock.now += 0.5
+        # every row is back, but w2 holds half of their parameter gradients and has not polled since
+        clock.now += 1.0
+        assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == -1
+        clock.now += fs.settings.worker_lost_s
+        redo = await poll(fs, "w1", 0)
+        assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
+        assert await handled(await fs.push_input_grads(grads(redo, "w1"), "w1")) == Ack()
+        with pytest.raises(Refused, match="duplicate"):  # w2 had delivered the loss of those rows already
+            await bs.push_outputs(loss(redo, "w1"), "w1")
+        assert await poll(fs, "w1", 0) is None
+        assert fs.state.closed_epoch == 0
+        assert fs.state.closures[0].group == (GroupMember(peer_id="w1", client_mode=False),)
+        stats = fs.epoch_stats(0)
+        assert (stats.rows_grouped, stats.rows_recomputed, stats.workers_lost) == (ROWS, ROWS // 2, 1)
+        assert fs.state.pool.redone[0] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_leaves_has_its_rows_redone_without_waiting_for_its_silence():
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock)
+        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
+        await feed(fs, 0)
+        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
+        await handled(await fs.push_input_grads(grads(second, "w2"), "w2"))
+        assert await fs.leave(Leave(worker="w2"), "w2") == Ack()  # stops, holding the gradients of its rows
+        await handled(await fs.push_input_grads(grads(first, "w1"), "w1"))
+        redo = await poll(fs, "w1", 0)  # no clock moved: w2 said it is gone
+        assert redo is not None and redo.rows == second.rows
+        assert await poll(fs, "w2", 0) is None  # a worker that left gets nothing more
+
+    asyncio.run(scenario())
+
+
+def test_leases_follow_a_workers_measured_speed_and_bans_last_longer_each_time():
+    async def scenario() -> None:
+        clock = Clock()
+        fs, _ = servers(clock=clock)
+        await feed(fs, 0)
+        task = await poll(fs, "w1", 0)
+        assert fs.state.pool.lease(task.task).deadline == clock.now + fs.settings.lease_timeout_s  # not timed yet
+        clock.now += 0.5
+        await handled(await fs.push_input_grads(grads(task, "w1"), "w1"))
+        assert fs.state.workers["w1"].seconds_per_row == pytest.approx(0.5 / ROWS)
+        await feed(fs, 1)
+        clock.now += 0.1
+        task = await poll(fs, "w1", 1)
+        expected = max(fs.settings.lease_min_s, fs.settings.lease_slack * 0.5)
+        assert fs.state.pool.lease(task.task).deadline == pytest.approx(clock.now + expected)
+
+        record = fs.state.workers["w1"]
+        for ban in (1, 2):
+            for _ in range(fs.settings.refusals_before_ban):
+                with pytest.raises(Refused):
+                    await fs.refuse_result(task="t", worker="w1", epoch=1, issuer=None, error="bad")
+            assert record.bans == ban
+            assert record.banned_until == clock.now + fs.settings.ban_s * 2 ** (ban - 1)
+            assert await poll(fs, "w1", 1) is None  # banned: no task while the ban lasts
+            clock.now = record.banned_until
+        assert await poll(fs, "w1", 1) is not None  # the ban is over; the task went back after its lease
+
+    asyncio.run(scenario())

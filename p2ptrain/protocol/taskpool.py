@@ -1,4 +1,5 @@
-"""The task pool of a server (paper §3.2.1 "Task Pool"): tasks not yet done, leased to workers with a deadline.
+"""The task pool of a server (paper §3.2.1 "Task Pool"): tasks not yet done, leased to workers with a deadline
+(the caller sizes each lease, e.g. by the worker's measured speed; `lease_timeout` caps it).
 
 A task whose worker does not finish it before its deadline, or whose result was refused, goes back to the pool
 for any worker to take. Time is passed in by the caller, so the pool runs the same in the live runtime, in
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
 from p2ptrain.protocol.rows import Rows
 
@@ -45,6 +46,7 @@ class Lease:
     task: Task
     worker: str
     deadline: float
+    taken: float  # when the worker took it: the issuer times its workers by it
 
 
 @dataclass
@@ -80,10 +82,12 @@ class TaskPool:
         lease = self._leased.get(task_id)
         return lease.task if lease is not None else self._pending.get(task_id)
 
-    def take(self, worker: str, *, now: float, epoch: int | None = None) -> Task | None:
+    def take(self, worker: str, *, now: float, epoch: int | None = None,
+             lease_s: Callable[[Task], float] | None = None) -> Task | None:
         """Lease the oldest task meant for `worker`, else the oldest task at all; None if nothing fits.
 
         With `epoch`, only tasks of that epoch: a worker's gradients must all belong to the epoch it averages.
+        `lease_s(task)`: how long this worker may take on the task (default `lease_timeout`).
         """
         candidates = [
             t for t in self._pending.values()
@@ -93,8 +97,12 @@ class TaskPool:
             return None
         task = min(candidates, key=lambda t: (t.preferred != worker, t.epoch, t.microbatch, t.rows.start))
         del self._pending[task.task_id]
-        self._leased[task.task_id] = Lease(task=task, worker=worker, deadline=now + self.lease_timeout)
+        duration = self.lease_timeout if lease_s is None else min(lease_s(task), self.lease_timeout)
+        self._leased[task.task_id] = Lease(task=task, worker=worker, deadline=now + duration, taken=now)
         return task
+
+    def lease(self, task_id: str) -> Lease | None:
+        return self._leased.get(task_id)
 
     def complete(self, task_id: str) -> bool:
         """Mark a task done, whoever delivered it: a late result of an expired lease still counts once.
@@ -159,8 +167,8 @@ class TaskPool:
         return {
             "lease_timeout": self.lease_timeout,
             "pending": [task.to_dict() for task in self._pending.values()],
-            "leased": [{"task": lease.task.to_dict(), "worker": lease.worker, "deadline": lease.deadline}
-                       for lease in self._leased.values()],
+            "leased": [{"task": lease.task.to_dict(), "worker": lease.worker, "deadline": lease.deadline,
+                        "taken": lease.taken} for lease in self._leased.values()],
             "done": sorted(self._done),
             "excluded": {task_id: sorted(workers) for task_id, workers in self._excluded.items()},
             "epochs": [[epoch, sorted(ids)] for epoch, ids in self._epochs.items()],
@@ -172,7 +180,8 @@ class TaskPool:
         pool = cls(lease_timeout=value["lease_timeout"])
         pool._pending = {t["task_id"]: Task.from_dict(t) for t in value["pending"]}
         pool._leased = {lease["task"]["task_id"]: Lease(task=Task.from_dict(lease["task"]), worker=lease["worker"],
-                                                        deadline=lease["deadline"]) for lease in value["leased"]}
+                                                        deadline=lease["deadline"], taken=lease["taken"])
+                        for lease in value["leased"]}
         pool._done = set(value["done"])
         pool._excluded = {task_id: set(workers) for task_id, workers in value["excluded"].items()}
         pool._epochs = {epoch: set(ids) for epoch, ids in value["epochs"]}

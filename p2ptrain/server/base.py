@@ -30,6 +30,7 @@ from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=StageState)
+SPEED_MEMORY = 0.7  # weight of a worker's past tasks in its measured time per row
 M = TypeVar("M", MicrobatchInputs, MicrobatchOutputs)
 
 
@@ -115,8 +116,16 @@ class StageServer(Service, Generic[S]):
         record.last_seen, record.client_mode = self.clock(), client_mode
 
     def excluded(self, record: WorkerRecord) -> bool:
-        """A worker that gets no more work here: banned for refused results, or gone by its own word."""
-        return record.left or record.refusals >= self.settings.refusals_before_ban
+        """A worker that gets no work here: banned for now for refused results, or gone by its own word."""
+        return record.left or self.clock() < record.banned_until
+
+    def lease_for(self, worker: str, task: Task) -> float:
+        """How long `worker` may take on `task`: a few times what its tasks took here per row, or the cap for a
+        worker not timed yet (`TaskPool` caps it at `lease_timeout_s`)."""
+        record = self.state.workers.get(worker)
+        if record is None or record.seconds_per_row is None:
+            return self.settings.lease_timeout_s
+        return max(self.settings.lease_min_s, self.settings.lease_slack * len(task.rows) * record.seconds_per_row)
 
     def active_workers(self, *, within_s: float | None = None) -> dict[str, float]:
         """The compute of each worker that polled within `within_s` and is not excluded."""
@@ -149,7 +158,8 @@ class StageServer(Service, Generic[S]):
         deadline = self.clock() + wait_s
         while True:
             self.expire_leases()
-            task = self.state.pool.take(worker, now=self.clock(), epoch=epoch)
+            task = self.state.pool.take(worker, now=self.clock(), epoch=epoch,
+                                        lease_s=lambda task: self.lease_for(worker, task))
             remaining = deadline - self.clock()
             if task is not None or remaining <= 0:
                 return task
@@ -199,10 +209,15 @@ class StageServer(Service, Generic[S]):
         Refused if it is not this server's to complete."""
         if (report.task, report.worker) in self.state.settled.get(report.epoch, ()):
             return Ack(again=True)
-        task = self.state.pool.get(report.task)
+        task, lease = self.state.pool.get(report.task), self.state.pool.lease(report.task)
         if (task is None or task.epoch != report.epoch or not self.may_complete(task, sender)
                 or not self.state.pool.complete(report.task)):
             raise Refused(f"task {report.task} of {report.worker} is not done here, or was done by another worker")
+        record = self.state.workers.get(report.worker)
+        if lease is not None and lease.worker == report.worker and record is not None:
+            took = (self.clock() - lease.taken) / len(task.rows)
+            record.seconds_per_row = took if record.seconds_per_row is None else (
+                SPEED_MEMORY * record.seconds_per_row + (1 - SPEED_MEMORY) * took)
         self.state.settled.setdefault(task.epoch, set()).add((report.task, report.worker))
         self.completed(task)
         return Ack()
@@ -271,10 +286,16 @@ class StageServer(Service, Generic[S]):
                 del self._confirming[key]
 
     async def refuse_result(self, *, task: str, worker: str, epoch: int, issuer: str | None, error: str) -> NoReturn:
-        """Refuse a bad result: count it against the worker (banned after a few) and hand the task to another."""
+        """Refuse a bad result: count it against the worker (banned for a while after a few, longer each time) and
+        hand the task to another."""
         record = self.state.workers.get(worker)
         if record is not None:
             record.refusals += 1
+            if record.refusals >= self.settings.refusals_before_ban:
+                ban_s = self.settings.ban_s * 2 ** record.bans
+                record.refusals, record.bans, record.banned_until = 0, record.bans + 1, self.clock() + ban_s
+                logger.warning(f"{self.name}: worker {worker} banned for {ban_s:.0f} s after "
+                               f"{self.settings.refusals_before_ban} refused results (ban {record.bans})")
         if issuer is not None:
             service = self.service if issuer == self.peer_id else self.other_service
             try:

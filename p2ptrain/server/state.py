@@ -36,8 +36,11 @@ class WorkerRecord:
     last_seen: float
     epoch: int
     client_mode: bool = False
-    refusals: int = 0
+    refusals: int = 0  # results refused since its last ban
+    bans: int = 0
+    banned_until: float = 0.0
     left: bool = False  # it said it stops (`Leave`)
+    seconds_per_row: float | None = None  # how long its tasks took here, taking to confirmed (moving average)
 
 
 @dataclass
