@@ -3,7 +3,10 @@
 JSON fields (stable; later tools and outside checks read them):
   run_id                 the swarm's DHT prefix
   peers                  [{peer_id, role, stage, server_role}] every peer with a live record
-  stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids]}]
+  stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], state}]; state is what the
+                           stage does now: "waiting for FS" or "waiting for BS" (it has none: the swarm waits
+                           for one to come back), else its FS's view: "training", "waiting for workers" (none
+                           polled lately) or "workers banned" (every recent one is banned for refused results)
   epoch                  the last global batch that closed at every stage (-1: none yet)
   epochs_planned         global batches the data source will feed (null if no source is up)
   finished               the data source fed and closed all its epochs
@@ -11,7 +14,7 @@ JSON fields (stable; later tools and outside checks read them):
   tokens_per_s           training tokens per second over the last closed epoch, at the data source
   epochs                 [{epoch, loss, tokens_per_s, seconds,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
-                                     workers_lost}]}] oldest first:
+                                     workers_lost, workers_joined}]}] oldest first:
                            rows_in_batch: rows of the global batch that entered the stage;
                            rows_averaged: rows whose gradients reached the stage's averaged optimizer step: the
                              rows the FS handed to the epoch's averaging group, less those of any worker that
@@ -20,7 +23,8 @@ JSON fields (stable; later tools and outside checks read them):
                              rows redone);
                            rows_recomputed: rows whose forward and backward were done again because the worker
                              that held their parameter gradients vanished before the stage averaged;
-                           workers_lost: workers that vanished holding parameter gradients of the epoch
+                           workers_lost: workers that vanished holding parameter gradients of the epoch;
+                           workers_joined: workers the stage's FS first saw while the epoch was open
 """
 from __future__ import annotations
 
@@ -48,12 +52,14 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
     stages = []
     for stage in range(num_stages):
         members = get_stage_members(dht, run_id, stage)
+        fs = sorted(m.peer_id for m in members if m.role == "fs")
+        bs = sorted(m.peer_id for m in members if m.role == "bs")
+        views = [m.condition for m in metrics if m.stage == stage and m.role == "fs" and m.condition]
         stages.append({
-            "stage": stage,
-            "fs": sorted(m.peer_id for m in members if m.role == "fs"),
-            "bs": sorted(m.peer_id for m in members if m.role == "bs"),
+            "stage": stage, "fs": fs, "bs": bs,
             "workers": sorted(m.peer_id for m in metrics
                               if m.stage == stage and (m.role == "worker" or m.worker_epochs)),
+            "state": "waiting for FS" if not fs else "waiting for BS" if not bs else _worst(views),
         })
     epochs = _epochs(metrics, num_stages)
     source = next((m for m in metrics if m.epochs_planned is not None), None)
@@ -73,10 +79,18 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
     }
 
 
+def _worst(views: list[str]) -> str:
+    """The stage's state from its FS' views: any FS that lacks workers holds the stage up."""
+    for state in ("workers banned", "waiting for workers"):
+        if state in views:
+            return state
+    return "training" if views else "starting"
+
+
 def _epochs(metrics: list, num_stages: int) -> list[dict]:
     """Per epoch and stage: rows in (FS), rows averaged (workers), tasks redone (FS and BS); loss; speed."""
     rows_in, averaged, redone = defaultdict(int), defaultdict(int), defaultdict(int)
-    recomputed, lost = defaultdict(int), defaultdict(int)
+    recomputed, lost, joined = defaultdict(int), defaultdict(int), defaultdict(int)
     closed_at: dict[int, set[int]] = defaultdict(set)
     loss, speed, seconds = {}, {}, {}
     for record in metrics:
@@ -90,6 +104,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                 averaged[key] += entry.rows_averaged
                 recomputed[key] += entry.rows_recomputed
                 lost[key] += entry.workers_lost
+                joined[key] += entry.workers_joined
                 closed_at[entry.epoch].add(record.stage)
             if entry.loss is not None:
                 loss[entry.epoch] = entry.loss
@@ -105,7 +120,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             "closed": len(closed_at[epoch]) == num_stages and epoch in loss,
             "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
                         "rows_averaged": averaged[(epoch, stage)], "tasks_redone": redone[(epoch, stage)],
-                        "rows_recomputed": recomputed[(epoch, stage)], "workers_lost": lost[(epoch, stage)]}
+                        "rows_recomputed": recomputed[(epoch, stage)], "workers_lost": lost[(epoch, stage)],
+                        "workers_joined": joined[(epoch, stage)]}
                        for stage in range(num_stages)],
         }
         for epoch in all_epochs
@@ -121,7 +137,7 @@ def render(report: dict) -> str:
     for stage in report["stages"]:
         lines.append(f"  stage {stage['stage']}: FS {', '.join(p[-8:] for p in stage['fs']) or '-'}"
                      f" | BS {', '.join(p[-8:] for p in stage['bs']) or '-'}"
-                     f" | workers {', '.join(p[-8:] for p in stage['workers']) or '-'}")
+                     f" | workers {', '.join(p[-8:] for p in stage['workers']) or '-'} | {stage['state']}")
     lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))
     for epoch in report["epochs"][-10:]:
         cells = "  ".join(f"{s['rows_in_batch']:>6}/{s['rows_averaged']:<4}/{s['tasks_redone']:<3}"

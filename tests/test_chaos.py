@@ -94,5 +94,8 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
             assert counts["rows_averaged"] == ROWS * MICROBATCHES, (epoch, kills, in_round)
     assert sum(s["tasks_redone"] for e in report["epochs"] for s in e["stages"]) > 0, kills
     assert sum(s["rows_recomputed"] for e in report["epochs"] for s in e["stages"]) > 0, kills
+    assert sum(s["workers_lost"] for e in report["epochs"] for s in e["stages"]) > 0, kills
+    assert sum(s["workers_joined"] for e in report["epochs"] for s in e["stages"]) > 0, kills
+    assert all(stage["state"] == "training" for stage in report["stages"]), report["stages"]
     losses = [e["loss"] for e in report["epochs"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses

@@ -266,7 +266,9 @@ def test_leases_follow_a_workers_measured_speed_and_bans_last_longer_each_time()
             assert record.bans == ban
             assert record.banned_until == clock.now + fs.settings.ban_s * 2 ** (ban - 1)
             assert await poll(fs, "w1", 1) is None  # banned: no task while the ban lasts
+            assert fs.condition() == "workers banned"  # its only worker: the status says why the stage waits
             clock.now = record.banned_until
         assert await poll(fs, "w1", 1) is not None  # the ban is over; the task went back after its lease
+        assert fs.condition() == "training"
 
     asyncio.run(scenario())

@@ -66,6 +66,7 @@ class EpochMetricsModel(_Strict):
     seconds: _NonNegFloat
     rows_recomputed: _NonNegInt = 0
     workers_lost: _NonNegInt = 0
+    workers_joined: _NonNegInt = 0
 
 
 class MetricsModel(_Strict):
@@ -81,6 +82,7 @@ class MetricsModel(_Strict):
     updated: pydantic.StrictFloat
     epochs_planned: Optional[_NonNegInt]
     finished: pydantic.StrictBool
+    condition: pydantic.constr(strict=True, max_length=64) = ""
     per_epoch: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     worker_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     source_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
@@ -186,6 +188,7 @@ class EpochMetrics:
     seconds: float = 0.0  # wall time of the epoch as this peer saw it
     rows_recomputed: int = 0  # rows redone because the worker that held their gradients vanished (an FS)
     workers_lost: int = 0  # workers that vanished holding gradients of the epoch (an FS)
+    workers_joined: int = 0  # workers first seen while the epoch was open (an FS)
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)
@@ -208,6 +211,7 @@ class Metrics(_Record):
     updated: float
     epochs_planned: int | None = None  # set by the data source only
     finished: bool = False  # the data source fed all its epochs and they closed
+    condition: str = ""  # a server's view of its stage (`StageServer.condition`)
     per_epoch: list[EpochMetrics] = field(default_factory=list)  # at most MAX_EPOCHS_KEPT, oldest first
     worker_epochs: list[EpochMetrics] = field(default_factory=list)  # a server that also computes
     source_epochs: list[EpochMetrics] = field(default_factory=list)  # the data source: tokens and wall time

@@ -30,7 +30,7 @@ def server_epochs(server: StageServer) -> list[EpochMetrics]:
             tasks_redone=server.state.pool.redone.get(epoch, 0),
             loss=stats.loss_sum / stats.tokens if last_stage_bs else None, tokens=stats.tokens,
             seconds=stats.finished - (stats.started or stats.finished), rows_recomputed=stats.rows_recomputed,
-            workers_lost=stats.workers_lost,
+            workers_lost=stats.workers_lost, workers_joined=stats.workers_joined,
         ))
     return records[-HISTORY:]
 
@@ -66,7 +66,7 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
         tasks_redone=last.tasks_redone if last else 0, updated=time.time(),
         epochs_planned=feeder.epochs if leads else None, finished=leads and feeder.progress.finished, per_epoch=own,
         worker_epochs=worker_epochs(worker) if server is not None and worker is not None else [],
-        source_epochs=source,
+        source_epochs=source, condition=server.condition() if server is not None else "",
     )
 
 

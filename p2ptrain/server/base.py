@@ -107,7 +107,20 @@ class StageServer(Service, Generic[S]):
         record = self.state.workers.get(worker)
         if record is None:
             record = self.state.workers[worker] = WorkerRecord(compute=1.0, last_seen=0.0, epoch=epoch)
+            if self.role == "fs":  # workers poll every FS of their stage: the stage's FS count joins alone
+                self.epoch_stats(self.state.closed_epoch + 1).workers_joined += 1
         return record
+
+    def condition(self) -> str:
+        """What this server's stage is doing, as far as it sees: "training", "waiting for workers" (none polled
+        lately) or "workers banned" (every one that did is banned for refused results)."""
+        now, recent = self.clock(), self.settings.active_worker_s
+        seen = [r for r in self.state.workers.values() if now - r.last_seen <= recent and not r.left]
+        if not seen:
+            return "waiting for workers"
+        if all(self.excluded(record) for record in seen):
+            return "workers banned"
+        return "training"
 
     def see_result(self, worker: str, *, epoch: int, client_mode: bool) -> None:
         """A worker that hands in a result is alive, even if it has not polled this server lately (it may have

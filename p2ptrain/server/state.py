@@ -49,6 +49,7 @@ class EpochStats:
     rows_recomputed: int = 0  # rows redone because the worker holding their parameter gradients vanished
     rows_grouped: int = 0  # rows whose parameter gradients the epoch's averaging group holds (an FS, at closure)
     workers_lost: int = 0
+    workers_joined: int = 0  # workers first seen here while the epoch was open (an FS)
     loss_sum: float = 0.0
     tokens: int = 0
     started: float | None = None
