@@ -113,9 +113,8 @@ class RuntimeConfig:
     # transport
     rpc_timeout_s: float = 60.0  # longest one RPC may take, transfer included
     push_attempts: int = 3  # a worker pushes a result this many times when its reply is lost in transport
-    push_backoff_s: float = 0.2  # ...sleeping this times the attempt number between tries
-    delivery_backoff_max_s: float = 5.0  # a server retries a push to another server until it lands, backing off
-    # exponentially from push_backoff_s up to this
+    push_backoff_s: float = 0.2  # every retried call backs off exponentially from this...
+    delivery_backoff_max_s: float = 5.0  # ...up to this; a server retries a push to another server until it lands
     # workers
     unreachable_backoff_s: float = 0.2  # after a server did not answer a task poll
     leave_timeout_s: float = 5.0  # a stopping worker tells its servers it leaves for at most this long

@@ -40,6 +40,8 @@ Requests = typing.AsyncIterator[runtime_pb2.ExpertRequest]
 Responses = typing.AsyncIterator[runtime_pb2.ExpertResponse]
 R = TypeVar("R", bound=Request)
 
+logger = logging.getLogger(__name__)
+
 REFUSED = "refused"  # the one header key of a refusal; no message has a field of that name
 LINGER_S = 60.0  # longest a server keeps a stream open after its reply, waiting for the caller to close it
 
@@ -226,6 +228,25 @@ class Caller:
         if REFUSED in envelope.header:
             raise Refused(str(envelope.header[REFUSED]))
         return request.reply.from_header(envelope.header, envelope.tensors)
+
+    async def call_retrying(self, peer: str, service: str, request: Request, *, attempts: int | None,
+                            backoff_s: float, backoff_max_s: float, what: str) -> Any:
+        """`call`, made again after each transport failure (backing off exponentially from `backoff_s` up to
+        `backoff_max_s`) up to `attempts` times in all, or until it lands if None; the last failure is raised, and
+        Refused at once. Only for idempotent requests: a retry may repeat one whose reply alone was lost."""
+        attempt = 1
+        while True:
+            try:
+                return await self.call(peer, service, request)
+            except Refused:
+                raise
+            except Exception as e:
+                if attempts is not None and attempt >= attempts:
+                    raise
+                logger.warning(f"{self.peer_id}: {what} to {peer} failed (attempt {attempt}"
+                               + (f" of {attempts}" if attempts else "") + f"), again in {backoff_s:.1f} s: {e!r}")
+            await asyncio.sleep(backoff_s)
+            backoff_s, attempt = min(2 * backoff_s, backoff_max_s), attempt + 1
 
     async def exchange(self, peer: str, service: str, method: str, envelope: Envelope, *,
                        timeout: float | None = None) -> Envelope:

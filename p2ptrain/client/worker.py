@@ -279,17 +279,15 @@ class Worker:
 
     async def _call(self, server: str, service: str, request: Request, *, attempts: int = 1) -> Message | None:
         """The server's reply; None if it refused the request or every attempt failed in transport."""
-        for attempt in range(1, attempts + 1):
-            try:
-                return await self.caller.call(server, service, request)
-            except Refused as e:
-                logger.info(f"worker {self.worker_id}: {server} refused {type(request).__name__}: {e}")
-                return None
-            except Exception as e:
-                logger.warning(f"worker {self.worker_id}: {request.method} to {server} failed (attempt {attempt} of "
-                               f"{attempts}): {e!r}")
-                if attempt < attempts:
-                    await asyncio.sleep(self.settings.push_backoff_s * attempt)
+        try:
+            return await self.caller.call_retrying(server, service, request, attempts=attempts,
+                                                   backoff_s=self.settings.push_backoff_s,
+                                                   backoff_max_s=self.settings.delivery_backoff_max_s,
+                                                   what=request.method)
+        except Refused as e:
+            logger.info(f"worker {self.worker_id}: {server} refused {type(request).__name__}: {e}")
+        except Exception as e:
+            logger.warning(f"worker {self.worker_id}: {request.method} to {server} failed: {e!r}")
         return None
 
     async def _step(self, group: tuple[GroupMember, ...]) -> None:

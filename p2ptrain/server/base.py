@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import ClassVar, Generic, NoReturn, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 
 from hivemind.p2p import P2PContext
 
@@ -248,38 +248,31 @@ class StageServer(Service, Generic[S]):
         fails: the issuer may have completed the task and only the reply been lost, and then it confirms again."""
         service = self.service if issuer == self.peer_id else self.other_service
         report = ReportTask(task=task, worker=worker, epoch=epoch, ok=True)
-        attempts = self.settings.push_attempts
-        for attempt in range(1, attempts + 1):
-            try:
-                await self.caller.call(issuer, service, report)
-                return
-            except Refused as e:
-                raise Refused(f"{issuer} does not confirm task {task} of {worker}: {e}") from None
-            except Exception as e:
-                if attempt == attempts:
-                    raise Refused(f"could not confirm task {task} with {issuer}: {e!r}") from None
-                logger.warning(f"{self.name}: confirming task {task} with {issuer} failed (attempt {attempt} of "
-                               f"{attempts}): {e!r}")
-                await asyncio.sleep(self.settings.push_backoff_s * attempt)
+        try:
+            await self.retrying(issuer, service, report, attempts=self.settings.push_attempts,
+                                what=f"confirming task {task}")
+        except Refused as e:
+            raise Refused(f"{issuer} does not confirm task {task} of {worker}: {e}") from None
+        except Exception as e:
+            raise Refused(f"could not confirm task {task} with {issuer}: {e!r}") from None
+
+    async def retrying(self, peer: str, service: str, request: Request, *, attempts: int | None, what: str) -> Any:
+        """A call to another server, made again on transport failures (`Caller.call_retrying`)."""
+        return await self.caller.call_retrying(peer, service, request, attempts=attempts,
+                                               backoff_s=self.settings.push_backoff_s,
+                                               backoff_max_s=self.settings.delivery_backoff_max_s, what=what)
 
     async def deliver(self, peer: str, service: str, request: Request, *, what: str) -> bool:
         """Push `request` to another server until it lands: True once accepted, False if refused. A transport failure
         is retried with exponential backoff for as long as this server runs, since the receiver takes a repeated
         push as the same one (rows it holds already are acknowledged again), and a microbatch must never be left
         half-delivered."""
-        backoff, attempt = self.settings.push_backoff_s, 1
-        while True:
-            try:
-                await self.caller.call(peer, service, request)
-                return True
-            except Refused as e:
-                logger.error(f"{self.name}: {peer} refused {what}: {e}")
-                return False
-            except Exception as e:
-                logger.warning(f"{self.name}: {what} to {peer} failed (attempt {attempt}), retrying in "
-                               f"{backoff:.1f} s: {e!r}")
-            await asyncio.sleep(backoff)
-            backoff, attempt = min(2 * backoff, self.settings.delivery_backoff_max_s), attempt + 1
+        try:
+            await self.retrying(peer, service, request, attempts=None, what=what)
+            return True
+        except Refused as e:
+            logger.error(f"{self.name}: {peer} refused {what}: {e}")
+            return False
 
     async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
                              taken: list[Rows]) -> None:
@@ -312,8 +305,9 @@ class StageServer(Service, Generic[S]):
         if issuer is not None:
             service = self.service if issuer == self.peer_id else self.other_service
             try:
-                await self.caller.call(issuer, service, ReportTask(task=task, worker=worker, epoch=epoch, ok=False))
-            except Exception as e:
+                await self.retrying(issuer, service, ReportTask(task=task, worker=worker, epoch=epoch, ok=False),
+                                    attempts=self.settings.push_attempts, what=f"reporting refused task {task}")
+            except Exception as e:  # the task's lease runs out instead
                 logger.warning(f"{self.name}: could not report the refused task {task} to {issuer}: {e!r}")
         raise Refused(f"the result of task {task} from worker {worker}: {error}")
 

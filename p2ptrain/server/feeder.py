@@ -89,7 +89,8 @@ class DataFeeder:
             window = slice(part.start, part.end)
             request = PushRows(epoch=epoch, microbatch=index, rows=part, total_rows=self.rows, layout=layout,
                                inputs=inputs[window], labels=labels[window])
-            try:
-                await self.server.caller.call(fs, FRONTAL_SERVER, request)
+            try:  # a stage-0 FS takes a repeated push of rows it holds as the same one
+                await self.server.retrying(fs, FRONTAL_SERVER, request, attempts=None,
+                                           what=f"microbatch {epoch}:{index} rows {part}")
             except Refused as e:
                 raise RuntimeError(f"stage-0 FS {fs} refused microbatch {epoch}:{index}: {e}") from None

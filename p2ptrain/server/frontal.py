@@ -283,18 +283,12 @@ class FrontalServer(StageServer[FrontalState]):
     async def _fetch_output_grads(self, task: Task, *, bs: str) -> None:
         """Fetch a redo's output gradients from the BS that keeps them, then hand the task out."""
         request = FetchOutputGrads(epoch=task.epoch, microbatch=task.microbatch, rows=task.rows)
-        backoff = self.settings.push_backoff_s
-        while True:
-            try:
-                reply = await self.caller.call(bs, BACKWARD_SERVER, request)
-                break
-            except Refused as e:
-                logger.error(f"{self.name}: {bs} has no output gradients for {task.task_id}, which cannot be redone: {e}")
-                return
-            except Exception as e:
-                logger.warning(f"{self.name}: fetching output gradients for {task.task_id} from {bs} failed: {e!r}")
-            await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, self.settings.delivery_backoff_max_s)
+        try:
+            reply = await self.retrying(bs, BACKWARD_SERVER, request, attempts=None,
+                                        what=f"fetching output gradients for {task.task_id}")
+        except Refused as e:
+            logger.error(f"{self.name}: {bs} has no output gradients for {task.task_id}, which cannot be redone: {e}")
+            return
         self.state.redo[task.task_id].grad = reply.grad
         self.state.pool.add(task, again=True)
         self.task_added.set()
