@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import pytest
@@ -118,12 +119,12 @@ def test_unmeasured_links_and_memory_are_filled_in_and_bad_views_refused():
 
 # -- a real swarm: clients join by probing -------------------------------------------------------------------------
 
-LIVE_RECIPE = ["--num-stages", "2", "--batch-rows", "2", "--microbatches", "2", "--seq-len", "32", "--epochs", "1",
+LIVE_RECIPE = ["--num-stages", "2", "--batch-rows", "2", "--microbatches", "2", "--seq-len", "32", "--epochs", "100000",
                "--compute-power", "1e9"]
 
 
-@pytest.mark.timeout(420)
-def test_clients_without_stage_avoid_the_stage_whose_servers_answer_probes_slowly(make_swarm):
+@pytest.mark.timeout(600)
+def test_clients_without_stage_avoid_the_slow_stage_take_its_state_and_join_its_average(make_swarm):
     swarm = make_swarm("join-probe", LIVE_RECIPE)
     # stage 0's servers sit behind a slow link (latency ~100 ms, ~5 MB/s); stage 1's answer at loopback speed
     for stage, extra in ((0, ["--probe-delay", "0.2"]), (1, [])):
@@ -133,6 +134,9 @@ def test_clients_without_stage_avoid_the_stage_whose_servers_answer_probes_slowl
     deadline = time.monotonic() + 180
     while not all(s["fs"] and s["bs"] for s in swarm.status()["stages"]) or len(swarm.status()["stages"]) < 2:
         assert time.monotonic() < deadline and not swarm.failed(), "the servers did not come up\n" + swarm.logs()
+        time.sleep(1.0)
+    while swarm.status()["epoch"] < 1:  # the servers work too: the stage has trained state to hand a joiner
+        assert time.monotonic() < deadline and not swarm.failed(), "the swarm did not train\n" + swarm.logs()
         time.sleep(1.0)
     for rule in ("paper", "cost"):
         swarm.peer(f"client-{rule}", "--role", "client", "--stage-choice", rule)
@@ -151,3 +155,11 @@ def test_clients_without_stage_avoid_the_stage_whose_servers_answer_probes_slowl
         log = (swarm.workdir / f"client-{rule}.log").read_text()
         assert f"joining stage 1 of 2 by the {rule} rule" in log, log[-3000:]
         assert "stage 0: mean bandwidth" in log and "stage 1: mean bandwidth" in log, log[-3000:]
+        # before its first task it took a stage mate's trained state, and its rows enter the stage's average
+        assert "loaded the state of epoch" in log, log[-3000:]
+    deadline = time.monotonic() + 180
+    for rule in ("paper", "cost"):
+        while not re.search(r"stepped to epoch \d+ \([1-9]\d* rows, averaged in a group of [2-9]",
+                            (swarm.workdir / f"client-{rule}.log").read_text()):
+            assert time.monotonic() < deadline and not swarm.failed(), swarm.logs([f"client-{rule}", "fs1"])
+            time.sleep(1.0)

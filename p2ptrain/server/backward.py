@@ -139,7 +139,8 @@ class BackwardServer(StageServer[BackwardState]):
         kept = self.state.kept_grads.get((epoch, index))
         if kept is None:
             kept = self.state.kept_grads[(epoch, index)] = KeptGrads(
-                segment=mb.segment, grad=torch.zeros(len(mb.segment), *self.hidden_shape))
+                segment=mb.segment, grad=torch.zeros(len(mb.segment), *self.hidden_shape),
+                fs=mb.layout.stages[self.stage].fs)
         kept.grad[rows.relative_to(mb.segment)] = request.grad
         for entry in entries:
             task = Task(task_id=self.new_task_id(epoch, index, "B"), kind=Kind.BACKWARD, epoch=epoch, microbatch=index,
@@ -156,6 +157,8 @@ class BackwardServer(StageServer[BackwardState]):
 
     async def fetch_output_grads(self, request: FetchOutputGrads, sender: str) -> OutputGrads:
         kept = self.state.kept_grads.get((request.epoch, request.microbatch))
+        if kept is not None and sender not in kept.fs:
+            raise Refused(f"{sender} is no FS of stage {self.stage} for microbatch {request.epoch}:{request.microbatch}")
         if kept is None or kept.segment.intersect(request.rows) != request.rows:
             raise Refused(f"no output gradients of rows {request.rows} of {request.epoch}:{request.microbatch} here")
         return OutputGrads(grad=kept.grad[request.rows.relative_to(kept.segment)])

@@ -122,6 +122,7 @@ class KeptGrads:
 
     segment: Rows
     grad: torch.Tensor
+    fs: tuple[str, ...]  # the stage's FS in the microbatch's layout: the only peers it is for
 
 
 @dataclass
@@ -280,7 +281,7 @@ class BackwardState(StageState):
         for (epoch, index), kept in self.kept_grads.items():
             tensors[f"kept/{epoch}/{index}/grad"] = kept.grad
         return {
-            "kept_grads": [[epoch, index, kept.segment.start, kept.segment.end]
+            "kept_grads": [[epoch, index, kept.segment.start, kept.segment.end, list(kept.fs)]
                            for (epoch, index), kept in self.kept_grads.items()],
             "microbatches": microbatches, "ledger": self.ledger.to_dict(),
             "work": [{"task": work.task.to_dict(), "forward_task": work.forward_task} for work in self.work.values()],
@@ -302,8 +303,9 @@ class BackwardState(StageState):
             task = Task.from_dict(entry["task"])
             work[task.task_id] = BackwardWork(task=task, grad=tensors[f"work/{task.task_id}/grad"],
                                               forward_task=entry["forward_task"])
-        kept = {(epoch, index): KeptGrads(segment=Rows(start, end), grad=tensors[f"kept/{epoch}/{index}/grad"])
-                for epoch, index, start, end in meta["kept_grads"]}
+        kept = {(epoch, index): KeptGrads(segment=Rows(start, end), grad=tensors[f"kept/{epoch}/{index}/grad"],
+                                          fs=tuple(fs))
+                for epoch, index, start, end, fs in meta["kept_grads"]}
         return {"microbatches": microbatches, "ledger": Ledger.from_dict(meta["ledger"]), "work": work,
                 "progress": {epoch: EpochProgress(**progress) for epoch, progress in meta["progress"]},
                 "kept_grads": kept}
