@@ -8,10 +8,12 @@ the runtime measured is the working tree's.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -309,9 +311,17 @@ class LocalSwarm:
         return self._start(peer_name(stage, server_role), "server",
                            ["--stage", str(stage), "--server-role", server_role])
 
-    def start_client(self, stage: int) -> str:
-        """Start a client (a worker) of `stage`; returns its name."""
-        return self._start(peer_name(stage, "client"), "client", ["--stage", str(stage)])
+    def start_client(self, stage: int, name: str | None = None, extra: Iterable[str] = ()) -> str:
+        """Start a client (a worker) of `stage` under `name` (default: the stage's one client); returns its name.
+        Starting a name again (after `kill`) runs the same command again (its log starts anew)."""
+        return self._start(name or peer_name(stage, "client"), "client", ["--stage", str(stage), *extra])
+
+    def kill(self, name: str) -> None:
+        """SIGKILL peer `name` and its p2p daemon (its process group), as a volunteer that vanishes."""
+        process = self._swarm.processes[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
     def _start(self, name: str, role: str, args: list[str]) -> str:
         self.roles[name] = role

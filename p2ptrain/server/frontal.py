@@ -226,9 +226,9 @@ class FrontalServer(StageServer[FrontalState]):
         self._maybe_close_epochs()
 
     def _maybe_close_epochs(self) -> None:
-        """Close every epoch whose rows are all back, once each worker holding some of its parameter gradients is
-        known to be alive (it polled since the rows were all back) or gone (silent for `worker_lost_s`, left, or
-        banned);
+        """Close every epoch whose rows are all back, once each worker heard from lately (some hold its parameter
+        gradients) is known to be alive (it polled since the rows were all back) or gone (silent for
+        `worker_lost_s`, left, or banned);
         the rows of the gone ones are redone by others first, so every row reaches the average exactly once
         (DESIGN §5). The averaging group is every worker that polled since, and is not excluded."""
         state, settings = self.state, self.settings
@@ -237,12 +237,14 @@ class FrontalServer(StageServer[FrontalState]):
             if any(work.task.epoch == epoch for work in state.redo.values()):
                 return
             now, done = self.clock(), self.epoch_stats(epoch).completed
-            fresh = {w for w, record in state.workers.items() if record.last_seen >= done and not self.excluded(record)}
-            contributors = {result.worker for result in state.results.get(epoch, ())}
-            lost = {w for w in contributors - fresh if self.excluded(state.workers[w])
-                    or now - state.workers[w].last_seen >= settings.worker_lost_s}
-            if contributors - fresh - lost:
-                return  # a contributor that has not polled since: the next polls here tell whether it is gone
+            # every worker heard from lately, not only this FS's contributors: one may hold rows of another FS's
+            # segment, and all FS of the stage must agree on who is alive (the first one's group is averaged)
+            recent = {w for w, record in state.workers.items()
+                      if not self.excluded(record) and now - record.last_seen < settings.worker_lost_s}
+            fresh = {w for w in recent if state.workers[w].last_seen >= done}
+            if recent - fresh:
+                return  # a worker that has not polled since: the next polls here tell whether it is gone
+            lost = {result.worker for result in state.results.get(epoch, ())} - fresh
             if lost:
                 self._redo(epoch, lost)
                 return

@@ -1,0 +1,186 @@
+"""Faults benchmark: a local 2-stage swarm of real processes whose clients vanish (SIGKILL) and come back, at several
+disconnection rates, against the same swarm without faults, in one run on the same cores.
+
+    python benchmarks/faults.py [--rates 0,0.25,0.5] [--clients 2] [--unreliable 1.0] [--epochs 10] [--warmup 2]
+                                [--worker-lost 10] [--seed 0] [--out DIR]
+
+Each case is a fresh swarm (`harness.LocalSwarm`): a bootstrap peer, an FS and a BS per stage, and `--clients`
+clients per stage, all `python -m p2ptrain.peer` on 127.0.0.1 with the same recipe. A share `--unreliable` of the
+clients is unreliable. The disconnection rate is the paper's (§4.2): the share of the unreliable clients that
+vanish during a global batch and return in the next. Each time an epoch closes, every unreliable client is picked
+with that probability and SIGKILLed (with its p2p daemon) at a uniformly random moment within the last epoch's
+duration, then started again with the same command at once; it returns once it has started, downloaded its
+stage's state and polled.
+
+Reported per case: throughput (training tokens per second between the closure of epoch `--warmup` and of the last
+one, by this driver's clock), its ratio to the no-fault case, the kills, and the row accounting of every epoch from
+`p2ptrain.status` (rows in the batch, rows averaged, tasks redone, rows recomputed, workers lost).
+
+Only the task-pool policy is measured: `--fault-policy swarm` (SWARM's drop-and-redo-from-stage-0) is not built
+yet, so the issue's task-pool / SWARM ratio cannot be reported. Writes benchmarks/results/faults.md and .json
+(or the same files in --out DIR).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info
+
+from p2ptrain.config import RunConfig
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+class Chaos:
+    """Kills and restarts the unreliable clients of `swarm` at `rate` per global batch, until stopped."""
+
+    def __init__(self, *, swarm: LocalSwarm, clients: dict[str, int], rate: float, extra: list[str],
+                 rng: random.Random):
+        self.swarm, self.clients, self.rate, self.extra, self.rng = swarm, clients, rate, extra, rng
+        self.kills = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def epoch_closed(self, epoch_s: float) -> None:
+        """An epoch closed after `epoch_s` seconds: schedule this batch's disconnections."""
+        for name, stage in self.clients.items():
+            if self.rng.random() < self.rate:
+                threading.Timer(self.rng.uniform(0.0, epoch_s), self._bounce, (name, stage)).start()
+
+    def _bounce(self, name: str, stage: int) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self.swarm.kill(name)
+            self.swarm.start_client(stage, name=name, extra=self.extra)
+            self.kills += 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop.set()
+
+
+def run_case(args: argparse.Namespace, rate: float, workdir: Path) -> dict[str, Any]:
+    config = RunConfig(run_id=f"faults{int(rate * 100)}", model=args.model, num_stages=2, rows_per_microbatch=args.rows,
+                       microbatches=args.microbatches, seq_len=args.seq_len)
+    extra = ["--worker-lost", str(args.worker_lost)]
+    rng = random.Random(args.seed)
+    with LocalSwarm(workdir, config, epochs=args.epochs) as swarm:
+        swarm.start_bootstrap()
+        for stage in range(2):
+            swarm.start_server(stage, "bs")
+        swarm.start_server(1, "fs")
+        names = {f"s{stage}-client{i}": stage for stage in range(2) for i in range(args.clients)}
+        for name, stage in names.items():
+            swarm.start_client(stage, name=name, extra=extra)
+        unreliable = dict(list(names.items())[:round(args.unreliable * len(names))])
+        swarm.connect()
+        deadline = time.monotonic() + 180
+        while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(names):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the clients did not come up; see {workdir}")
+            time.sleep(1.0)
+        swarm.start_server(0, "fs")  # the data source starts once every client is up
+        chaos = Chaos(swarm=swarm, clients=unreliable, rate=rate, extra=extra, rng=rng)
+        closed_at: dict[int, float] = {}
+        seen, last_close = -1, time.monotonic()
+        deadline = time.monotonic() + args.timeout
+        try:
+            while True:
+                report = swarm.status()
+                now = time.monotonic()
+                for epoch in range(seen + 1, report["epoch"] + 1):
+                    closed_at[epoch] = now
+                    log(f"  rate {rate}: epoch {epoch} closed, {chaos.kills} kills so far")
+                if report["epoch"] > seen:
+                    chaos.epoch_closed(now - last_close)
+                    seen, last_close = report["epoch"], now
+                if report["finished"] and report["epoch"] + 1 >= args.epochs:
+                    break
+                if now > deadline:
+                    log(f"  rate {rate}: deadline reached at epoch {seen}")
+                    break
+                time.sleep(0.5)
+        finally:
+            chaos.stop()
+        report = swarm.status()
+    first, last = args.warmup, max(closed_at, default=-1)
+    tokens = config.tokens_per_epoch * (last - first)
+    elapsed = closed_at[last] - closed_at[first] if last > first else None
+    stages = [s for e in report["epochs"] for s in e["stages"]]
+    return {
+        "rate": rate, "kills": chaos.kills, "epochs_closed": last + 1,
+        "tokens_per_s": tokens / elapsed if elapsed else None,
+        "epochs_exact": sum(all(s["rows_averaged"] == s["rows_in_batch"] for s in e["stages"])
+                            for e in report["epochs"]),
+        "epochs_reported": len(report["epochs"]),
+        "rows_in_batch": sum(s["rows_in_batch"] for s in stages),
+        "rows_averaged": sum(s["rows_averaged"] for s in stages),
+        "tasks_redone": sum(s["tasks_redone"] for s in stages),
+        "rows_recomputed": sum(s["rows_recomputed"] for s in stages),
+        "workers_lost": sum(s["workers_lost"] for s in stages),
+        "loss": report["loss"],
+    }
+
+
+def markdown(args: argparse.Namespace, command: str, info: dict, cases: list[dict]) -> str:
+    base = next((c["tokens_per_s"] for c in cases if c["rate"] == 0), None)
+    lines = [f"# Faults benchmark\n\n`{command}`\n", f"Machine: {info}\n",
+             f"Recipe: {args.model}, 2 stages, {args.clients} clients per stage ({args.unreliable:.0%} unreliable), "
+             f"{args.microbatches} microbatches of {args.rows} rows of {args.seq_len} tokens, {args.epochs} epochs "
+             f"({args.warmup} of warm-up), --worker-lost {args.worker_lost}. Policy: task pool (SWARM's is not built).\n",
+             "| disconnection rate | kills | tokens/s | vs no faults | epochs exact / reported | rows averaged / "
+             "in batch | tasks redone | rows recomputed | workers lost | last loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        ratio = c["tokens_per_s"] / base if base and c["tokens_per_s"] else None
+        lines.append(f"| {c['rate']:.2f} | {c['kills']} | {fmt(c['tokens_per_s'], '.0f')} | {fmt(ratio)} | "
+                     f"{c['epochs_exact']} / {c['epochs_reported']} | {c['rows_averaged']} / {c['rows_in_batch']} | "
+                     f"{c['tasks_redone']} | {c['rows_recomputed']} | {c['workers_lost']} | {fmt(c['loss'], '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", default="0,0.25,0.5", help="disconnection rates, comma-separated (0 included)")
+    parser.add_argument("--clients", type=int, default=2, help="clients per stage")
+    parser.add_argument("--unreliable", type=float, default=1.0, help="share of the clients that may vanish")
+    parser.add_argument("--model", default="llama-tiny")
+    parser.add_argument("--rows", type=int, default=8, help="rows per microbatch")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--worker-lost", type=float, default=10.0, help="the peers' --worker-lost")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one case may run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    rates = sorted({0.0, *(float(r) for r in args.rates.split(","))})
+    command, info = command_line(__file__, argv), machine_info()
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="p2ptrain-faults-") as tmp:
+        for rate in rates:
+            log(f"case: disconnection rate {rate}")
+            cases.append(run_case(args, rate, Path(tmp) / f"rate{rate}"))
+            log(f"  {cases[-1]}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = markdown(args, command, info, cases)
+    (args.out / "faults.md").write_text(text)
+    (args.out / "faults.json").write_text(json.dumps({"command": command, "machine": info, "cases": cases}, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
