@@ -72,6 +72,7 @@ def run_case(args: argparse.Namespace, rate: float, workdir: Path) -> dict[str, 
                        microbatches=args.microbatches, seq_len=args.seq_len)
     extra = ["--worker-lost", str(args.worker_lost)]
     rng = random.Random(args.seed)
+    workdir.mkdir(parents=True)
     with LocalSwarm(workdir, config, epochs=args.epochs) as swarm:
         swarm.start_bootstrap()
         for stage in range(2):
