@@ -300,6 +300,8 @@ class Worker:
             else:  # joined as the epoch closed: nothing of it to hand in
                 logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping it")
             self._advance(epoch + 1)
+            if self.download_state is not None:  # the stage stepped without this worker: take its parameters
+                await self.download_state(self)
             return
         tokens = rows * self.config.seq_len
         # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean

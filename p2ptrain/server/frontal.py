@@ -237,18 +237,20 @@ class FrontalServer(StageServer[FrontalState]):
             if any(work.task.epoch == epoch for work in state.redo.values()):
                 return
             now, done = self.clock(), self.epoch_stats(epoch).completed
-            # every worker heard from lately, not only this FS's contributors: one may hold rows of another FS's
-            # segment, and all FS of the stage must agree on who is alive (the first one's group is averaged)
-            recent = {w for w, record in state.workers.items()
-                      if not self.excluded(record) and now - record.last_seen < settings.worker_lost_s}
-            fresh = {w for w in recent if state.workers[w].last_seen >= done}
-            if recent - fresh:
+            layout = next(mb.layout for key, mb in state.microbatches.items() if key[0] == epoch)
+            fresh = {w for w, record in state.workers.items() if record.last_seen >= done and not self.excluded(record)}
+            contributors = {result.worker for result in state.results.get(epoch, ())}
+            # with several FS in the stage, any worker heard from lately may hold rows of another FS's segment, and
+            # all FS must agree on who is alive (the first one's group is averaged); with one FS, its contributors
+            # alone matter, so churn among the others never holds the epoch open
+            watched = contributors | (set(state.workers) if len(layout.stages[self.stage].fs) > 1 else set())
+            if any(not self.excluded(state.workers[w]) and now - state.workers[w].last_seen < settings.worker_lost_s
+                   for w in watched - fresh):
                 return  # a worker that has not polled since: the next polls here tell whether it is gone
-            lost = {result.worker for result in state.results.get(epoch, ())} - fresh
+            lost = contributors - fresh
             if lost:
                 self._redo(epoch, lost)
                 return
-            layout = next(mb.layout for key, mb in state.microbatches.items() if key[0] == epoch)
             state.closures[epoch] = Closure(
                 epoch=epoch, fs=layout.stages[self.stage].fs,
                 group=tuple(GroupMember(peer_id=w, client_mode=state.workers[w].client_mode) for w in sorted(fresh)))
