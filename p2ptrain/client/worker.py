@@ -179,35 +179,41 @@ class Worker:
         """Forward and backward again on rows whose parameter gradients a vanished worker took with it. The outputs
         went on the first time, so only the gradients are handed in; in the last stage the loss too, which the BS
         records unless the vanished worker had delivered it."""
-        if not self.is_first:
-            inputs.requires_grad_(True)
         if self.is_last:
-            loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
-            if await self._push_input_grads(offer, grads, issuer=offer.fs):
-                await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=loss.detach()),
-                                 attempts=self.settings.push_attempts)
+            await self._loss_task(offer, inputs, labels)
             return
-        outputs = await asyncio.to_thread(self._forward_compute, inputs)
-        state = ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
+        state = await self._forward_state(offer, inputs)
         grads = await asyncio.to_thread(self._backward_compute, state, grad)
         await self._push_input_grads(offer, grads, issuer=offer.fs)
 
     async def _forward(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         self.epoch_fs = offer.layout.stages[self.stage].fs
-        if not self.is_first:
-            inputs.requires_grad_(True)
         if self.is_last:
-            loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
-            if await self._push_input_grads(offer, grads, issuer=offer.fs):
-                # the BS counts each row's loss once, so a retry after a lost reply is harmless
-                await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=self._corrupt(loss.detach())),
-                                 attempts=self.settings.push_attempts)
+            await self._loss_task(offer, inputs, labels)
             return
-        outputs = await asyncio.to_thread(self._forward_compute, inputs)
-        result = self._outputs(offer, outputs=self._corrupt(outputs.detach()), labels=labels)
+        state = await self._forward_state(offer, inputs)
+        result = self._outputs(offer, outputs=self._corrupt(state.outputs.detach()), labels=labels)
         # the BS acknowledges a push it recorded already, so a retry after a lost reply is harmless
         if await self._call(offer.bs, BACKWARD_SERVER, result, attempts=self.settings.push_attempts) is not None:
-            self.cache[offer.task] = ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
+            self.cache[offer.task] = state
+
+    async def _loss_task(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        """The last stage: forward, loss and backward at once; the input gradients go to the FS and, once it
+        accepted them, the loss to the BS."""
+        if not self.is_first:
+            inputs.requires_grad_(True)
+        loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
+        if await self._push_input_grads(offer, grads, issuer=offer.fs):
+            # the BS counts each row's loss once, so a retry after a lost reply is harmless
+            await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=self._corrupt(loss.detach())),
+                             attempts=self.settings.push_attempts)
+
+    async def _forward_state(self, offer: TaskOffer, inputs: torch.Tensor) -> ForwardState:
+        """The stage's forward pass on some inputs, kept for the backward pass."""
+        if not self.is_first:
+            inputs.requires_grad_(True)
+        outputs = await asyncio.to_thread(self._forward_compute, inputs)
+        return ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
 
     def _outputs(self, offer: TaskOffer, **tensors: torch.Tensor) -> PushOutputs:
         return PushOutputs(task=offer.task, worker=self.worker_id, epoch=offer.epoch, microbatch=offer.microbatch,
@@ -240,11 +246,7 @@ class Worker:
         if stored is None:
             logger.warning(f"worker {self.worker_id}: inputs of {offer.task} are gone")
             return None
-        inputs = stored.inputs
-        if not self.is_first:
-            inputs.requires_grad_(True)
-        outputs = await asyncio.to_thread(self._forward_compute, inputs)
-        return ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
+        return await self._forward_state(offer, stored.inputs)
 
     def _backward_compute(self, state: ForwardState, grad: torch.Tensor) -> list[torch.Tensor]:
         targets = self.params + ([] if self.is_first else [state.inputs])
