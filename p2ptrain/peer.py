@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "lease_timeout_s": "--lease-timeout", "averaging_timeout_s": "--averaging-timeout",
-              "worker_lost_s": "--worker-lost",
+              "worker_lost_s": "--worker-lost", "server_lost_s": "--server-lost",
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
               "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay"}
 
@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds an all-reduce round may take")
     run.add_argument("--worker-lost", type=positive, default=RuntimeConfig.worker_lost_s,
                      help="seconds of silence after which a server counts a worker as gone and has its work redone")
+    run.add_argument("--server-lost", type=positive, default=RuntimeConfig.server_lost_s,
+                     help="seconds a stage server may not answer the data source before the open epoch is abandoned "
+                          "and the next one laid out without it (a restarted server is noticed at once)")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
@@ -183,7 +186,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay)
         settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout,
-                                 plan_timeout_s=args.plan_timeout, worker_lost_s=args.worker_lost)
+                                 plan_timeout_s=args.plan_timeout, worker_lost_s=args.worker_lost,
+                                 server_lost_s=args.server_lost)
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
 

@@ -12,7 +12,7 @@ JSON fields (stable; later tools and outside checks read them):
   finished               the data source fed and closed all its epochs
   loss                   mean token loss (nats) of the last closed epoch, from the last stage
   tokens_per_s           training tokens per second over the last closed epoch, at the data source
-  epochs                 [{epoch, loss, tokens_per_s, seconds,
+  epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
                                      workers_lost, workers_joined}]}] oldest first:
                            rows_in_batch: rows of the global batch that entered the stage;
@@ -24,7 +24,11 @@ JSON fields (stable; later tools and outside checks read them):
                            rows_recomputed: rows whose forward and backward were done again because the worker
                              that held their parameter gradients vanished before the stage averaged;
                            workers_lost: workers that vanished holding parameter gradients of the epoch;
-                           workers_joined: workers the stage's FS first saw while the epoch was open
+                           workers_joined: workers the stage's FS first saw while the epoch was open;
+                         abandoned: the data source ended the epoch without a step because a stage server of its
+                           layout restarted or was lost before all its rows were back: no stage stepped on it (its
+                           rows_averaged are 0 and it never counts as closed), and its batch of data was fed again
+                           as the next epoch
 """
 from __future__ import annotations
 
@@ -92,6 +96,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
     rows_in, averaged, redone = defaultdict(int), defaultdict(int), defaultdict(int)
     recomputed, lost, joined = defaultdict(int), defaultdict(int), defaultdict(int)
     closed_at: dict[int, set[int]] = defaultdict(set)
+    abandoned: set[int] = set()
     loss, speed, seconds = {}, {}, {}
     for record in metrics:
         servers = record.per_epoch if record.role in ("fs", "bs") else []
@@ -108,6 +113,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                 closed_at[entry.epoch].add(record.stage)
             if entry.loss is not None:
                 loss[entry.epoch] = entry.loss
+            if entry.abandoned:
+                abandoned.add(entry.epoch)
         for entry in workers:  # a worker whose round failed stepped on its own gradients
             averaged[(entry.epoch, record.stage)] -= entry.rows_in_batch - entry.rows_averaged
         for entry in record.source_epochs:
@@ -117,7 +124,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
     return [
         {
             "epoch": epoch, "loss": loss.get(epoch), "tokens_per_s": speed.get(epoch), "seconds": seconds.get(epoch),
-            "closed": len(closed_at[epoch]) == num_stages and epoch in loss,
+            "abandoned": epoch in abandoned,
+            "closed": len(closed_at[epoch]) == num_stages and epoch in loss and epoch not in abandoned,
             "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
                         "rows_averaged": averaged[(epoch, stage)], "tasks_redone": redone[(epoch, stage)],
                         "rows_recomputed": recomputed[(epoch, stage)], "workers_lost": lost[(epoch, stage)],
@@ -144,7 +152,8 @@ def render(report: dict) -> str:
                           for s in epoch["stages"])
         loss = f"{epoch['loss']:.4f}" if epoch["loss"] is not None else "-"
         speed = f"{epoch['tokens_per_s']:.0f}" if epoch["tokens_per_s"] else "-"
-        lines.append(f"  {epoch['epoch']:>5}  {loss:>6}  {speed:>8}  {cells}")
+        lines.append(f"  {epoch['epoch']:>5}  {loss:>6}  {speed:>8}  {cells}"
+                     + ("  abandoned: its batch came again" if epoch["abandoned"] else ""))
     return "\n".join(lines)
 
 

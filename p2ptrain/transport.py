@@ -230,10 +230,12 @@ class Caller:
         return request.reply.from_header(envelope.header, envelope.tensors)
 
     async def call_retrying(self, peer: str, service: str, request: Request, *, attempts: int | None,
-                            backoff_s: float, backoff_max_s: float, what: str) -> Any:
+                            backoff_s: float, backoff_max_s: float, what: str,
+                            moot: Callable[[], bool] | None = None) -> Any:
         """`call`, made again after each transport failure (backing off exponentially from `backoff_s` up to
-        `backoff_max_s`) up to `attempts` times in all, or until it lands if None; the last failure is raised, and
-        Refused at once. Only for idempotent requests: a retry may repeat one whose reply alone was lost."""
+        `backoff_max_s`) up to `attempts` times in all, or until it lands if None, or until `moot()` says the call
+        no longer matters; the last failure is raised, and Refused at once. Only for idempotent requests: a retry
+        may repeat one whose reply alone was lost."""
         attempt = 1
         while True:
             try:
@@ -241,7 +243,7 @@ class Caller:
             except Refused:
                 raise
             except Exception as e:
-                if attempts is not None and attempt >= attempts:
+                if (attempts is not None and attempt >= attempts) or (moot is not None and moot()):
                     raise
                 logger.warning(f"{self.peer_id}: {what} to {peer} failed (attempt {attempt}"
                                + (f" of {attempts}" if attempts else "") + f"), again in {backoff_s:.1f} s: {e!r}")

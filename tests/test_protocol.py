@@ -138,6 +138,18 @@ def test_a_worker_steps_with_the_group_of_the_layouts_first_fs():
     assert verdict.group == (W1, W2)
 
 
+def test_an_abandoned_epoch_is_dropped_on_one_fs_word_even_if_another_fs_of_its_layout_is_gone():
+    abandoned = Closure(epoch=3, fs=("fs-a", "fs-b"), group=(), abandoned=True)
+    assert judge(3, {"fs-b": _reply(3, abandoned), "fs-a": None}) == Verdict(epoch_fs=(), abandoned=True)
+    assert judge(3, {"fs-a": _reply(2)}, epoch_fs=("fs-a",)) == Verdict(epoch_fs=("fs-a",))  # not yet: wait
+
+
+def test_an_fs_lost_for_good_is_left_out_of_the_closure_rule():
+    assert judge(3, {"fs-a": _reply(3, CLOSURE), "fs-b": None}, gone={"fs-b"}).group == (W1, W2)
+    other = Closure(epoch=3, fs=("fs-a", "fs-b"), group=(W1,))  # the first FS is gone: the next one's group
+    assert judge(3, {"fs-a": None, "fs-b": _reply(3, other)}, gone={"fs-a"}).group == (W1,)
+
+
 def test_a_worker_waits_while_its_epoch_is_open_and_catches_up_when_it_is_long_gone():
     assert judge(3, {"fs-a": _reply(2)}, epoch_fs=("fs-a",)) == Verdict(epoch_fs=("fs-a",))
     assert judge(0, {"fs-a": _reply(9, Closure(epoch=9, fs=("fs-a",), group=(W1,))), "fs-b": None}).catch_up_to == 10

@@ -13,10 +13,14 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.layout import Layout, StageServers
 from p2ptrain.protocol.messages import (
     Ack,
+    AskEpoch,
     Closure,
+    EndEpoch,
+    EpochState,
     GroupMember,
     Leave,
     PushInputGrads,
@@ -68,11 +72,15 @@ async def handled(answer: Ack | Answer) -> Ack:
     return answer
 
 
-async def feed(fs: FrontalServer, epoch: int) -> None:
+async def feed(fs: FrontalServer, epoch: int, *, commit: bool = True) -> None:
+    """The data source's rows of an epoch; it also commits the epoch at once unless told not to (the FS closes it
+    only once committed and complete: the tests that do not test committing need not wait for it)."""
     tokens = torch.randint(0, 256, (ROWS, SEQ))
     ack = await fs.push_rows(PushRows(epoch=epoch, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS, layout=LAYOUT,
                                       inputs=tokens, labels=tokens), "fs")
     assert ack == Ack()
+    if commit:
+        assert await fs.end_epoch(EndEpoch(epoch=epoch, abandoned=False, layout=LAYOUT), "fs") == Ack()
 
 
 async def take(fs: FrontalServer, worker: str, epoch: int) -> TaskOffer:
@@ -270,5 +278,81 @@ def test_leases_follow_a_workers_measured_speed_and_bans_last_longer_each_time()
             clock.now = record.banned_until
         assert await poll(fs, "w1", 1) is not None  # the ban is over; the task went back after its lease
         assert fs.condition() == "training"
+
+    asyncio.run(scenario())
+
+
+def end(epoch: int, *, abandoned: bool) -> EndEpoch:
+    return EndEpoch(epoch=epoch, abandoned=abandoned, layout=LAYOUT)
+
+
+def test_an_fs_closes_an_epoch_only_once_the_data_source_committed_it():
+    async def scenario() -> None:
+        fs, _ = servers()
+        await feed(fs, 0, commit=False)
+        assert await fs.ask_epoch(AskEpoch(epoch=0), "fs") == EpochState(complete=False)
+        task = await take(fs, "w1", 0)
+        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert fs.state.closed_epoch == -1 and not fs.state.closures  # complete, but no stage steps before commit
+        assert await fs.ask_epoch(AskEpoch(epoch=0), "fs") == EpochState(complete=True)
+        with pytest.raises(Refused, match="not the data source"):  # a worker cannot end epochs
+            await fs.end_epoch(end(0, abandoned=False), "w1")
+        assert await fs.end_epoch(end(0, abandoned=False), "fs") == Ack()
+        assert fs.state.closed_epoch == 0 and not fs.state.closures[0].abandoned
+        with pytest.raises(Refused, match="cannot be abandoned"):  # a stage may have stepped on it
+            await fs.end_epoch(end(0, abandoned=True), "fs")
+
+    asyncio.run(scenario())
+
+
+def test_an_abandoned_epoch_is_dropped_by_every_server_and_its_workers_drop_it_alike():
+    async def scenario() -> None:
+        fs, bs = servers()
+        await feed(fs, 0, commit=False)
+        task = await take(fs, "w1", 0)
+        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await fs.end_epoch(end(0, abandoned=True), "fs") == Ack()
+        assert await bs.end_epoch(end(0, abandoned=True), "fs") == Ack()
+        assert await fs.end_epoch(end(0, abandoned=True), "fs") == Ack(again=True)  # a repeat after a lost reply
+        for server in (fs, bs):
+            assert server.state.closed_epoch == 0 and server.epoch_stats(0).abandoned
+            assert not server.state.microbatches and not server.state.pool.to_dict()["pending"]
+        assert fs.state.closures[0] == Closure(epoch=0, fs=("fs",), group=(), abandoned=True)
+        assert not fs.state.results and not fs.state.accepted
+        with pytest.raises(Refused, match="ended"):  # a late result of the abandoned epoch counts nowhere
+            await bs.push_outputs(loss(task, "w1"), "w1")
+        reply = await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
+        assert judge(0, {"fs": reply}) == Verdict(epoch_fs=(), abandoned=True)
+
+        # the batch comes again as the next epoch, and trains as any other
+        await feed(fs, 1)
+        task = await take(fs, "w1", 1)
+        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert fs.state.closed_epoch == 1 and not fs.state.closures[1].abandoned
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_server_takes_the_swarms_epoch_and_an_abandon_waits_for_the_epoch_closing_before_it():
+    async def scenario() -> None:
+        fs, _ = servers()  # a server restarted empty: the swarm is at epoch 5, which it never saw
+        assert await fs.end_epoch(end(5, abandoned=True), "fs") == Ack()
+        assert fs.state.closed_epoch == 5 and fs.state.closures[5].abandoned
+
+        # epoch 6 is complete but its workers have not polled since; epoch 7 is abandoned meanwhile
+        clock = Clock()
+        fs, _ = servers(clock=clock)
+        await feed(fs, 6, commit=False)
+        task = await take(fs, "w1", 6)
+        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await feed(fs, 7, commit=False)
+        assert await fs.end_epoch(end(7, abandoned=True), "fs") == Ack()
+        assert fs.state.closed_epoch == 5 and fs.ended(7)  # 6 must close first, with its group
+        clock.now += 1.0
+        await fs.end_epoch(end(6, abandoned=False), "fs")
+        await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=6), "w1")
+        assert fs.state.closed_epoch == 7
+        assert fs.state.closures[6].group == (GroupMember(peer_id="w1", client_mode=False),)
+        assert fs.state.closures[7].abandoned
 
     asyncio.run(scenario())

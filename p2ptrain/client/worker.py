@@ -86,6 +86,7 @@ class Worker:
         self.cache: dict[str, ForwardState] = {}
         self.epoch_fs: tuple[str, ...] = ()  # the FS of this stage in the current epoch's layout, once known
         self.history: list[EpochRecord] = []
+        self.silent_since: dict[str, float] = {}  # FS that have not answered this worker's polls since
         self._epoch_started = time.monotonic()
 
     @property
@@ -144,6 +145,10 @@ class Worker:
         polls: dict[str, TaskReply | None] = {}
         for fs in fs_list:
             reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(poll, wait_s=self.settings.fs_poll_wait_s))
+            if reply is None:
+                self.silent_since.setdefault(fs, time.monotonic())
+            else:
+                self.silent_since.pop(fs, None)
             if reply is not None and reply.task is not None:
                 return reply, {}
             polls[fs] = reply
@@ -151,12 +156,18 @@ class Worker:
 
     async def _after_idle_poll(self, polls: dict[str, TaskReply | None]) -> None:
         """No task anywhere: step, catch up, or wait, by ``protocol.closure.judge``."""
-        verdict = judge(self.epoch, polls, epoch_fs=self.epoch_fs)
+        now = time.monotonic()
+        gone = {fs for fs, since in self.silent_since.items() if now - since >= self.settings.server_lost_s}
+        verdict = judge(self.epoch, polls, epoch_fs=self.epoch_fs, gone=gone)
         self.epoch_fs = verdict.epoch_fs
         if verdict.catch_up_to is not None:
             self._advance(verdict.catch_up_to)
             if self.download_state is not None:  # the stage stepped without this worker: take its parameters
                 await self.download_state(self)
+        elif verdict.abandoned:
+            logger.warning(f"worker {self.worker_id}: epoch {self.epoch} was abandoned (a server lost its rows); "
+                           f"dropping its gradients of {self.rows_accumulated} rows, the data comes again")
+            self._advance(self.epoch + 1)
         elif verdict.group is not None:
             await self._step(verdict.group)
 

@@ -43,6 +43,9 @@ class MembershipCache:
             ))
         return stages
 
+    def all_servers(self) -> set[str]:
+        return {peer for stage in self.stages for peer in (*stage.fs, *stage.bs)}
+
     def servers(self, stage: int) -> tuple[list[str], list[str]]:
         return list(self.stages[stage].fs), list(self.stages[stage].bs)
 

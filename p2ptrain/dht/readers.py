@@ -53,7 +53,7 @@ def get_plan(dht: hivemind.DHT, run_id: str, planner_public_key: bytes | None) -
     key are ignored with a warning. None trusts every writer (single-operator runs and tools only).
     """
     best: PlanRecord | None = None
-    for subkey, value in _live_entries(dht, plan_key(run_id)):
+    for subkey, value, _ in _live_entries(dht, plan_key(run_id)):
         if planner_public_key is not None and subkey != planner_public_key:
             if (run_id, subkey) not in _REPORTED_ROGUES:  # once per writer: peers poll the plan every few seconds
                 _REPORTED_ROGUES.add((run_id, subkey))
@@ -70,8 +70,10 @@ def get_plan(dht: hivemind.DHT, run_id: str, planner_public_key: bytes | None) -
 
 
 def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R]) -> list[R]:
-    records = []
-    for subkey, value in _live_entries(dht, key):
+    """One record per peer: a peer restarted with its identity signs with a new key, so its old entry lives on
+    under another subkey until it expires; the entry stored last (which expires last) is the live one."""
+    records: dict[str, tuple[float, R]] = {}
+    for subkey, value, expiration in _live_entries(dht, key):
         try:
             peer_id, _owner = split_subkey(subkey)
             record = parse(value)
@@ -82,12 +84,13 @@ def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R])
             # the owner key authenticates the writer; the peer id in the subkey pins which peer it speaks for
             logger.warning("skipping an entry of %s for peer %s stored under peer %s", key, record.peer_id, peer_id)
             continue
-        records.append(record)
-    return sorted(records, key=lambda r: r.peer_id)
+        if peer_id not in records or expiration > records[peer_id][0]:
+            records[peer_id] = (expiration, record)
+    return [record for _, (_, record) in sorted(records.items())]
 
 
-def _live_entries(dht: hivemind.DHT, key: str) -> Iterator[tuple[bytes, Any]]:
-    """(subkey, value) of the unexpired, non-tombstone entries under `key`."""
+def _live_entries(dht: hivemind.DHT, key: str) -> Iterator[tuple[bytes, Any, float]]:
+    """(subkey, value, expiration time) of the unexpired, non-tombstone entries under `key`."""
     found = dht.get(key, latest=True)
     if found is None:
         return
@@ -101,4 +104,4 @@ def _live_entries(dht: hivemind.DHT, key: str) -> Iterator[tuple[bytes, Any]]:
             continue
         if entry.expiration_time < now or entry.value is None:  # expired, or withdrawn by its owner
             continue
-        yield subkey, entry.value
+        yield subkey, entry.value, entry.expiration_time

@@ -67,6 +67,7 @@ class EpochMetricsModel(_Strict):
     rows_recomputed: _NonNegInt = 0
     workers_lost: _NonNegInt = 0
     workers_joined: _NonNegInt = 0
+    abandoned: pydantic.StrictBool = False
 
 
 class MetricsModel(_Strict):
@@ -189,6 +190,7 @@ class EpochMetrics:
     rows_recomputed: int = 0  # rows redone because the worker that held their gradients vanished (an FS)
     workers_lost: int = 0  # workers that vanished holding gradients of the epoch (an FS)
     workers_joined: int = 0  # workers first seen while the epoch was open (an FS)
+    abandoned: bool = False  # the data source abandoned the epoch (a server lost its rows); its batch came again
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)

@@ -32,13 +32,17 @@ class LinkProbe(Service):
     sat behind a slow link: each echo waits `delay_s`, plus `delay_s` per `PAYLOAD_BYTES` received, so
     `measure_link` reads a latency of about `delay_s / 2` and a bandwidth of at most `PAYLOAD_BYTES / delay_s`.
     Only probes are slowed; the training traffic is not.
+
+    Each echo also tells when this process started (`started`, Unix time), so the data source can tell a server
+    that restarted with the same identity, and lost what it held, from one that kept running.
     """
 
     service = LINK_PROBE
 
-    def __init__(self, *, peer_id: str, delay_s: float = 0.0):
+    def __init__(self, *, peer_id: str, delay_s: float = 0.0, started: float | None = None):
         super().__init__(peer_id=peer_id, name="link probe", codec="none")
         self.delay_s = delay_s
+        self.started = time.time() if started is None else started
 
     def rpc_echo(self, requests: Requests, context: P2PContext) -> Responses:
         return self.serve(requests, context, Probe, self.echo)
@@ -48,7 +52,7 @@ class LinkProbe(Service):
         received = 0 if payload is None else payload.numel() * payload.element_size()
         if self.delay_s:
             await asyncio.sleep(self.delay_s * (1 + received / PAYLOAD_BYTES))
-        return Echo(received=received)
+        return Echo(received=received, started=self.started)
 
 
 async def measure_link(caller: Caller, peer: str) -> Link:

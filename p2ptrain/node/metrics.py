@@ -28,9 +28,9 @@ def server_epochs(server: StageServer) -> list[EpochMetrics]:
         records.append(EpochMetrics(
             epoch=epoch, rows_in_batch=stats.rows, rows_averaged=stats.rows_grouped,
             tasks_redone=server.state.pool.redone.get(epoch, 0),
-            loss=stats.loss_sum / stats.tokens if last_stage_bs else None, tokens=stats.tokens,
+            loss=stats.loss_sum / stats.tokens if last_stage_bs and not stats.abandoned else None, tokens=stats.tokens,
             seconds=stats.finished - (stats.started or stats.finished), rows_recomputed=stats.rows_recomputed,
-            workers_lost=stats.workers_lost, workers_joined=stats.workers_joined,
+            workers_lost=stats.workers_lost, workers_joined=stats.workers_joined, abandoned=stats.abandoned,
         ))
     return records[-HISTORY:]
 
@@ -53,9 +53,14 @@ def feeder_epochs(feeder: DataFeeder, config: RunConfig) -> list[EpochMetrics]:
 
 
 def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | None, worker: Worker | None,
-                 feeder: DataFeeder | None, config: RunConfig) -> Metrics:
-    """One record per peer: its server's epochs, its worker's, and the data source's if it leads stage 0."""
+                 feeder: DataFeeder | None, config: RunConfig, carried: list[EpochMetrics] = ()) -> Metrics:
+    """One record per peer: its server's epochs, its worker's, and the data source's if it leads stage 0.
+    `carried`: what the record of this peer's previous process said of epochs (a peer restarted with its identity
+    keeps its history in the status; what this process saw of an epoch wins)."""
     own = server_epochs(server) if server is not None else worker_epochs(worker)
+    if carried:
+        merged = {entry.epoch: entry for entry in carried} | {entry.epoch: entry for entry in own}
+        own = [merged[epoch] for epoch in sorted(merged)][-HISTORY:]
     last = own[-1] if own else None
     leads = feeder is not None and feeder.leads
     source = feeder_epochs(feeder, config) if leads else []

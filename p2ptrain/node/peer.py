@@ -19,7 +19,7 @@ from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.data import TextSource
-from p2ptrain.dht import Announcer, Membership, PeerInfo, start_dht
+from p2ptrain.dht import Announcer, EpochMetrics, Membership, PeerInfo, get_metrics, start_dht
 from p2ptrain.dht.membership import MembershipCache
 from p2ptrain.dht.readers import get_stage_workers
 from p2ptrain.live.joining import join_client
@@ -34,6 +34,7 @@ from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.feeder import DataFeeder
 from p2ptrain.server.frontal import FrontalServer
+from p2ptrain.server.watch import ServerWatch
 from p2ptrain.transport import Caller
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Peer:
         self._tasks: list[asyncio.Task] = []
         self._planner: asyncio.Task | None = None
         self._planner_stop = threading.Event()
+        self.started = time.time()  # this process's incarnation: the link probe tells it, and a restart changes it
 
     # -- life cycle ----------------------------------------------------------------------------------------------
 
@@ -94,7 +96,8 @@ class Peer:
         if options.role != "bootstrap":
             self._p2p = await self.dht.replicate_p2p()
             # before anything is announced: planners, planned servers and joining clients measure links to it
-            await LinkProbe(peer_id=self.peer_id, delay_s=options.probe_delay_s).add_p2p_handlers(self._p2p)
+            await LinkProbe(peer_id=self.peer_id, delay_s=options.probe_delay_s,
+                            started=self.started).add_p2p_handlers(self._p2p)
         joined = None
         if options.role != "bootstrap" and self.placement is None:
             joined = await self._join()
@@ -234,14 +237,16 @@ class Peer:
             self._spawn(self.worker.run(self._stopping))
         if isinstance(self.server, FrontalServer) and stage == 0:
             source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed)
+            watch = ServerWatch(caller=caller, servers=membership.all_servers, period_s=settings.server_check_s,
+                                lost_s=settings.server_lost_s, timeout_s=settings.probe_timeout_s)
             self.feeder = DataFeeder(server=self.server, source=source, layout=membership.layout,
                                      is_leader=membership.leads, epochs=options.epochs,
-                                     max_in_flight=options.max_in_flight)
+                                     max_in_flight=options.max_in_flight, watch=watch)
             self._spawn(self.feeder.run(self._stopping))
         self._spawn(publish_metrics(
             announcer=self._announcer, period_s=settings.metrics_period_s, stop=self._stopping,
             peer_id=self.peer_id, stage=stage, role=role or "worker", server=self.server, worker=self.worker,
-            feeder=self.feeder, config=config))
+            feeder=self.feeder, config=config, carried=await self._previous_epochs(role or "worker", stage)))
         start, end = placement.layers
         logger.info(f"{options.role} {self.peer_id} up: stage {stage} layers [{start}, {end})"
                     + (f" as {role.upper()}" if role else ""))
@@ -273,6 +278,18 @@ class Peer:
             logger.warning(f"could not read the workers of stage {worker.stage}: {e!r}; starting from the seed")
             return None
         return await load_state_from_peers(worker, caller=worker.caller, candidates=mates)
+
+    async def _previous_epochs(self, role: str, stage: int) -> list[EpochMetrics]:
+        """What this peer's previous process published of its epochs, if its record is still in the DHT (a peer
+        restarted with its identity, in the same role)."""
+        try:
+            records = await asyncio.wait_for(asyncio.to_thread(get_metrics, self.dht, self.config.run_id),
+                                             self.settings.rpc_timeout_s)
+        except Exception as e:
+            logger.warning(f"could not read this peer's earlier metrics: {e!r}")
+            return []
+        return next((r.per_epoch for r in records if r.peer_id == self.peer_id and r.role == role and r.stage == stage),
+                    [])
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         self._tasks.append(asyncio.create_task(coroutine))

@@ -84,6 +84,7 @@ TaskId = Annotated[str, Length(1, MAX_TASK_ID)]
 Flops = Annotated[float, Between(1e-9, MAX_FLOPS)]
 WaitSeconds = Annotated[float, Between(0.0, MAX_WAIT_S)]
 ByteCount = Annotated[int, Between(0, 2**62)]
+Timestamp = Annotated[float, Between(0.0, 1e12)]  # seconds since the epoch of Unix time
 Stage = Annotated[int, Between(0, MAX_STAGES - 1)]
 Layer = Annotated[int, Between(0, MAX_LAYERS)]
 
@@ -163,11 +164,13 @@ class GroupMember(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class Closure(Message):
-    """An FS's record of a closed epoch: the stage's FS in that epoch's layout, and the group that averages it."""
+    """An FS's record of a closed epoch: the stage's FS in that epoch's layout, and the group that averages it;
+    or, `abandoned`, that the epoch ended without a step (a server lost its rows): its workers drop its gradients."""
 
     epoch: Epoch
     fs: tuple[PeerId, ...]
     group: tuple[GroupMember, ...]
+    abandoned: bool = False
 
     def check(self, path: str) -> None:
         if not 1 <= len(self.fs) <= MAX_SERVERS:
@@ -389,10 +392,43 @@ class Leave(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EpochState(Message):
+    """Whether an FS has every row of its segment of an epoch back (or closed the epoch already)."""
+
+    complete: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class AskEpoch(Request):
+    """The data source asks a stage-0 FS whether its segment of `epoch` is complete, before it commits the epoch."""
+
+    method: ClassVar[str] = "rpc_ask_epoch"
+    reply: ClassVar[type[Message]] = EpochState
+
+    epoch: Epoch
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndEpoch(Request):
+    """From the data source to the stage servers of an epoch's `layout`: the epoch is committed (every row came back
+    at stage 0, so every FS may close it once its own rows are back, and it is never abandoned after), or
+    `abandoned` (a server of the layout restarted or was lost first: every server drops what it holds of it, its
+    workers drop their gradients of it, and its data is fed again as the next epoch)."""
+
+    method: ClassVar[str] = "rpc_end_epoch"
+    reply: ClassVar[type[Message]] = Ack
+
+    epoch: Epoch
+    abandoned: bool
+    layout: Layout
+
+
+@dataclass(frozen=True, kw_only=True)
 class Echo(Message):
-    """How many payload bytes arrived."""
+    """How many payload bytes arrived, and when the answering process started (a restart changes it)."""
 
     received: ByteCount
+    started: Timestamp = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,8 +52,8 @@ class BackwardServer(StageServer[BackwardState]):
     async def push_outputs(self, request: PushOutputs, sender: str) -> Ack | Answer:
         self.check_sender(request.worker, sender)
         epoch, index, rows = request.epoch, request.microbatch, request.rows
-        if epoch <= self.state.closed_epoch:  # a retry whose first push got through: counted already
-            raise Refused(f"duplicate: epoch {epoch} is closed here")
+        if self.ended(epoch):  # a retry whose first push got through (counted already), or an abandoned epoch
+            raise Refused(f"duplicate or late: epoch {epoch} ended here")
         segment = self.check_layout(request.layout, epoch=epoch, microbatch=index, total_rows=request.total_rows)
         if self.state.ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
             return Ack(again=True)  # a push repeated after its reply was lost
@@ -75,6 +75,8 @@ class BackwardServer(StageServer[BackwardState]):
         ledger = self.state.ledger
         await self.confirm_result(request.fs, task=request.task, worker=request.worker, epoch=epoch, microbatch=index,
                                   rows=rows, taken=ledger.rows(epoch=epoch, microbatch=index))
+        if self.ended(epoch):
+            raise Refused(f"epoch {epoch} was abandoned while the result was confirmed")
         mb = self.open_microbatch(epoch, index, lambda: MicrobatchOutputs(segment=segment,
                                                                           total_rows=request.total_rows,
                                                                           layout=request.layout))
@@ -85,7 +87,7 @@ class BackwardServer(StageServer[BackwardState]):
         if self.is_last:
             stats.loss_sum += float(request.loss)
             stats.tokens += len(rows) * self.config.seq_len
-            self._maybe_close_epochs()
+            self.close_ready()
             return Ack()
         if mb.outputs is None:
             mb.outputs = torch.empty(len(mb.segment), *self.hidden_shape)
@@ -109,7 +111,7 @@ class BackwardServer(StageServer[BackwardState]):
                                                       total_rows=mb.total_rows, layout=mb.layout,
                                                       inputs=outputs[part.relative_to(mb.segment)],
                                                       labels=labels[part.relative_to(mb.segment)]),
-                         what=f"rows {part} of {epoch}:{index}")
+                         epoch=epoch, what=f"rows {part} of {epoch}:{index}")
             for fs, part in mb.layout.route(self.stage + 1, "fs", mb.segment, mb.total_rows)))
 
     # -- backward tasks out --------------------------------------------------------------------------------------
@@ -175,12 +177,24 @@ class BackwardServer(StageServer[BackwardState]):
     def completed(self, task: Task) -> None:
         del self.state.work[task.task_id]
         self._progress(task.epoch).rows_backward += len(task.rows)
-        self._maybe_close_epochs()
+        self.close_ready()
 
-    def _maybe_close_epochs(self) -> None:
+    def drop_epoch(self, epoch: int) -> None:
+        state = self.state
+        state.ledger.forget_epoch(epoch)
+        state.progress.pop(epoch, None)
+        for task_id in [task_id for task_id, work in state.work.items() if work.task.epoch == epoch]:
+            del state.work[task_id]
+        for key in [key for key in state.kept_grads if key[0] == epoch]:
+            del state.kept_grads[key]
+
+    def close_ready(self) -> None:
         """An epoch closes here when every row of its segment has done its backward (or, last stage, its loss)."""
         while True:
             epoch = self.state.closed_epoch + 1
+            if epoch in self.state.abandoned:
+                self.close_epoch(epoch)
+                continue
             keys = [key for key in self.state.microbatches if key[0] == epoch]
             if len(keys) < self.config.microbatches:
                 return

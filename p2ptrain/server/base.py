@@ -21,7 +21,7 @@ from hivemind.p2p import P2PContext
 
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.protocol.layout import Layout, ServerRole
-from p2ptrain.protocol.messages import Ack, Leave, ReportTask, Request, TakeTask, TaskReply
+from p2ptrain.protocol.messages import Ack, EndEpoch, Leave, ReportTask, Request, TakeTask, TaskReply
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
 from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, StageState, WorkerRecord
@@ -30,6 +30,7 @@ from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S", bound=StageState)
+TASK_ID_PEER = 8  # characters of the issuer's peer id in a task id: base58, so 58**8 ids
 SPEED_MEMORY = 0.7  # weight of a worker's past tasks in its measured time per row
 M = TypeVar("M", MicrobatchInputs, MicrobatchOutputs)
 
@@ -96,8 +97,10 @@ class StageServer(Service, Generic[S]):
         return TaskReply(closed_epoch=self.state.closed_epoch)
 
     def new_task_id(self, epoch: int, microbatch: int, letter: str) -> str:
+        """Unique in the swarm, not only here: with several FS (or BS) in a stage, a worker may hand one server's task
+        to a server that keys results by task id and worker (a BS's ledger, an FS's accepted results)."""
         self.state.task_counter += 1
-        return f"{epoch}:{microbatch}:{self.stage}:{letter}{self.state.task_counter}"
+        return f"{epoch}:{microbatch}:{self.stage}:{letter}{self.state.task_counter}.{self.peer_id[-TASK_ID_PEER:]}"
 
     def add_task(self, task: Task) -> None:
         self.state.pool.add(task)
@@ -256,23 +259,86 @@ class StageServer(Service, Generic[S]):
         except Exception as e:
             raise Refused(f"could not confirm task {task} with {issuer}: {e!r}") from None
 
-    async def retrying(self, peer: str, service: str, request: Request, *, attempts: int | None, what: str) -> Any:
+    async def retrying(self, peer: str, service: str, request: Request, *, attempts: int | None, what: str,
+                       moot: Callable[[], bool] | None = None) -> Any:
         """A call to another server, made again on transport failures (`Caller.call_retrying`)."""
         return await self.caller.call_retrying(peer, service, request, attempts=attempts,
                                                backoff_s=self.settings.push_backoff_s,
-                                               backoff_max_s=self.settings.delivery_backoff_max_s, what=what)
+                                               backoff_max_s=self.settings.delivery_backoff_max_s, what=what,
+                                               moot=moot)
 
-    async def deliver(self, peer: str, service: str, request: Request, *, what: str) -> bool:
-        """Push `request` to another server until it lands: True once accepted, False if refused. A transport failure
-        is retried with exponential backoff for as long as this server runs, since the receiver takes a repeated
-        push as the same one (rows it holds already are acknowledged again), and a microbatch must never be left
-        half-delivered."""
+    def ended(self, epoch: int) -> bool:
+        """Whether `epoch` is over here: closed, or abandoned (`EndEpoch`)."""
+        return self.state.closed_epoch >= epoch or epoch in self.state.abandoned
+
+    async def deliver(self, peer: str, service: str, request: Request, *, epoch: int, what: str) -> bool:
+        """Push `request` of `epoch` to another server until it lands: True once accepted, False if refused. A
+        transport failure is retried with exponential backoff for as long as the epoch is open here, since the
+        receiver takes a repeated push as the same one (rows it holds already are acknowledged again), and a
+        microbatch must never be left half-delivered; once the epoch was abandoned (the receiver may be gone for
+        good), nothing of it needs delivering."""
         try:
-            await self.retrying(peer, service, request, attempts=None, what=what)
+            await self.retrying(peer, service, request, attempts=None, what=what, moot=lambda: self.ended(epoch))
             return True
         except Refused as e:
             logger.error(f"{self.name}: {peer} refused {what}: {e}")
-            return False
+        except Exception as e:
+            logger.info(f"{self.name}: epoch {epoch} ended here; {what} to {peer} dropped ({e!r})")
+        return False
+
+    # -- the end of an epoch, from the data source ---------------------------------------------------------------
+
+    def rpc_end_epoch(self, requests: Requests, context: P2PContext) -> Responses:
+        """The data source commits an epoch (an FS may close it) or abandons it (drop all of it)."""
+        return self.serve(requests, context, EndEpoch, self.end_epoch)
+
+    async def end_epoch(self, request: EndEpoch, sender: str) -> Ack:
+        epoch, layout = request.epoch, request.layout
+        self.check_source(sender, layout)
+        if len(layout.stages) != self.config.num_stages or self.peer_id not in layout.stages[self.stage].of(self.role):
+            raise Refused(f"this server is no {self.role.upper()} of stage {self.stage} in epoch {epoch}'s layout")
+        if {mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch} - {layout}:
+            raise Refused(f"epoch {epoch} came here with another layout")
+        if not request.abandoned:
+            return self.commit(epoch)
+        if self.ended(epoch):
+            stats = self.state.epochs.get(epoch)
+            if self.closes_by_commit and self.state.closed_epoch >= epoch and not (stats and stats.abandoned):
+                raise Refused(f"epoch {epoch} was committed and closed here; it cannot be abandoned")
+            if stats is not None:  # a BS closes an epoch once its rows are through, which steps nothing
+                stats.abandoned = True
+            return Ack(again=True)
+        state = self.state
+        if state.closed_epoch < epoch - 1 and not any(key[0] < epoch for key in state.microbatches):
+            state.closed_epoch = epoch - 1  # a server that took no part in the epochs before (it restarted)
+        self.drop_epoch(epoch)
+        state.pool.forget_epoch(epoch)
+        for key in [key for key in state.microbatches if key[0] == epoch]:
+            del state.microbatches[key]
+        self.epoch_stats(epoch).abandoned = True
+        state.abandoned[epoch] = layout.stages[self.stage].fs
+        logger.warning(f"{self.name}: epoch {epoch} abandoned by the data source; what was held of it is dropped")
+        self.close_ready()  # at once, unless an earlier epoch is still closing here
+        self.task_added.set()  # long polls waiting on the epoch answer now
+        return Ack()
+
+    closes_by_commit: ClassVar[bool] = False  # an FS closes an epoch only once the data source committed it
+
+    def commit(self, epoch: int) -> Ack:
+        """The data source committed `epoch`: every row of it came back at stage 0, so it is never abandoned."""
+        return Ack()
+
+    def drop_epoch(self, epoch: int) -> None:
+        """What a role holds of an abandoned epoch beyond its microbatches and tasks, dropped."""
+
+    def close_ready(self) -> None:
+        """Close every epoch that may close here now, in order (an abandoned one as soon as those before it)."""
+        raise NotImplementedError
+
+    def check_source(self, sender: str, layout: Layout) -> None:
+        """Only the data source of a layout (its first stage-0 FS) ends its epochs."""
+        if sender != layout.stages[0].fs[0]:
+            raise Refused(f"{sender} is not the data source of this layout")
 
     async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
                              taken: list[Rows]) -> None:
@@ -354,14 +420,17 @@ class StageServer(Service, Generic[S]):
         """The microbatch's entry, made on its first accepted message."""
         mb = self.state.microbatches.get((epoch, microbatch))
         if mb is None:
+            if self.ended(epoch):
+                raise Refused(f"epoch {epoch} ended here")
             if self.state.closed_epoch < 0 and not self.state.microbatches:
                 self.state.closed_epoch = epoch - 1  # joined a running swarm: earlier epochs never come here
             mb = self.state.microbatches[(epoch, microbatch)] = make()
         return mb
 
     def close_epoch(self, epoch: int) -> None:
-        """Every row of the epoch is through here: drop what is held of it."""
+        """Every row of the epoch is through here, or it was abandoned: drop what is held of it."""
         self.state.closed_epoch = epoch
+        self.state.abandoned.pop(epoch, None)
         self.epoch_stats(epoch).finished = self.clock()
         for key in [key for key in self.state.microbatches if key[0] == epoch]:
             del self.state.microbatches[key]

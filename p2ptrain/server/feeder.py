@@ -3,6 +3,13 @@ fixes the epoch's layout from the stage memberships in the DHT, and pushes the r
 
 It bounds how many microbatches are in flight (1F1B: stage 0 sets the pace), and an epoch's microbatches go
 out only once the previous epoch has closed at stage 0, which is after it closed at every stage.
+
+It also ends each epoch swarm-wide (`EndEpoch`). Once every stage-0 FS has all its rows back, every row went
+through every stage, and it commits the epoch: only then may an FS close it and its workers step. If a server of the
+epoch's layout restarts (it lost what it held) or falls silent for good before that (`ServerWatch`), it abandons
+the epoch instead: every server drops it, every worker drops its gradients of it, and the same global batch of data
+is fed again as the next epoch, under a layout without the lost server. No stage can have stepped on an abandoned
+epoch, so no row is lost or counted twice.
 """
 from __future__ import annotations
 
@@ -13,32 +20,36 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from p2ptrain.data import TextSource
-from p2ptrain.protocol.layout import Layout
-from p2ptrain.protocol.messages import FRONTAL_SERVER, PushRows
+from p2ptrain.protocol.layout import Layout, StageServers
+from p2ptrain.protocol.messages import BACKWARD_SERVER, FRONTAL_SERVER, AskEpoch, EndEpoch, PushRows
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.server.frontal import FrontalServer
+from p2ptrain.server.watch import ServerWatch
 from p2ptrain.transport import Refused
 
 logger = logging.getLogger(__name__)
 
 LAYOUT_WAIT_S = 0.25
 LAYOUT_NOTICE_EVERY_S = 5.0
+ASK_EVERY_S = 0.1  # how often the data source asks the other stage-0 FS whether their rows are all back
 
 
 @dataclass
 class FeederProgress:
-    epoch_seconds: dict[int, float] = field(default_factory=dict)
+    epoch_seconds: dict[int, float] = field(default_factory=dict)  # committed epochs
+    abandoned: list[int] = field(default_factory=list)
     finished: bool = False
 
 
 class DataFeeder:
-    """Feeds `epochs` global batches into stage 0 if its FS leads stage 0. Owns its progress; reads the text
-    source and the stage-0 FS it runs beside, and calls the stage-0 FS set."""
+    """Feeds `epochs` global batches into stage 0 if its FS leads stage 0 (an abandoned epoch's batch is fed again,
+    so `epochs` batches are trained on whatever fails). Owns its progress; reads the text source, the stage-0 FS it
+    runs beside and the `watch` on the servers, and calls the stage servers."""
 
     def __init__(self, *, server: FrontalServer, source: TextSource, layout: Callable[[], Layout | None],
-                 is_leader: Callable[[str], bool], epochs: int, max_in_flight: int):
+                 is_leader: Callable[[str], bool], epochs: int, max_in_flight: int, watch: ServerWatch):
         self.server, self.source, self.layout, self.is_leader = server, source, layout, is_leader
-        self.epochs, self.max_in_flight = epochs, max_in_flight
+        self.epochs, self.max_in_flight, self.watch = epochs, max_in_flight, watch
         self.rows, self.microbatches = server.config.rows_per_microbatch, server.config.microbatches
         self.progress = FeederProgress()
 
@@ -51,30 +62,93 @@ class DataFeeder:
         layout = await self._wait_for_layout(stop)
         if layout is None or not self.leads:
             return
-        poll = self.server.settings.feeder_poll_s
-        for epoch in range(self.epochs):
+        watching = asyncio.create_task(self.watch.run(stop))
+        try:
+            await self._feed_epochs(stop)
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+
+    async def _feed_epochs(self, stop: asyncio.Event) -> None:
+        epoch, batch = 0, 0  # `batch`: the global batch of the data that `epoch` trains on
+        while batch < self.epochs:
             layout = await self._wait_for_layout(stop)
             if layout is None:
                 return
+            self.watch.watch(peer for stage in layout.stages for peer in (*stage.fs, *stage.bs))
             started = time.monotonic()
-            for index in range(self.microbatches):
-                while self.server.in_flight() >= self.max_in_flight and not stop.is_set():
-                    await asyncio.sleep(poll)
-                if stop.is_set():
-                    return
-                await self._push(epoch, index, layout)
-            while self.server.state.closed_epoch < epoch:
-                if stop.is_set():
-                    return
-                await asyncio.sleep(poll)
-            self.progress.epoch_seconds[epoch] = time.monotonic() - started
+            complete = asyncio.create_task(self._feed(epoch, batch, layout, stop))
+            fault = asyncio.create_task(self.watch.fault.wait())
+            await asyncio.wait([complete, fault], return_when=asyncio.FIRST_COMPLETED)
+            fault.cancel()
+            if not complete.done():
+                complete.cancel()
+                await asyncio.gather(complete, return_exceptions=True)
+                await self._end(epoch, layout, abandoned=True, stop=stop)
+                self.progress.abandoned.append(epoch)
+                logger.warning(f"data source: {self.watch.reason} before epoch {epoch} was complete; epoch "
+                               f"{epoch} is abandoned, and its batch is fed again as epoch {epoch + 1}")
+            elif complete.result():
+                await self._end(epoch, layout, abandoned=False, stop=stop)
+                while self.server.state.closed_epoch < epoch:
+                    if stop.is_set():
+                        return
+                    await asyncio.sleep(self.server.settings.feeder_poll_s)
+                self.progress.epoch_seconds[epoch] = time.monotonic() - started
+                batch += 1
+            else:
+                return  # stopped
+            epoch += 1
         self.progress.finished = True
         logger.info(f"data source: all {self.epochs} epochs done")
+
+    async def _feed(self, epoch: int, batch: int, layout: Layout, stop: asyncio.Event) -> bool:
+        """Push the epoch's microbatches, then wait until every stage-0 FS has all its rows back; False if stopped."""
+        poll = self.server.settings.feeder_poll_s
+        for index in range(self.microbatches):
+            while self.server.in_flight() >= self.max_in_flight and not stop.is_set():
+                await asyncio.sleep(poll)
+            if stop.is_set():
+                return False
+            await self._push(epoch, batch, index, layout)
+        state = self.server.state
+        while len(state.completed.get(epoch, ())) < self.microbatches and state.closed_epoch < epoch:
+            if stop.is_set():
+                return False
+            await asyncio.sleep(poll)
+        for fs in layout.stages[0].fs:
+            if fs == self.server.peer_id:
+                continue
+            while not (await self.server.retrying(fs, FRONTAL_SERVER, AskEpoch(epoch=epoch), attempts=None,
+                                                  what=f"asking about epoch {epoch}")).complete:
+                if stop.is_set():
+                    return False
+                await asyncio.sleep(ASK_EVERY_S)
+        return True
+
+    async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event) -> None:
+        """Tell the servers of the epoch's layout that it is committed (every FS) or abandoned (every server); a
+        server lost for good is skipped."""
+        request, verb = EndEpoch(epoch=epoch, abandoned=abandoned, layout=layout), "abandon" if abandoned else "commit"
+        targets = [(fs, FRONTAL_SERVER) for stage in layout.stages for fs in stage.fs]
+        if abandoned:
+            targets += [(bs, BACKWARD_SERVER) for stage in layout.stages for bs in stage.bs]
+
+        async def end(peer: str, service: str) -> None:
+            try:
+                await self.server.retrying(peer, service, request, attempts=None, what=f"{verb}ting epoch {epoch}",
+                                           moot=lambda: peer in self.watch.lost or stop.is_set())
+            except Refused as e:
+                logger.error(f"data source: {peer} refused to {verb} epoch {epoch}: {e}")
+            except Exception as e:
+                logger.warning(f"data source: could not {verb} epoch {epoch} at {peer}, lost or stopping: {e!r}")
+
+        await asyncio.gather(*(end(peer, service) for peer, service in targets))
 
     async def _wait_for_layout(self, stop: asyncio.Event) -> Layout | None:
         waited = 0.0
         while not stop.is_set():
-            layout = self.layout()
+            layout = self._usable(self.layout())
             if layout is not None:
                 return layout
             if waited % LAYOUT_NOTICE_EVERY_S < LAYOUT_WAIT_S:
@@ -83,8 +157,19 @@ class DataFeeder:
             waited += LAYOUT_WAIT_S
         return None
 
-    async def _push(self, epoch: int, index: int, layout: Layout) -> None:
-        inputs, labels = self.source.microbatch(epoch, index, self.rows)
+    def _usable(self, layout: Layout | None) -> Layout | None:
+        """The layout without the servers the watch holds lost (the DHT keeps their records a while), or None if a
+        stage then lacks an FS or a BS."""
+        if layout is None:
+            return None
+        def alive(peers: tuple[str, ...]) -> tuple[str, ...]:
+            return tuple(peer for peer in peers if peer not in self.watch.lost)
+
+        stages = tuple(StageServers(fs=alive(stage.fs), bs=alive(stage.bs)) for stage in layout.stages)
+        return Layout(stages) if all(s.fs and s.bs for s in stages) else None
+
+    async def _push(self, epoch: int, batch: int, index: int, layout: Layout) -> None:
+        inputs, labels = self.source.microbatch(batch, index, self.rows)
         for fs, part in layout.route(0, "fs", Rows(0, self.rows), self.rows):
             window = slice(part.start, part.end)
             request = PushRows(epoch=epoch, microbatch=index, rows=part, total_rows=self.rows, layout=layout,

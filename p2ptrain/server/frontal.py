@@ -17,7 +17,9 @@ from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
     Ack,
+    AskEpoch,
     Closure,
+    EpochState,
     FetchInputs,
     FetchOutputGrads,
     GroupMember,
@@ -56,6 +58,7 @@ class FrontalServer(StageServer[FrontalState]):
     service = FRONTAL_SERVER
     other_service = BACKWARD_SERVER
     state_type = FrontalState
+    closes_by_commit = True
 
     # -- rows in -----------------------------------------------------------------------------------------------
 
@@ -70,8 +73,8 @@ class FrontalServer(StageServer[FrontalState]):
             self.check_peer(sender, request.layout, stage=0, role="fs", what="the data source")
         else:
             self.check_peer(sender, request.layout, stage=self.stage - 1, role="bs", what="sender")
-        if request.epoch <= self.state.closed_epoch:
-            raise Refused(f"epoch {request.epoch} is closed here")
+        if self.ended(request.epoch):
+            raise Refused(f"epoch {request.epoch} ended here")
         key = (request.epoch, request.microbatch)
         rows = request.rows
         try:
@@ -166,6 +169,8 @@ class FrontalServer(StageServer[FrontalState]):
             return await self._accept_redo(request, redo)
         await self.confirm_result(request.issuer, task=request.task, worker=request.worker, epoch=epoch,
                                   microbatch=request.microbatch, rows=rows, taken=mb.grads_received)
+        if self.ended(epoch):
+            raise Refused(f"epoch {epoch} was abandoned while the result was confirmed")
         self._record(request)
         if not self.is_first:
             if mb.grads is None:
@@ -192,11 +197,11 @@ class FrontalServer(StageServer[FrontalState]):
         del self.state.redo[request.task]
         self._record(request)
         self.epoch_stats(request.epoch).rows_recomputed += len(request.rows)
-        self._maybe_close_epochs()
+        self.close_ready()
         return Ack()
 
     def tick(self) -> None:
-        self._maybe_close_epochs()
+        self.close_ready()
 
     def settle(self, report: ReportTask, sender: str) -> Ack:
         if (report.task, report.worker) in self.state.accepted.get(report.epoch, ()):
@@ -215,25 +220,35 @@ class FrontalServer(StageServer[FrontalState]):
             await asyncio.gather(*(
                 self.deliver(bs, BACKWARD_SERVER, PushOutputGrads(epoch=epoch, microbatch=index, rows=part,
                                                                   grad=mb.grads[part.relative_to(mb.segment)]),
-                             what=f"output gradients of {epoch}:{index} rows {part}")
+                             epoch=epoch, what=f"output gradients of {epoch}:{index} rows {part}")
                 for bs, part in mb.layout.route(self.stage - 1, "bs", mb.segment, mb.total_rows)))
+        if self.ended(epoch):  # abandoned meanwhile
+            return
         mb.done = True
         completed = self.state.completed.setdefault(epoch, set())
         completed.add(index)
         if len(completed) == self.config.microbatches:
             # the worker whose result completed the epoch was seen then; every other must poll again
             self.epoch_stats(epoch).completed = at
-        self._maybe_close_epochs()
+        self.close_ready()
 
-    def _maybe_close_epochs(self) -> None:
-        """Close every epoch whose rows are all back, once each worker heard from lately (some hold its parameter
+    def close_ready(self) -> None:
+        """Close every epoch whose rows are all back and which the data source committed (`EndEpoch`: so no
+        stage steps on an epoch that a server fault may still abandon), once each worker heard from lately (some hold its parameter
         gradients) is known to be alive (it polled since the rows were all back) or gone (silent for
         `worker_lost_s`, left, or banned);
         the rows of the gone ones are redone by others first, so every row reaches the average exactly once
         (DESIGN §5). The averaging group is every worker that polled since, and is not excluded."""
         state, settings = self.state, self.settings
-        while len(state.completed.get(state.closed_epoch + 1, ())) == self.config.microbatches:
+        while True:
             epoch = state.closed_epoch + 1
+            if epoch in state.abandoned:
+                state.closures[epoch] = Closure(epoch=epoch, fs=state.abandoned[epoch], group=(), abandoned=True)
+                state.closures.pop(epoch - settings.closures_kept, None)
+                self.close_epoch(epoch)
+                continue
+            if len(state.completed.get(epoch, ())) < self.config.microbatches or epoch not in state.committed:
+                return
             if any(work.task.epoch == epoch for work in state.redo.values()):
                 return
             now, done = self.clock(), self.epoch_stats(epoch).completed
@@ -257,8 +272,32 @@ class FrontalServer(StageServer[FrontalState]):
             state.closures.pop(epoch - settings.closures_kept, None)
             state.accepted.pop(epoch - settings.closures_kept, None)
             state.completed.pop(epoch, None)
+            state.committed.discard(epoch)
             self.epoch_stats(epoch).rows_grouped = sum(len(r.rows) for r in state.results.pop(epoch, ()))
             self.close_epoch(epoch)
+
+    def commit(self, epoch: int) -> Ack:
+        if self.ended(epoch):
+            return Ack(again=True)
+        self.state.committed.add(epoch)
+        self.close_ready()
+        return Ack()
+
+    def drop_epoch(self, epoch: int) -> None:
+        state = self.state
+        for table in (state.completed, state.results, state.accepted):
+            table.pop(epoch, None)
+        state.committed.discard(epoch)
+        for task_id in [task_id for task_id, work in state.redo.items() if work.task.epoch == epoch]:
+            del state.redo[task_id]
+
+    def rpc_ask_epoch(self, requests: Requests, context: P2PContext) -> Responses:
+        """The data source asks whether every row of this server's segment of an epoch is back."""
+        return self.serve(requests, context, AskEpoch, self.ask_epoch)
+
+    async def ask_epoch(self, request: AskEpoch, sender: str) -> EpochState:
+        return EpochState(complete=self.state.closed_epoch >= request.epoch
+                          or len(self.state.completed.get(request.epoch, ())) == self.config.microbatches)
 
     def _redo(self, epoch: int, lost: set[str]) -> None:
         """Hand the rows whose parameter gradients `lost` workers took with them to other workers."""
@@ -289,9 +328,15 @@ class FrontalServer(StageServer[FrontalState]):
         request = FetchOutputGrads(epoch=task.epoch, microbatch=task.microbatch, rows=task.rows)
         try:
             reply = await self.retrying(bs, BACKWARD_SERVER, request, attempts=None,
-                                        what=f"fetching output gradients for {task.task_id}")
+                                        what=f"fetching output gradients for {task.task_id}",
+                                        moot=lambda: self.ended(task.epoch))
         except Refused as e:
             logger.error(f"{self.name}: {bs} has no output gradients for {task.task_id}, which cannot be redone: {e}")
+            return
+        except Exception as e:
+            logger.info(f"{self.name}: epoch {task.epoch} ended here; redo {task.task_id} dropped ({e!r})")
+            return
+        if task.task_id not in self.state.redo:  # the epoch was abandoned meanwhile
             return
         self.state.redo[task.task_id].grad = reply.grad
         self.state.pool.add(task, again=True)

@@ -50,6 +50,7 @@ class EpochStats:
     rows_grouped: int = 0  # rows whose parameter gradients the epoch's averaging group holds (an FS, at closure)
     workers_lost: int = 0
     workers_joined: int = 0  # workers first seen here while the epoch was open (an FS)
+    abandoned: bool = False  # ended without a step: a server of its layout restarted or was lost (`EndEpoch`)
     loss_sum: float = 0.0
     tokens: int = 0
     started: float | None = None
@@ -145,6 +146,9 @@ class StageState:
     # epoch -> (task, worker) of every task of this server's pool whose result the other role confirmed, kept past
     # closure: a confirmation asked again after a lost reply is confirmed again
     settled: dict[int, set[tuple[str, str]]] = field(default_factory=dict)
+    # epochs the data source abandoned, not yet closed here (an earlier one still closing), with the stage's FS in
+    # their layout
+    abandoned: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Plain data (JSON-ready) and the tensors it refers to by name."""
@@ -155,6 +159,7 @@ class StageState:
             "workers": {w: vars(record) for w, record in self.workers.items()},
             "epochs": [[epoch, vars(stats)] for epoch, stats in self.epochs.items()],
             "settled": [[epoch, sorted(pairs)] for epoch, pairs in self.settled.items()],
+            "abandoned": [[epoch, list(fs)] for epoch, fs in self.abandoned.items()],
             **self._snapshot_role(tensors),
         }
         return meta, tensors
@@ -168,6 +173,7 @@ class StageState:
                    workers={w: WorkerRecord(**record) for w, record in meta["workers"].items()},
                    epochs={epoch: EpochStats(**stats) for epoch, stats in meta["epochs"]},
                    settled={epoch: {(task, worker) for task, worker in pairs} for epoch, pairs in meta["settled"]},
+                   abandoned={epoch: tuple(fs) for epoch, fs in meta["abandoned"]},
                    **cls._restore_role(meta, tensors))
 
     def save(self, path: str | Path) -> None:
@@ -208,6 +214,7 @@ class FrontalState(StageState):
     accepted: dict[int, set[tuple[str, str]]] = field(default_factory=dict)
     results: dict[int, list[Result]] = field(default_factory=dict)  # of epochs not yet closed
     redo: dict[str, RedoWork] = field(default_factory=dict)
+    committed: set[int] = field(default_factory=set)  # epochs the data source committed, not yet closed here
 
     def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         microbatches = []
@@ -228,6 +235,7 @@ class FrontalState(StageState):
                         for epoch, results in self.results.items()],
             "redo": [{"task": work.task.to_dict(), "has_grad": _keep(tensors, f"redo/{task_id}/grad", work.grad)}
                      for task_id, work in self.redo.items()],
+            "committed": sorted(self.committed),
         }
 
     @classmethod
@@ -253,6 +261,7 @@ class FrontalState(StageState):
                 task=Task.from_dict(work["task"]),
                 grad=tensors[f"redo/{work['task']['task_id']}/grad"] if work["has_grad"] else None)
                 for work in meta["redo"]},
+            "committed": set(meta["committed"]),
         }
 
 

@@ -1,0 +1,124 @@
+"""Stage servers that fail (issue 7): a server SIGKILLed and restarted with the same identity takes its role back,
+a stage whose only BS is gone pauses the swarm until it returns, and a stage with two FS trains on with one. The
+open epoch is abandoned (the data source's `EndEpoch`) and its batch fed again, so every batch is trained on exactly
+once: every epoch that closed has all its rows averaged at every stage, and no stage stepped on an abandoned one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+ROWS, MICROBATCHES, EPOCHS = 8, 2, 12
+RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES), "--seq-len", "64",
+          "--lr", "3e-3", "--server-lost", "3"]
+
+
+def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240) -> None:
+    """SIGKILL a peer and its p2p daemon, without notice, right after the data source's FS closed an epoch (from
+    `after` on), so that the next epoch has just been fed; its log is kept under another name."""
+    closed = re.compile(r"stage 0 FS: epoch (\d+) closed")
+    deadline = time.monotonic() + timeout
+    while not any(int(n) >= after for n in closed.findall((swarm.workdir / "fs0.log").read_text())):
+        assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
+        time.sleep(0.02)
+    process = swarm.processes.pop(name)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    os.rename(swarm.workdir / f"{name}.log", swarm.workdir / f"{name}.killed.log")
+
+
+def wait_epoch(swarm, epoch: int, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    report = swarm.status()
+    while report["epoch"] < epoch:
+        assert time.monotonic() < deadline, f"epoch {epoch} did not close; last status {report}\n" + swarm.logs()
+        assert not swarm.failed(), swarm.logs(swarm.failed())
+        time.sleep(0.5)
+        report = swarm.status()
+    return report
+
+
+def check_every_batch_trained_once(swarm, report: dict, *, epochs: int, dead: str | None = None) -> None:
+    """Every epoch but the abandoned ones closed with all its rows averaged at every stage; the abandoned ones were
+    stepped on nowhere, and their batches came again, so `epochs` epochs closed; the loss fell.
+
+    What a killed server knew and had not published yet dies with it: an epoch it closed in its last seconds (its log
+    says so) may lack its segment in the status. And the known gap: an FS lost after the data source committed an
+    epoch, before it closed it, never reports its segment of that epoch (its workers average those rows in their
+    stage mates' group, but no server vouches for them); the data source logs that it could not commit the epoch
+    there. Either shows as rows missing from `rows_in_batch`, never as rows in the batch and not averaged."""
+    abandoned = [e for e in report["epochs"] if e["abandoned"]]
+    trained = [e for e in report["epochs"] if not e["abandoned"]]
+    source = (swarm.workdir / "fs0.log").read_text()
+    unreported = {int(n) for n in re.findall(r"could not commit epoch (\d+) at", source)}
+    if dead is not None:
+        killed = (swarm.workdir / f"{dead}.killed.log").read_text()
+        unreported |= {int(n) for n in re.findall(r"FS: epoch (\d+) closed", killed)}
+    assert abandoned or unreported, "no epoch was open when the server died, which tests nothing here"
+    assert len(trained) == epochs, report["epochs"]
+    assert [e["epoch"] for e in report["epochs"]] == list(range(len(report["epochs"]))), report["epochs"]
+    for epoch in trained:
+        for counts in epoch["stages"]:
+            assert counts["rows_in_batch"] == counts["rows_averaged"], epoch
+            assert counts["rows_in_batch"] == ROWS * MICROBATCHES or epoch["epoch"] in unreported, epoch
+    for epoch in abandoned:
+        assert epoch["loss"] is None and all(counts["rows_averaged"] == 0 for counts in epoch["stages"]), epoch
+    losses = [e["loss"] for e in trained]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+@pytest.mark.timeout(480)
+def test_a_lone_bs_killed_pauses_the_swarm_and_restarted_with_its_identity_takes_its_role_back(make_swarm):
+    swarm = make_swarm("bsfault", RECIPE)
+    bs0 = ["--role", "server", "--stage", "0", "--server-role", "bs",
+           "--identity-path", str(swarm.workdir / "bs0.key")]
+    swarm.peer("bs0", *bs0)
+    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
+    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+    for name, stage in (("c0a", "0"), ("c0b", "0"), ("c1a", "1"), ("c1b", "1")):
+        swarm.peer(name, "--role", "client", "--stage", stage)
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(EPOCHS))
+    kill_mid_epoch(swarm, "bs0", after=2)
+    time.sleep(8.0)  # lost after --server-lost: the open epoch is abandoned and the swarm waits for a stage-0 BS
+    paused = swarm.status()["epoch"]
+    time.sleep(4.0)
+    assert swarm.status()["epoch"] == paused, "epochs closed while stage 0 had no BS"
+    swarm.peer("bs0", *bs0)  # the same command: the same identity, an empty state
+
+    report = swarm.wait_finished(timeout=300)
+    check_every_batch_trained_once(swarm, report, epochs=EPOCHS)
+    assert "abandoned" in (swarm.workdir / "fs0.log").read_text()
+    assert report["stages"][0]["bs"] == [report["stages"][0]["bs"][0]]  # the same peer id, back in its role
+    assert all(stage["state"] == "training" for stage in report["stages"]), report["stages"]
+
+
+@pytest.mark.timeout(480)
+def test_a_stage_with_two_fs_trains_on_when_one_is_lost_for_good_and_a_restarted_fs_resumes(make_swarm):
+    swarm = make_swarm("fsfault", RECIPE)
+    fs1b = ["--role", "server", "--stage", "1", "--server-role", "fs",
+            "--identity-path", str(swarm.workdir / "fs1b.key")]
+    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
+    swarm.peer("fs1a", "--role", "server", "--stage", "1", "--server-role", "fs")
+    swarm.peer("fs1b", *fs1b)
+    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+    for name, stage in (("c0a", "0"), ("c0b", "0"), ("c1a", "1"), ("c1b", "1")):
+        swarm.peer(name, "--role", "client", "--stage", stage)
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(2 * EPOCHS))
+    first = wait_epoch(swarm, 1, timeout=240)
+    assert len(first["stages"][1]["fs"]) == 2
+
+    kill_mid_epoch(swarm, "fs1b", after=first["epoch"] + 1)  # for good, for now: stage 1 trains on fs1a alone
+    report = wait_epoch(swarm, first["epoch"] + 4, timeout=180)
+    swarm.peer("fs1b", *fs1b)  # back with its identity: the data source lays it out again
+    deadline = time.monotonic() + 120
+    while "epoch" not in (swarm.workdir / "fs1b.log").read_text():  # it closes an epoch again
+        assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
+        time.sleep(0.5)
+
+    report = swarm.wait_finished(timeout=300)
+    check_every_batch_trained_once(swarm, report, epochs=2 * EPOCHS, dead="fs1b")
+    assert len(report["stages"][1]["fs"]) == 2, report["stages"]
