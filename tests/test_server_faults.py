@@ -25,6 +25,7 @@ def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240) -> Non
     while not any(int(n) >= after for n in closed.findall((swarm.workdir / "fs0.log").read_text())):
         assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
         time.sleep(0.02)
+    time.sleep(0.3)  # into the next epoch
     process = swarm.processes.pop(name)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
@@ -122,3 +123,25 @@ def test_a_stage_with_two_fs_trains_on_when_one_is_lost_for_good_and_a_restarted
     report = swarm.wait_finished(timeout=300)
     check_every_batch_trained_once(swarm, report, epochs=2 * EPOCHS, dead="fs1b")
     assert len(report["stages"][1]["fs"]) == 2, report["stages"]
+
+
+@pytest.mark.timeout(480)
+def test_the_data_source_killed_and_restarted_with_its_identity_resumes_where_the_swarm_stands(make_swarm):
+    swarm = make_swarm("sourcefault", RECIPE)
+    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
+    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
+    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+    for name, stage in (("c0a", "0"), ("c0b", "0"), ("c1a", "1"), ("c1b", "1")):
+        swarm.peer(name, "--role", "client", "--stage", stage)
+    fs0 = ["--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(EPOCHS),
+           "--identity-path", str(swarm.workdir / "fs0.key")]
+    swarm.peer("fs0", *fs0)
+
+    kill_mid_epoch(swarm, "fs0", after=3)
+    time.sleep(3.0)
+    swarm.peer("fs0", *fs0)  # the same command: it asks the servers where the swarm stands, and goes on from there
+
+    report = swarm.wait_finished(timeout=300)
+    check_every_batch_trained_once(swarm, report, epochs=EPOCHS, dead="fs0")
+    assert "resuming at epoch" in (swarm.workdir / "fs0.log").read_text()
+    assert all(stage["state"] == "training" for stage in report["stages"]), report["stages"]

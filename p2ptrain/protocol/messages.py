@@ -393,14 +393,21 @@ class Leave(Request):
 
 @dataclass(frozen=True, kw_only=True)
 class EpochState(Message):
-    """Whether an FS has every row of its segment of an epoch back (or closed the epoch already)."""
+    """Whether a server has every row of its segment of an epoch back (or closed the epoch already), and where it
+    stands: the last epoch it closed, whether that one was abandoned, the last epoch it holds rows of, and (an FS)
+    the global batch of data of the last epoch committed to it; -1 for none."""
 
     complete: bool
+    closed_epoch: ClosedEpoch = -1
+    abandoned: bool = False
+    held_epoch: ClosedEpoch = -1
+    batch: ClosedEpoch = -1
 
 
 @dataclass(frozen=True, kw_only=True)
 class AskEpoch(Request):
-    """The data source asks a stage-0 FS whether its segment of `epoch` is complete, before it commits the epoch."""
+    """The data source asks a stage-0 FS whether its segment of `epoch` is complete, before it commits the epoch; a
+    restarted data source asks every server where the swarm stands."""
 
     method: ClassVar[str] = "rpc_ask_epoch"
     reply: ClassVar[type[Message]] = EpochState
@@ -421,6 +428,7 @@ class EndEpoch(Request):
     epoch: Epoch
     abandoned: bool
     layout: Layout
+    batch: ClosedEpoch = -1  # committed: the global batch of data the epoch trained on
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,17 @@ from hivemind.p2p import P2PContext
 
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.protocol.layout import Layout, ServerRole
-from p2ptrain.protocol.messages import Ack, EndEpoch, Leave, ReportTask, Request, TakeTask, TaskReply
+from p2ptrain.protocol.messages import (
+    Ack,
+    AskEpoch,
+    EndEpoch,
+    EpochState,
+    Leave,
+    ReportTask,
+    Request,
+    TakeTask,
+    TaskReply,
+)
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
 from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, StageState, WorkerRecord
@@ -300,7 +310,7 @@ class StageServer(Service, Generic[S]):
         if {mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch} - {layout}:
             raise Refused(f"epoch {epoch} came here with another layout")
         if not request.abandoned:
-            return self.commit(epoch)
+            return self.commit(epoch, batch=request.batch)
         if self.ended(epoch):
             stats = self.state.epochs.get(epoch)
             if self.closes_by_commit and self.state.closed_epoch >= epoch and not (stats and stats.abandoned):
@@ -324,9 +334,30 @@ class StageServer(Service, Generic[S]):
 
     closes_by_commit: ClassVar[bool] = False  # an FS closes an epoch only once the data source committed it
 
-    def commit(self, epoch: int) -> Ack:
-        """The data source committed `epoch`: every row of it came back at stage 0, so it is never abandoned."""
+    def commit(self, epoch: int, *, batch: int) -> Ack:
+        """The data source committed `epoch` (which trained on global batch `batch`): every row of it came back at
+        stage 0, so it is never abandoned."""
         return Ack()
+
+    def rpc_ask_epoch(self, requests: Requests, context: P2PContext) -> Responses:
+        """The data source asks whether every row of this server's segment of an epoch is back, and where it stands."""
+        return self.serve(requests, context, AskEpoch, self.ask_epoch)
+
+    async def ask_epoch(self, request: AskEpoch, sender: str) -> EpochState:
+        state = self.state
+        stats = state.epochs.get(state.closed_epoch)
+        return EpochState(complete=state.closed_epoch >= request.epoch or self.has_all_rows(request.epoch),
+                          closed_epoch=state.closed_epoch, abandoned=bool(stats and stats.abandoned),
+                          held_epoch=max((key[0] for key in state.microbatches), default=state.closed_epoch),
+                          batch=self.committed_batch())
+
+    def has_all_rows(self, epoch: int) -> bool:
+        """Whether every row of this server's segment of an open epoch is back."""
+        return False
+
+    def committed_batch(self) -> int:
+        """The global batch of the last epoch committed here, -1 if none (or if this role is not told)."""
+        return -1
 
     def drop_epoch(self, epoch: int) -> None:
         """What a role holds of an abandoned epoch beyond its microbatches and tasks, dropped."""

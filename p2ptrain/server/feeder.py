@@ -21,7 +21,7 @@ from typing import Callable
 
 from p2ptrain.data import TextSource
 from p2ptrain.protocol.layout import Layout, StageServers
-from p2ptrain.protocol.messages import BACKWARD_SERVER, FRONTAL_SERVER, AskEpoch, EndEpoch, PushRows
+from p2ptrain.protocol.messages import BACKWARD_SERVER, FRONTAL_SERVER, AskEpoch, EndEpoch, EpochState, PushRows
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.watch import ServerWatch
@@ -70,7 +70,10 @@ class DataFeeder:
             await asyncio.gather(watching, return_exceptions=True)
 
     async def _feed_epochs(self, stop: asyncio.Event) -> None:
-        epoch, batch = 0, 0  # `batch`: the global batch of the data that `epoch` trains on
+        layout = await self._wait_for_layout(stop)
+        if layout is None:
+            return
+        epoch, batch = await self._resume(layout, stop)  # `batch`: the global batch of the data that `epoch` trains on
         while batch < self.epochs:
             layout = await self._wait_for_layout(stop)
             if layout is None:
@@ -89,7 +92,7 @@ class DataFeeder:
                 logger.warning(f"data source: {self.watch.reason} before epoch {epoch} was complete; epoch "
                                f"{epoch} is abandoned, and its batch is fed again as epoch {epoch + 1}")
             elif complete.result():
-                await self._end(epoch, layout, abandoned=False, stop=stop)
+                await self._end(epoch, layout, abandoned=False, batch=batch, stop=stop)
                 while self.server.state.closed_epoch < epoch:
                     if stop.is_set():
                         return
@@ -126,10 +129,44 @@ class DataFeeder:
                 await asyncio.sleep(ASK_EVERY_S)
         return True
 
-    async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event) -> None:
-        """Tell the servers of the epoch's layout that it is committed (every FS) or abandoned (every server); a
-        server lost for good is skipped."""
-        request, verb = EndEpoch(epoch=epoch, abandoned=abandoned, layout=layout), "abandon" if abandoned else "commit"
+    async def _resume(self, layout: Layout, stop: asyncio.Event) -> tuple[int, int]:
+        """The epoch and batch to feed first. A data source that restarted finds the swarm further on: it asks
+        every server where it stands, ends the last epoch an FS closed again as it ended (the old data source may have
+        died telling the others), abandons every epoch after it (their rows died with it), and goes on with the batch
+        after the last committed one."""
+        servers = [(peer, FRONTAL_SERVER) for stage in layout.stages for peer in stage.fs]
+        servers += [(peer, BACKWARD_SERVER) for stage in layout.stages for peer in stage.bs]
+
+        async def ask(peer: str, service: str) -> EpochState | None:
+            try:
+                return await self.server.retrying(peer, service, AskEpoch(epoch=0), attempts=self.server.settings.
+                                                  push_attempts, what="asking where the swarm stands")
+            except Exception as e:
+                logger.warning(f"data source: {peer} did not say where it stands: {e!r}")
+                return None
+
+        answers = dict(zip(servers, await asyncio.gather(*(ask(*server) for server in servers))))
+        fs = [answer for (_, service), answer in answers.items() if service == FRONTAL_SERVER and answer is not None]
+        top = max((answer.held_epoch for answer in answers.values() if answer is not None), default=-1)
+        if top < 0:
+            return 0, 0  # a new swarm
+        closed = max((answer.closed_epoch for answer in fs), default=-1)
+        batch = max((answer.batch for answer in fs), default=-1)
+        logger.warning(f"data source: the swarm is at epoch {top} (closed through {closed}, batch {batch}); "
+                       f"resuming at epoch {top + 1}, batch {batch + 1}")
+        if closed >= 0:
+            abandoned = any(answer.abandoned for answer in fs if answer.closed_epoch == closed)
+            await self._end(closed, layout, abandoned=abandoned, batch=batch, stop=stop)
+        for epoch in range(closed + 1, top + 1):
+            await self._end(epoch, layout, abandoned=True, stop=stop)
+            self.progress.abandoned.append(epoch)
+        return top + 1, batch + 1
+
+    async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1) -> None:
+        """Tell the servers of the epoch's layout that it is committed (every FS; `batch`: its global batch of data)
+        or abandoned (every server); a server lost for good is skipped."""
+        request = EndEpoch(epoch=epoch, abandoned=abandoned, layout=layout, batch=batch)
+        verb = "abandon" if abandoned else "commit"
         targets = [(fs, FRONTAL_SERVER) for stage in layout.stages for fs in stage.fs]
         if abandoned:
             targets += [(bs, BACKWARD_SERVER) for stage in layout.stages for bs in stage.bs]

@@ -17,9 +17,7 @@ from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
     Ack,
-    AskEpoch,
     Closure,
-    EpochState,
     FetchInputs,
     FetchOutputGrads,
     GroupMember,
@@ -276,12 +274,19 @@ class FrontalServer(StageServer[FrontalState]):
             self.epoch_stats(epoch).rows_grouped = sum(len(r.rows) for r in state.results.pop(epoch, ()))
             self.close_epoch(epoch)
 
-    def commit(self, epoch: int) -> Ack:
+    def commit(self, epoch: int, *, batch: int) -> Ack:
+        self.state.batch = max(self.state.batch, batch)
         if self.ended(epoch):
             return Ack(again=True)
         self.state.committed.add(epoch)
         self.close_ready()
         return Ack()
+
+    def has_all_rows(self, epoch: int) -> bool:
+        return len(self.state.completed.get(epoch, ())) == self.config.microbatches
+
+    def committed_batch(self) -> int:
+        return self.state.batch
 
     def drop_epoch(self, epoch: int) -> None:
         state = self.state
@@ -290,14 +295,6 @@ class FrontalServer(StageServer[FrontalState]):
         state.committed.discard(epoch)
         for task_id in [task_id for task_id, work in state.redo.items() if work.task.epoch == epoch]:
             del state.redo[task_id]
-
-    def rpc_ask_epoch(self, requests: Requests, context: P2PContext) -> Responses:
-        """The data source asks whether every row of this server's segment of an epoch is back."""
-        return self.serve(requests, context, AskEpoch, self.ask_epoch)
-
-    async def ask_epoch(self, request: AskEpoch, sender: str) -> EpochState:
-        return EpochState(complete=self.state.closed_epoch >= request.epoch
-                          or len(self.state.completed.get(request.epoch, ())) == self.config.microbatches)
 
     def _redo(self, epoch: int, lost: set[str]) -> None:
         """Hand the rows whose parameter gradients `lost` workers took with them to other workers."""

@@ -215,6 +215,7 @@ class FrontalState(StageState):
     results: dict[int, list[Result]] = field(default_factory=dict)  # of epochs not yet closed
     redo: dict[str, RedoWork] = field(default_factory=dict)
     committed: set[int] = field(default_factory=set)  # epochs the data source committed, not yet closed here
+    batch: int = -1  # the global batch of data of the last epoch committed here (a restarted data source asks)
 
     def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         microbatches = []
@@ -235,7 +236,7 @@ class FrontalState(StageState):
                         for epoch, results in self.results.items()],
             "redo": [{"task": work.task.to_dict(), "has_grad": _keep(tensors, f"redo/{task_id}/grad", work.grad)}
                      for task_id, work in self.redo.items()],
-            "committed": sorted(self.committed),
+            "committed": sorted(self.committed), "batch": self.batch,
         }
 
     @classmethod
@@ -261,7 +262,7 @@ class FrontalState(StageState):
                 task=Task.from_dict(work["task"]),
                 grad=tensors[f"redo/{work['task']['task_id']}/grad"] if work["has_grad"] else None)
                 for work in meta["redo"]},
-            "committed": set(meta["committed"]),
+            "committed": set(meta["committed"]), "batch": meta["batch"],
         }
 
 
