@@ -32,6 +32,11 @@ def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240) -> Non
     os.rename(swarm.workdir / f"{name}.log", swarm.workdir / f"{name}.killed.log")
 
 
+def start_clients(swarm) -> None:
+    for name, stage in (("c0a", "0"), ("c0b", "0"), ("c1a", "1"), ("c1b", "1")):
+        swarm.peer(name, "--role", "client", "--stage", stage)
+
+
 def wait_epoch(swarm, epoch: int, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     report = swarm.status()
@@ -80,8 +85,7 @@ def test_a_lone_bs_killed_pauses_the_swarm_and_restarted_with_its_identity_takes
     swarm.peer("bs0", *bs0)
     swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
     swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
-    for name, stage in (("c0a", "0"), ("c0b", "0"), ("c1a", "1"), ("c1b", "1")):
-        swarm.peer(name, "--role", "client", "--stage", stage)
+    start_clients(swarm)
     swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(EPOCHS))
     kill_mid_epoch(swarm, "bs0", after=2)
     time.sleep(8.0)  # lost after --server-lost: the open epoch is abandoned and the swarm waits for a stage-0 BS
@@ -106,8 +110,7 @@ def test_a_stage_with_two_fs_trains_on_when_one_is_lost_for_good_and_a_restarted
     swarm.peer("fs1a", "--role", "server", "--stage", "1", "--server-role", "fs")
     swarm.peer("fs1b", *fs1b)
     swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
-    for name, stage in (("c0a", "0"), ("c0b", "0"), ("c1a", "1"), ("c1b", "1")):
-        swarm.peer(name, "--role", "client", "--stage", stage)
+    start_clients(swarm)
     swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(2 * EPOCHS))
     first = wait_epoch(swarm, 1, timeout=240)
     assert len(first["stages"][1]["fs"]) == 2
@@ -131,8 +134,7 @@ def test_the_data_source_killed_and_restarted_with_its_identity_resumes_where_th
     swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
     swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
     swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
-    for name, stage in (("c0a", "0"), ("c0b", "0"), ("c1a", "1"), ("c1b", "1")):
-        swarm.peer(name, "--role", "client", "--stage", stage)
+    start_clients(swarm)
     fs0 = ["--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(EPOCHS),
            "--identity-path", str(swarm.workdir / "fs0.key")]
     swarm.peer("fs0", *fs0)
