@@ -17,8 +17,8 @@ one, by this driver's clock), its ratio to the no-fault case, the kills, and the
 `p2ptrain.status` (rows in the batch, rows averaged, tasks redone, rows recomputed, workers lost).
 
 Only the task-pool policy is measured: `--fault-policy swarm` (SWARM's drop-and-redo-from-stage-0) is not built
-yet, so the issue's task-pool / SWARM ratio cannot be reported. Writes benchmarks/results/faults.md and .json
-(or the same files in --out DIR).
+yet, so the issue's task-pool / SWARM ratio cannot be reported. Writes benchmarks/results/faults.md, .json and .png
+(throughput against the no-fault case, per disconnection rate), or the same files in --out DIR.
 """
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 from p2ptrain.config import RunConfig
 
@@ -148,6 +152,25 @@ def markdown(args: argparse.Namespace, command: str, info: dict, cases: list[dic
     return "\n".join(lines) + "\n"
 
 
+def plot(cases: list[dict[str, Any]], path: Path) -> None:
+    """Throughput relative to the no-fault case against the disconnection rate, with each case's kills."""
+    base = next(case["tokens_per_s"] for case in cases if case["rate"] == 0)
+    rates = [case["rate"] for case in cases]
+    ratios = [case["tokens_per_s"] / base for case in cases]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(rates, ratios, marker="o", label="task pool")
+    for case, ratio in zip(cases, ratios):
+        ax.annotate(f"{case['kills']} kills", (case["rate"], ratio), textcoords="offset points", xytext=(4, 6))
+    ax.set_xlabel("disconnection rate")
+    ax.set_ylabel("throughput / no-fault throughput")
+    ax.set_ylim(0, 1.1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="0,0.25,0.5", help="disconnection rates, comma-separated (0 included)")
@@ -180,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(args, command, info, cases)
     (args.out / "faults.md").write_text(text)
     (args.out / "faults.json").write_text(json.dumps({"command": command, "machine": info, "cases": cases}, indent=1))
+    plot(cases, args.out / "faults.png")
     print(text)
 
 
