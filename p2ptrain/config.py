@@ -135,7 +135,8 @@ class RuntimeConfig:
     closures_kept: int = 4  # epochs an FS remembers the averaging group of, for workers still finishing one
     feeder_poll_s: float = 0.01  # how often the data source looks whether it may feed the next microbatch
     server_check_s: float = 1.0  # the data source pings every stage server this often...
-    server_lost_s: float = 10.0  # ...and holds one lost that has not answered for this long (until it answers)
+    server_lost_s: float = 10.0  # ...and holds one lost that has not answered for this long (until it answers);
+    # a worker stops waiting for an FS that has not answered it for this long to close an epoch
     # DHT
     record_period_s: float = 10.0  # a peer re-stores its records this often...
     record_ttl_s: float = 30.0  # ...and they expire this long after the last store

@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--worker-lost", type=positive, default=RuntimeConfig.worker_lost_s,
                      help="seconds of silence after which a server counts a worker as gone and has its work redone")
     run.add_argument("--server-lost", type=positive, default=RuntimeConfig.server_lost_s,
-                     help="seconds a stage server may not answer the data source before the open epoch is abandoned "
-                          "and the next one laid out without it (a restarted server is noticed at once)")
+                     help="seconds a stage server may not answer before it counts as lost: the data source abandons "
+                          "the open epoch and lays the next one out without it (a restarted server is noticed at "
+                          "once), and workers stop waiting for it to close an epoch")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
