@@ -17,14 +17,25 @@ RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(
           "--lr", "3e-3", "--server-lost", "3"]
 
 
+CLOSED_AT_STAGE_0 = r"stage 0 FS: epoch (\d+) closed"
+
+
+def last_logged(swarm, name: str, pattern: str) -> int:
+    """The highest number `pattern` caught in a peer's log (-1 if none): the log tells at once, the status lags."""
+    return max((int(n) for n in re.findall(pattern, (swarm.workdir / f"{name}.log").read_text())), default=-1)
+
+
+def wait_logged(swarm, name: str, pattern: str, *, at_least: int, timeout: float, poll_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while last_logged(swarm, name, pattern) < at_least:
+        assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
+        time.sleep(poll_s)
+
+
 def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240) -> None:
     """SIGKILL a peer and its p2p daemon, without notice, right after the data source's FS closed an epoch (from
     `after` on), so that the next epoch has just been fed; its log is kept under another name."""
-    closed = re.compile(r"stage 0 FS: epoch (\d+) closed")
-    deadline = time.monotonic() + timeout
-    while not any(int(n) >= after for n in closed.findall((swarm.workdir / "fs0.log").read_text())):
-        assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
-        time.sleep(0.02)
+    wait_logged(swarm, "fs0", CLOSED_AT_STAGE_0, at_least=after, timeout=timeout, poll_s=0.02)
     time.sleep(0.3)  # into the next epoch
     process = swarm.processes.pop(name)
     os.killpg(process.pid, signal.SIGKILL)
@@ -111,20 +122,19 @@ def test_a_stage_with_two_fs_trains_on_when_one_is_lost_for_good_and_a_restarted
     swarm.peer("fs1b", *fs1b)
     swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
     start_clients(swarm)
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(2 * EPOCHS))
+    # enough batches that the run is still going when fs1b comes back
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(3 * EPOCHS))
     first = wait_epoch(swarm, 1, timeout=240)
     assert len(first["stages"][1]["fs"]) == 2
 
     kill_mid_epoch(swarm, "fs1b", after=first["epoch"] + 1)  # for good, for now: stage 1 trains on fs1a alone
-    report = wait_epoch(swarm, first["epoch"] + 4, timeout=180)
+    killed_at = last_logged(swarm, "fs0", CLOSED_AT_STAGE_0)
+    wait_logged(swarm, "fs0", CLOSED_AT_STAGE_0, at_least=killed_at + 3, timeout=180)
     swarm.peer("fs1b", *fs1b)  # back with its identity: the data source lays it out again
-    deadline = time.monotonic() + 120
-    while "epoch" not in (swarm.workdir / "fs1b.log").read_text():  # it closes an epoch again
-        assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
-        time.sleep(0.5)
+    wait_logged(swarm, "fs1b", r"stage 1 FS: epoch (\d+) closed", at_least=0, timeout=120)
 
     report = swarm.wait_finished(timeout=300)
-    check_every_batch_trained_once(swarm, report, epochs=2 * EPOCHS, dead="fs1b")
+    check_every_batch_trained_once(swarm, report, epochs=3 * EPOCHS, dead="fs1b")
     assert len(report["stages"][1]["fs"]) == 2, report["stages"]
 
 

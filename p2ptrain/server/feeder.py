@@ -37,7 +37,6 @@ ASK_EVERY_S = 0.1  # how often the data source asks the other stage-0 FS whether
 @dataclass
 class FeederProgress:
     epoch_seconds: dict[int, float] = field(default_factory=dict)  # committed epochs
-    abandoned: list[int] = field(default_factory=list)
     finished: bool = False
 
 
@@ -88,7 +87,6 @@ class DataFeeder:
                 complete.cancel()
                 await asyncio.gather(complete, return_exceptions=True)
                 await self._end(epoch, layout, abandoned=True, stop=stop)
-                self.progress.abandoned.append(epoch)
                 logger.warning(f"data source: {self.watch.reason} before epoch {epoch} was complete; epoch "
                                f"{epoch} is abandoned, and its batch is fed again as epoch {epoch + 1}")
             elif complete.result():
@@ -159,7 +157,6 @@ class DataFeeder:
             await self._end(closed, layout, abandoned=abandoned, batch=batch, stop=stop)
         for epoch in range(closed + 1, top + 1):
             await self._end(epoch, layout, abandoned=True, stop=stop)
-            self.progress.abandoned.append(epoch)
         return top + 1, batch + 1
 
     async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1) -> None:
@@ -173,7 +170,7 @@ class DataFeeder:
 
         async def end(peer: str, service: str) -> None:
             try:
-                await self.server.retrying(peer, service, request, attempts=None, what=f"{verb}ting epoch {epoch}",
+                await self.server.retrying(peer, service, request, attempts=None, what=f"{verb} epoch {epoch}",
                                            moot=lambda: peer in self.watch.lost or stop.is_set())
             except Refused as e:
                 logger.error(f"data source: {peer} refused to {verb} epoch {epoch}: {e}")
