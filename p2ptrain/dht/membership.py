@@ -44,7 +44,7 @@ class MembershipCache:
         return stages
 
     def all_servers(self) -> set[str]:
-        return {peer for stage in self.stages for peer in (*stage.fs, *stage.bs)}
+        return {peer for peer, _ in Layout(tuple(self.stages)).servers()}
 
     def servers(self, stage: int) -> tuple[list[str], list[str]]:
         return list(self.stages[stage].fs), list(self.stages[stage].bs)

@@ -281,7 +281,10 @@ class Peer:
 
     async def _previous_epochs(self, role: str, stage: int) -> list[EpochMetrics]:
         """What this peer's previous process published of its epochs, if its record is still in the DHT (a peer
-        restarted with its identity, in the same role)."""
+        restarted with its identity, in the same role). A peer without an identity file has a new peer id each
+        time, so it has no earlier record to read."""
+        if self.options.network.identity_path is None:
+            return []
         try:
             records = await asyncio.wait_for(asyncio.to_thread(get_metrics, self.dht, self.config.run_id),
                                              self.settings.rpc_timeout_s)

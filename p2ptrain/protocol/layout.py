@@ -36,6 +36,11 @@ class Layout:
             raise ValueError(f"{peer_id} is not a{'n FS' if role == 'fs' else ' BS'} of stage {stage} in this layout")
         return segments(total_rows, len(servers))[servers.index(peer_id)]
 
+    def servers(self, *roles: ServerRole) -> list[tuple[str, ServerRole]]:
+        """Every (peer, role) of the layout's stages, FS first, of the given roles (default both)."""
+        roles = roles or ("fs", "bs")
+        return [(peer, role) for role in roles for stage in self.stages for peer in stage.of(role)]
+
     def route(self, stage: int, role: ServerRole, rows: Rows, total_rows: int) -> list[tuple[str, Rows]]:
         """Which FS (or BS) of `stage` holds which part of `rows`."""
         servers = self.stages[stage].of(role)

@@ -322,9 +322,7 @@ class StageServer(Service, Generic[S]):
         if state.closed_epoch < epoch - 1 and not any(key[0] < epoch for key in state.microbatches):
             state.closed_epoch = epoch - 1  # a server that took no part in the epochs before (it restarted)
         self.drop_epoch(epoch)
-        state.pool.forget_epoch(epoch)
-        for key in [key for key in state.microbatches if key[0] == epoch]:
-            del state.microbatches[key]
+        self._forget_held(epoch)
         self.epoch_stats(epoch).abandoned = True
         state.abandoned[epoch] = layout.stages[self.stage].fs
         logger.warning(f"{self.name}: epoch {epoch} abandoned by the data source; what was held of it is dropped")
@@ -458,14 +456,18 @@ class StageServer(Service, Generic[S]):
             mb = self.state.microbatches[(epoch, microbatch)] = make()
         return mb
 
+    def _forget_held(self, epoch: int) -> None:
+        """Drop the epoch's microbatches and tasks (at its closure, or at once when it is abandoned)."""
+        for key in [key for key in self.state.microbatches if key[0] == epoch]:
+            del self.state.microbatches[key]
+        self.state.pool.forget_epoch(epoch)
+
     def close_epoch(self, epoch: int) -> None:
         """Every row of the epoch is through here, or it was abandoned: drop what is held of it."""
         self.state.closed_epoch = epoch
         self.state.abandoned.pop(epoch, None)
         self.epoch_stats(epoch).finished = self.clock()
-        for key in [key for key in self.state.microbatches if key[0] == epoch]:
-            del self.state.microbatches[key]
-        self.state.pool.forget_epoch(epoch)
+        self._forget_held(epoch)
         # a confirmation whose reply was lost may be asked again after the epoch closed here
         self.state.settled.pop(epoch - self.settings.closures_kept, None)
         logger.info(f"{self.name}: epoch {epoch} closed")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from p2ptrain.data import TextSource
-from p2ptrain.protocol.layout import Layout, StageServers
+from p2ptrain.protocol.layout import Layout, ServerRole, StageServers
 from p2ptrain.protocol.messages import BACKWARD_SERVER, FRONTAL_SERVER, AskEpoch, EndEpoch, EpochState, PushRows
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.server.frontal import FrontalServer
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 LAYOUT_WAIT_S = 0.25
 LAYOUT_NOTICE_EVERY_S = 5.0
+SERVICE: dict[ServerRole, str] = {"fs": FRONTAL_SERVER, "bs": BACKWARD_SERVER}
 ASK_EVERY_S = 0.1  # how often the data source asks the other stage-0 FS whether their rows are all back
 
 
@@ -77,7 +78,7 @@ class DataFeeder:
             layout = await self._wait_for_layout(stop)
             if layout is None:
                 return
-            self.watch.watch(peer for stage in layout.stages for peer in (*stage.fs, *stage.bs))
+            self.watch.watch(peer for peer, _ in layout.servers())
             started = time.monotonic()
             complete = asyncio.create_task(self._feed(epoch, batch, layout, stop))
             fault = asyncio.create_task(self.watch.fault.wait())
@@ -132,19 +133,18 @@ class DataFeeder:
         every server where it stands, ends the last epoch an FS closed again as it ended (the old data source may have
         died telling the others), abandons every epoch after it (their rows died with it), and goes on with the batch
         after the last committed one."""
-        servers = [(peer, FRONTAL_SERVER) for stage in layout.stages for peer in stage.fs]
-        servers += [(peer, BACKWARD_SERVER) for stage in layout.stages for peer in stage.bs]
+        servers = layout.servers()
 
-        async def ask(peer: str, service: str) -> EpochState | None:
+        async def ask(peer: str, role: ServerRole) -> EpochState | None:
             try:
-                return await self.server.retrying(peer, service, AskEpoch(epoch=0), attempts=self.server.settings.
-                                                  push_attempts, what="asking where the swarm stands")
+                return await self.server.retrying(peer, SERVICE[role], AskEpoch(epoch=0), attempts=self.server.
+                                                  settings.push_attempts, what="asking where the swarm stands")
             except Exception as e:
                 logger.warning(f"data source: {peer} did not say where it stands: {e!r}")
                 return None
 
         answers = dict(zip(servers, await asyncio.gather(*(ask(*server) for server in servers))))
-        fs = [answer for (_, service), answer in answers.items() if service == FRONTAL_SERVER and answer is not None]
+        fs = [answer for (_, role), answer in answers.items() if role == "fs" and answer is not None]
         top = max((answer.held_epoch for answer in answers.values() if answer is not None), default=-1)
         if top < 0:
             return 0, 0  # a new swarm
@@ -164,20 +164,18 @@ class DataFeeder:
         or abandoned (every server); a server lost for good is skipped."""
         request = EndEpoch(epoch=epoch, abandoned=abandoned, layout=layout, batch=batch)
         verb = "abandon" if abandoned else "commit"
-        targets = [(fs, FRONTAL_SERVER) for stage in layout.stages for fs in stage.fs]
-        if abandoned:
-            targets += [(bs, BACKWARD_SERVER) for stage in layout.stages for bs in stage.bs]
+        targets = layout.servers() if abandoned else layout.servers("fs")
 
-        async def end(peer: str, service: str) -> None:
+        async def end(peer: str, role: ServerRole) -> None:
             try:
-                await self.server.retrying(peer, service, request, attempts=None, what=f"{verb} epoch {epoch}",
+                await self.server.retrying(peer, SERVICE[role], request, attempts=None, what=f"{verb} epoch {epoch}",
                                            moot=lambda: peer in self.watch.lost or stop.is_set())
             except Refused as e:
                 logger.error(f"data source: {peer} refused to {verb} epoch {epoch}: {e}")
             except Exception as e:
                 logger.warning(f"data source: could not {verb} epoch {epoch} at {peer}, lost or stopping: {e!r}")
 
-        await asyncio.gather(*(end(peer, service) for peer, service in targets))
+        await asyncio.gather(*(end(peer, role) for peer, role in targets))
 
     async def _wait_for_layout(self, stop: asyncio.Event) -> Layout | None:
         waited = 0.0
