@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROWS, MICROBATCHES, EPOCHS = 8, 2, 30
+ROWS, MICROBATCHES, EPOCHS = 8, 6, 20
 RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES), "--seq-len", "64",
           "--lr", "3e-3", "--worker-lost", "4"]
 CLIENTS = {"c0a": "0", "c0b": "0", "c1a": "1", "c1b": "1"}
@@ -57,7 +57,7 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
     report = swarm.status()
     while not (report["finished"] and report["epoch"] + 1 >= EPOCHS):
         assert time.monotonic() < deadline, f"the swarm did not finish; last status {report}\n" + swarm.logs()
-        time.sleep(rng.uniform(1.0, 4.0))
+        time.sleep(rng.uniform(0.5, 2.5))
         report = swarm.status()
         if report["epoch"] + 1 >= EPOCHS - 3:
             continue  # the last epochs run undisturbed, so the run ends within the test's time
@@ -66,6 +66,8 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
             swarm.peer(name, "--role", "client", "--stage", JOINERS[name])
             joined.add(name)
             continue
+        if kills and report["epoch"] <= kills[-1][1]:
+            continue  # one disconnection per global batch at most: kills every few seconds once all fell in the first, slow epochs
         # a client that is up (a kill while it starts tests nothing the servers see)
         up = [name for name in sorted(CLIENTS) if " up: " in (swarm.workdir / f"{name}.log").read_text()]
         if not up:
@@ -85,7 +87,7 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
     report = swarm.status_cli()
     in_round = failed_rounds(swarm.workdir)  # the known gap: logged, not hidden
 
-    assert restarts >= 4 and len({epoch for _, epoch in kills}) >= 4, kills
+    assert restarts >= 4 and len({epoch for _, epoch in kills}) >= 4, f"{kills}\n" + swarm.logs(["fs0", "fs1"])
     assert [e["epoch"] for e in report["epochs"]] == list(range(EPOCHS))
     for epoch in report["epochs"]:
         for stage, counts in enumerate(epoch["stages"]):
