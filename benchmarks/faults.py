@@ -1,24 +1,27 @@
 """Faults benchmark: a local 2-stage swarm of real processes whose clients vanish (SIGKILL) and come back, at several
-disconnection rates, against the same swarm without faults, in one run on the same cores.
+disconnection rates, against the same swarm without faults, under both fault policies, in one run on the same cores.
 
-    python benchmarks/faults.py [--rates 0,0.25,0.5] [--clients 2] [--unreliable 1.0] [--epochs 10] [--warmup 2]
-                                [--worker-lost 10] [--seed 0] [--out DIR]
+    python benchmarks/faults.py [--rates 0,0.25,0.5] [--policies taskpool,swarm] [--clients 2] [--unreliable 1.0]
+                                [--epochs 10] [--warmup 2] [--worker-lost 10] [--seed 0] [--out DIR]
 
 Each case is a fresh swarm (`harness.LocalSwarm`): a bootstrap peer, an FS and a BS per stage, and `--clients`
 clients per stage, all `python -m p2ptrain.peer` on 127.0.0.1 with the same recipe. A share `--unreliable` of the
 clients is unreliable. The disconnection rate is the paper's (§4.2): the share of the unreliable clients that
 vanish during a global batch and return in the next. Each time an epoch closes, every unreliable client is picked
 with that probability and SIGKILLed (with its p2p daemon) at a uniformly random moment within the last epoch's
-duration, then started again with the same command at once; it returns once it has started, downloaded its
-stage's state and polled.
+duration, unless it is still coming back from its last disconnection, then started again with the same command at
+once; it returns once it has started (imports, p2p daemon, DHT), downloaded its stage's state and polled.
 
-Reported per case: throughput (training tokens per second between the closure of epoch `--warmup` and of the last
-one, by this driver's clock), its ratio to the no-fault case, the kills, and the row accounting of every epoch from
-`p2ptrain.status` (rows in the batch, rows averaged, tasks redone, rows recomputed, workers lost).
+The policies (`--fault-policy`): `taskpool` redoes the rows a vanished worker held at their stage, from the inputs
+the FS keeps; `swarm` drops them, and the data source feeds their microbatches again from stage 0 in a later epoch,
+as SWARM retrains what a departed peer processed. Each rate runs under every policy with the same kill draws.
 
-Only the task-pool policy is measured: `--fault-policy swarm` (SWARM's drop-and-redo-from-stage-0) is not built
-yet, so the issue's task-pool / SWARM ratio cannot be reported. Writes benchmarks/results/faults.md, .json and .png
-(throughput against the no-fault case, per disconnection rate), or the same files in --out DIR.
+Reported per case: throughput (tokens of fresh data per second between the closure of epoch `--warmup` and of the
+last one, by this driver's clock: a microbatch fed again is not counted twice), its ratio to the same policy's
+no-fault case and to the task pool's at the same rate, the kills, and the row accounting of every epoch from
+`p2ptrain.status` (rows in the batch, rows averaged, tasks redone, rows recomputed, rows dropped, microbatches fed
+again, workers lost). Writes benchmarks/results/faults.md, .json and .png (throughput against each policy's no-fault
+case, per disconnection rate), or the same files in --out DIR.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from p2ptrain.config import RunConfig
+from p2ptrain.config import FAULT_POLICIES, RunConfig
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -60,7 +63,8 @@ class Chaos:
 
     def _bounce(self, name: str, stage: int) -> None:
         with self._lock:
-            if self._stop.is_set():
+            # a client still coming back from its last disconnection is not there to vanish
+            if self._stop.is_set() or " up: " not in self.swarm.log_path(name).read_text(errors="replace"):
                 return
             self.swarm.kill(name)
             self.swarm.start_client(stage, name=name, extra=self.extra)
@@ -71,9 +75,10 @@ class Chaos:
             self._stop.set()
 
 
-def run_case(args: argparse.Namespace, rate: float, workdir: Path) -> dict[str, Any]:
-    config = RunConfig(run_id=f"faults{int(rate * 100)}", model=args.model, num_stages=2, rows_per_microbatch=args.rows,
-                       microbatches=args.microbatches, seq_len=args.seq_len)
+def run_case(args: argparse.Namespace, policy: str, rate: float, workdir: Path) -> dict[str, Any]:
+    config = RunConfig(run_id=f"faults-{policy}{int(rate * 100)}", model=args.model, num_stages=2,
+                       rows_per_microbatch=args.rows, microbatches=args.microbatches, seq_len=args.seq_len,
+                       fault_policy=policy)
     extra = ["--worker-lost", str(args.worker_lost)]
     rng = random.Random(args.seed)
     workdir.mkdir(parents=True)
@@ -103,25 +108,28 @@ def run_case(args: argparse.Namespace, rate: float, workdir: Path) -> dict[str, 
                 now = time.monotonic()
                 for epoch in range(seen + 1, report["epoch"] + 1):
                     closed_at[epoch] = now
-                    log(f"  rate {rate}: epoch {epoch} closed, {chaos.kills} kills so far")
-                if report["epoch"] > seen:
-                    chaos.epoch_closed(now - last_close)
+                    log(f"  {policy}, rate {rate}: epoch {epoch} closed, {chaos.kills} kills so far")
+                if report["epoch"] > seen:  # a draw per global batch, however many closed since the last look
+                    for _ in range(report["epoch"] - seen):
+                        chaos.epoch_closed((now - last_close) / (report["epoch"] - seen))
                     seen, last_close = report["epoch"], now
                 if report["finished"] and report["epoch"] + 1 >= args.epochs:
                     break
                 if now > deadline:
-                    log(f"  rate {rate}: deadline reached at epoch {seen}")
+                    log(f"  {policy}, rate {rate}: deadline reached at epoch {seen}")
                     break
                 time.sleep(0.5)
         finally:
             chaos.stop()
         report = swarm.status()
     first, last = args.warmup, max(closed_at, default=-1)
-    tokens = config.tokens_per_epoch * (last - first)
+    again = {e["epoch"]: e["microbatches_retrained"] for e in report["epochs"]}
+    tokens = sum(config.tokens_per_epoch - again.get(epoch, 0) * config.rows_per_microbatch * config.seq_len
+                 for epoch in range(first + 1, last + 1))
     elapsed = closed_at[last] - closed_at[first] if last > first else None
     stages = [s for e in report["epochs"] for s in e["stages"]]
     return {
-        "rate": rate, "kills": chaos.kills, "epochs_closed": last + 1,
+        "policy": policy, "rate": rate, "kills": chaos.kills, "epochs_closed": last + 1,
         "tokens_per_s": tokens / elapsed if elapsed else None,
         "epochs_exact": sum(all(s["rows_averaged"] == s["rows_in_batch"] for s in e["stages"])
                             for e in report["epochs"]),
@@ -130,38 +138,51 @@ def run_case(args: argparse.Namespace, rate: float, workdir: Path) -> dict[str, 
         "rows_averaged": sum(s["rows_averaged"] for s in stages),
         "tasks_redone": sum(s["tasks_redone"] for s in stages),
         "rows_recomputed": sum(s["rows_recomputed"] for s in stages),
+        "rows_dropped": sum(s["rows_dropped"] for s in stages),
+        "microbatches_retrained": sum(again.values()),
         "workers_lost": sum(s["workers_lost"] for s in stages),
         "loss": report["loss"],
     }
 
 
+def _base(cases: list[dict], policy: str, rate: float) -> float | None:
+    return next((c["tokens_per_s"] for c in cases if c["policy"] == policy and c["rate"] == rate), None)
+
+
 def markdown(args: argparse.Namespace, command: str, info: dict, cases: list[dict]) -> str:
-    base = next((c["tokens_per_s"] for c in cases if c["rate"] == 0), None)
     lines = [f"# Faults benchmark\n\n`{command}`\n", f"Machine: {info}\n",
              f"Recipe: {args.model}, 2 stages, {args.clients} clients per stage ({args.unreliable:.0%} unreliable), "
              f"{args.microbatches} microbatches of {args.rows} rows of {args.seq_len} tokens, {args.epochs} epochs "
-             f"({args.warmup} of warm-up), --worker-lost {args.worker_lost}. Policy: task pool (SWARM's is not built).\n",
-             "| disconnection rate | kills | tokens/s | vs no faults | epochs exact / reported | rows averaged / "
-             "in batch | tasks redone | rows recomputed | workers lost | last loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"({args.warmup} of warm-up), --worker-lost {args.worker_lost}.\n",
+             "| policy | disconnection rate | kills | tokens/s | vs no faults | task pool / this | epochs exact / "
+             "reported | rows averaged / in batch | tasks redone | rows recomputed | rows dropped | microbatches fed "
+             "again | workers lost | last loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
+        base, pool = _base(cases, c["policy"], 0.0), _base(cases, "taskpool", c["rate"])
         ratio = c["tokens_per_s"] / base if base and c["tokens_per_s"] else None
-        lines.append(f"| {c['rate']:.2f} | {c['kills']} | {fmt(c['tokens_per_s'], '.0f')} | {fmt(ratio)} | "
-                     f"{c['epochs_exact']} / {c['epochs_reported']} | {c['rows_averaged']} / {c['rows_in_batch']} | "
-                     f"{c['tasks_redone']} | {c['rows_recomputed']} | {c['workers_lost']} | {fmt(c['loss'], '.3f')} |")
+        versus = pool / c["tokens_per_s"] if pool and c["tokens_per_s"] else None
+        lines.append(f"| {c['policy']} | {c['rate']:.2f} | {c['kills']} | {fmt(c['tokens_per_s'], '.0f')} | "
+                     f"{fmt(ratio)} | {fmt(versus)} | {c['epochs_exact']} / {c['epochs_reported']} | "
+                     f"{c['rows_averaged']} / {c['rows_in_batch']} | {c['tasks_redone']} | {c['rows_recomputed']} | "
+                     f"{c['rows_dropped']} | {c['microbatches_retrained']} | {c['workers_lost']} | "
+                     f"{fmt(c['loss'], '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(cases: list[dict[str, Any]], path: Path) -> None:
-    """Throughput relative to the no-fault case against the disconnection rate, with each case's kills."""
-    base = next(case["tokens_per_s"] for case in cases if case["rate"] == 0)
-    rates = [case["rate"] for case in cases]
-    ratios = [case["tokens_per_s"] / base for case in cases]
+    """Throughput relative to each policy's no-fault case against the disconnection rate, with each case's kills."""
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(rates, ratios, marker="o", label="task pool")
-    for case, ratio in zip(cases, ratios):
-        ax.annotate(f"{case['kills']} kills", (case["rate"], ratio), textcoords="offset points", xytext=(4, 6))
-    ax.set_xlabel("disconnection rate")
+    for policy in dict.fromkeys(c["policy"] for c in cases):
+        mine = [c for c in cases if c["policy"] == policy and c["tokens_per_s"]]
+        base = _base(cases, policy, 0.0)
+        if not base:
+            continue
+        ratios = [c["tokens_per_s"] / base for c in mine]
+        ax.plot([c["rate"] for c in mine], ratios, marker="o", label={"taskpool": "task pool"}.get(policy, policy))
+        for case, ratio in zip(mine, ratios):
+            ax.annotate(f"{case['kills']}", (case["rate"], ratio), textcoords="offset points", xytext=(4, 6))
+    ax.set_xlabel("disconnection rate (labels: kills)")
     ax.set_ylabel("throughput / no-fault throughput")
     ax.set_ylim(0, 1.1)
     ax.grid(alpha=0.3)
@@ -174,6 +195,8 @@ def plot(cases: list[dict[str, Any]], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="0,0.25,0.5", help="disconnection rates, comma-separated (0 included)")
+    parser.add_argument("--policies", default=",".join(FAULT_POLICIES),
+                        help=f"fault policies, comma-separated, of {', '.join(FAULT_POLICIES)}")
     parser.add_argument("--clients", type=int, default=2, help="clients per stage")
     parser.add_argument("--unreliable", type=float, default=1.0, help="share of the clients that may vanish")
     parser.add_argument("--model", default="llama-tiny")
@@ -190,15 +213,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     rates = sorted({0.0, *(float(r) for r in args.rates.split(","))})
+    policies = list(dict.fromkeys(args.policies.split(",")))
+    if unknown := [p for p in policies if p not in FAULT_POLICIES]:
+        parser.error(f"--policies: unknown policy {unknown[0]!r}; choose from {', '.join(FAULT_POLICIES)}")
     command, info = command_line(__file__, argv), machine_info()
     cases = []
     with tempfile.TemporaryDirectory(prefix="p2ptrain-faults-") as tmp:
         for rate in rates:
-            log(f"case: disconnection rate {rate}")
-            cases.append(run_case(args, rate, Path(tmp) / f"rate{rate}"))
-            log(f"  {cases[-1]}")
+            for policy in policies:
+                log(f"case: {policy}, disconnection rate {rate}")
+                cases.append(run_case(args, policy, rate, Path(tmp) / f"{policy}-rate{rate}"))
+                log(f"  {cases[-1]}")
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(args, command, info, cases)
     (args.out / "faults.md").write_text(text)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from p2ptrain.config import CODECS, ConfigError, RunConfig, check_run_id
+from p2ptrain.config import CODECS, FAULT_POLICIES, ConfigError, RunConfig, check_run_id
 from p2ptrain.models import TRAINABLE
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -65,7 +65,7 @@ def writable_file(text: str) -> Path:
 RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-stages",
                 "rows_per_microbatch": "--batch-rows", "microbatches": "--microbatches", "seq_len": "--seq-len",
                 "seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "compression": "--compression",
-                "data": "--data", "stage": "--stage"}
+                "data": "--data", "fault_policy": "--fault-policy", "stage": "--stage"}
 
 
 def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = RunConfig()) -> None:
@@ -86,6 +86,10 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
     recipe.add_argument("--compression", choices=CODECS, default=defaults.compression,
                         help="codec for activations and gradients")
     recipe.add_argument("--data", help="a local text file to train on (default: the embedded corpus)")
+    recipe.add_argument("--fault-policy", choices=FAULT_POLICIES, default=defaults.fault_policy,
+                        help="rows whose gradients a vanished worker took: 'taskpool' redoes them at their stage from "
+                             "the inputs its FS keeps; 'swarm' drops them and feeds their microbatches again from "
+                             "stage 0 in a later epoch, as SWARM does (for comparison)")
 
 
 def recipe_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunConfig:
@@ -93,7 +97,7 @@ def recipe_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Ru
         return RunConfig(run_id=args.run_id, model=args.model, num_stages=args.num_stages,
                          rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
                          seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, compression=args.compression,
-                         data=args.data)
+                         data=args.data, fault_policy=args.fault_policy)
 
 
 @contextmanager

@@ -15,6 +15,10 @@ from pathlib import Path
 from p2ptrain.models import TRAINABLE, ModelConfig, model_config
 
 CODECS: tuple[str, ...] = ("none", "fp16", "int8")  # codecs of activations and gradients on the wire
+# what the servers do with the rows whose parameter gradients a vanished worker took: "taskpool" redoes them at their
+# stage from the inputs the FS keeps (the paper's task pool); "swarm" drops them, and the data source feeds their
+# microbatches again from stage 0 in a later epoch (what SWARM does), so the two compare on one runtime
+FAULT_POLICIES: tuple[str, ...] = ("taskpool", "swarm")
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -47,6 +51,7 @@ class RunConfig:
     weight_decay: float = 0.01  # AdamW's, on matrices and embeddings only (StageModel.optimizer_groups)
     compression: str = "none"  # codec of activations and gradients: one of CODECS
     data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
+    fault_policy: str = "taskpool"  # one of FAULT_POLICIES
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
@@ -69,6 +74,9 @@ class RunConfig:
             raise ConfigError("weight_decay", self.weight_decay, "must be 0 or more")
         if self.compression not in CODECS:
             raise ConfigError("compression", self.compression, f"unknown codec; choose one of {', '.join(CODECS)}")
+        if self.fault_policy not in FAULT_POLICIES:
+            raise ConfigError("fault_policy", self.fault_policy,
+                              f"unknown policy; choose one of {', '.join(FAULT_POLICIES)}")
         if self.data is not None:
             self._check_data(Path(self.data))
 
@@ -129,6 +137,9 @@ class RuntimeConfig:
     lease_min_s: float = 2.0
     worker_lost_s: float = 10.0  # a worker silent this long is gone: its leases go back to the pool, and the rows
     # whose parameter gradients it held in an epoch not yet closed are redone by others
+    probe_silent_s: float = 1.0  # a worker silent this long while it holds a lease or gradients is probed: if its
+    probe_timeout_s: float = 2.0  # process cannot be reached it is gone at once; an answer, or none in this long,
+    # leaves it to worker_lost_s
     active_worker_s: float = 30.0  # an FS sizes tasks for the workers that polled within this long
     refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no tasks for ban_s,
     ban_s: float = 30.0  # ...doubled at each ban after the first

@@ -11,10 +11,11 @@ JSON fields (stable; later tools and outside checks read them):
   epochs_planned         global batches the data source will feed (null if no source is up)
   finished               the data source fed and closed all its epochs
   loss                   mean token loss (nats) of the last closed epoch, from the last stage
-  tokens_per_s           training tokens per second over the last closed epoch, at the data source
-  epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned,
+  tokens_per_s           training tokens per second over the last closed epoch, at the data source (fresh data
+                           only: microbatches fed again under fault policy swarm do not count)
+  epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
-                                     workers_lost, workers_joined}]}] oldest first:
+                                     rows_dropped, workers_lost, workers_joined}]}] oldest first:
                            rows_in_batch: rows of the global batch that entered the stage;
                            rows_averaged: rows whose gradients reached the stage's averaged optimizer step: the
                              rows the FS handed to the epoch's averaging group, less those of any worker that
@@ -23,12 +24,16 @@ JSON fields (stable; later tools and outside checks read them):
                              rows redone);
                            rows_recomputed: rows whose forward and backward were done again because the worker
                              that held their parameter gradients vanished before the stage averaged;
+                           rows_dropped: fault policy swarm: rows whose parameter gradients went with a vanished
+                             worker and were not redone at the stage (their microbatch's data is fed again);
                            workers_lost: workers that vanished holding parameter gradients of the epoch;
                            workers_joined: workers the stage's FS first saw while the epoch was open;
                          abandoned: the data source ended the epoch without a step because a stage server of its
                            layout restarted or was lost before all its rows were back: no stage stepped on it (its
                            rows_averaged are 0 and it never counts as closed), and its batch of data was fed again
-                           as the next epoch
+                           as the next epoch;
+                         microbatches_retrained: fault policy swarm: microbatches of the epoch that carried data
+                           fed before, whose rows a stage dropped
 """
 from __future__ import annotations
 
@@ -94,10 +99,10 @@ def _worst(views: list[str]) -> str:
 def _epochs(metrics: list, num_stages: int) -> list[dict]:
     """Per epoch and stage: rows in (FS), rows averaged (workers), tasks redone (FS and BS); loss; speed."""
     rows_in, averaged, redone = defaultdict(int), defaultdict(int), defaultdict(int)
-    recomputed, lost, joined = defaultdict(int), defaultdict(int), defaultdict(int)
+    recomputed, lost, joined, dropped = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
     closed_at: dict[int, set[int]] = defaultdict(set)
     abandoned: set[int] = set()
-    loss, speed, seconds = {}, {}, {}
+    loss, speed, seconds, retrained = {}, {}, {}, {}
     for record in metrics:
         servers = record.per_epoch if record.role in ("fs", "bs") else []
         workers = record.per_epoch if record.role == "worker" else record.worker_epochs
@@ -108,6 +113,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                 rows_in[key] += entry.rows_in_batch
                 averaged[key] += entry.rows_averaged
                 recomputed[key] += entry.rows_recomputed
+                dropped[key] += entry.rows_dropped
                 lost[key] += entry.workers_lost
                 joined[key] += entry.workers_joined
                 closed_at[entry.epoch].add(record.stage)
@@ -119,16 +125,18 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             averaged[(entry.epoch, record.stage)] -= entry.rows_in_batch - entry.rows_averaged
         for entry in record.source_epochs:
             seconds[entry.epoch] = entry.seconds
+            retrained[entry.epoch] = entry.microbatches_retrained
             speed[entry.epoch] = entry.tokens / entry.seconds if entry.seconds else None
     all_epochs = sorted({key[0] for key in rows_in} | set(loss) | set(speed))
     return [
         {
             "epoch": epoch, "loss": loss.get(epoch), "tokens_per_s": speed.get(epoch), "seconds": seconds.get(epoch),
-            "abandoned": epoch in abandoned,
+            "abandoned": epoch in abandoned, "microbatches_retrained": retrained.get(epoch, 0),
             "closed": len(closed_at[epoch]) == num_stages and epoch in loss and epoch not in abandoned,
             "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
                         "rows_averaged": averaged[(epoch, stage)], "tasks_redone": redone[(epoch, stage)],
-                        "rows_recomputed": recomputed[(epoch, stage)], "workers_lost": lost[(epoch, stage)],
+                        "rows_recomputed": recomputed[(epoch, stage)], "rows_dropped": dropped[(epoch, stage)],
+                        "workers_lost": lost[(epoch, stage)],
                         "workers_joined": joined[(epoch, stage)]}
                        for stage in range(num_stages)],
         }

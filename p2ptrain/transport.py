@@ -260,6 +260,8 @@ class Caller:
         servicer = self.local.get((peer, service))
         if servicer is not None:
             responses = getattr(servicer, method)(_aiter(requests), LocalCall(sender=self.peer_id))
+        elif self.p2p is None:
+            raise ConnectionError(f"no {service} of {peer} in this process, and no network")
         else:
             responses = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), handle_name(service, method), _aiter(requests), runtime_pb2.ExpertResponse)

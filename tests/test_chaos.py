@@ -6,6 +6,9 @@ One moment of death is not made exact yet: during the stage's all-reduce, or aft
 averaging group and before its round ended (the round fails for its group, and the survivors step on their own
 gradients, which they log, and the status shows as rows not averaged while their records live). An epoch may
 therefore lack rows at a stage only where a worker logged that its round failed; every other epoch must be exact.
+
+Under `--fault-policy swarm` (SWARM's way, for comparison) a kill instead drops the rows the worker held, and their
+microbatches' data comes again in a later epoch.
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-ROWS, MICROBATCHES, EPOCHS = 8, 6, 20
-RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES), "--seq-len", "64",
+ROWS, MICROBATCHES, EPOCHS, SEQ_LEN = 8, 6, 20, 64
+RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES), "--seq-len", str(SEQ_LEN),
           "--lr", "3e-3", "--worker-lost", "4"]
 CLIENTS = {"c0a": "0", "c0b": "0", "c1a": "1", "c1b": "1"}
 JOINERS = {"c0new": "0", "c1new": "1"}
@@ -102,3 +105,55 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
     assert all(stage["state"] == "training" for stage in report["stages"]), report["stages"]
     losses = [e["loss"] for e in report["epochs"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+
+
+@pytest.mark.timeout(420)
+def test_the_swarm_policy_drops_a_vanished_workers_rows_and_feeds_their_microbatches_again(make_swarm):
+    """SWARM's way (`--fault-policy swarm`), on the same runtime: a stage drops the rows a killed worker held instead
+    of redoing them, and the data source feeds their microbatches again from stage 0 in a later epoch."""
+    epochs = 14
+    swarm = make_swarm("swarmpolicy", [*RECIPE, "--fault-policy", "swarm"])
+    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
+    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
+    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+    for name, stage in CLIENTS.items():
+        swarm.peer(name, "--role", "client", "--stage", stage)
+    deadline = time.monotonic() + 180
+    while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(CLIENTS):
+        assert time.monotonic() < deadline, "the clients did not come up\n" + swarm.logs()
+        time.sleep(1.0)
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
+
+    rng, kills, killed_at = random.Random(3), 0, -1
+    deadline = time.monotonic() + 300
+    report = swarm.status()
+    while not (report["finished"] and report["epoch"] + 1 >= epochs):
+        assert time.monotonic() < deadline, f"the swarm did not finish; last status {report}\n" + swarm.logs()
+        time.sleep(rng.uniform(0.3, 1.5))
+        report = swarm.status()
+        dropped = any(s["rows_dropped"] for e in report["epochs"] for s in e["stages"])
+        if dropped or report["epoch"] <= killed_at or report["epoch"] < 1 or report["epoch"] + 1 >= epochs - 6:
+            continue  # one kill per global batch, until one took rows with it early enough that their data comes again
+        up = [name for name in sorted(CLIENTS) if " up: " in (swarm.workdir / f"{name}.log").read_text()]
+        if up:  # SIGKILL mid-epoch: a worker that holds rows of the open epoch takes them with it
+            victim = rng.choice(up)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(swarm.processes[victim].pid, signal.SIGKILL)
+            swarm.processes[victim].wait()
+            kills, killed_at = kills + 1, report["epoch"]
+            os.rename(swarm.workdir / f"{victim}.log", swarm.workdir / f"{victim}.{kills}.log")
+            swarm.peer(victim, "--role", "client", "--stage", CLIENTS[victim])
+    report = swarm.status_cli()
+
+    assert [e["epoch"] for e in report["epochs"]] == list(range(epochs))
+    drops = [(e["epoch"], s) for e in report["epochs"] for s in e["stages"] if s["rows_dropped"]]
+    assert drops, f"{kills} kills dropped no rows\n" + swarm.logs(["fs0", "fs1"])
+    for _, counts in drops:  # no redo: the stage averaged without them
+        assert counts["rows_averaged"] == counts["rows_in_batch"] - counts["rows_dropped"], counts
+        assert counts["rows_recomputed"] == 0, counts
+    first = min(epoch for epoch, _ in drops)
+    again = [e["microbatches_retrained"] for e in report["epochs"] if e["epoch"] > first]
+    assert sum(again) > 0, (drops, again)
+    for e in report["epochs"]:  # the speed counts fresh data only
+        fresh_tokens = (MICROBATCHES - e["microbatches_retrained"]) * ROWS * SEQ_LEN
+        assert e["tokens_per_s"] * e["seconds"] == pytest.approx(fresh_tokens), e

@@ -61,6 +61,7 @@ PEER_CASES = [
     (["--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9'"),
     (["--compression", "int4"], "argument --compression: invalid choice: 'int4'"),
     (["--fault", "fire"], "argument --fault: invalid choice: 'fire'"),
+    (["--fault-policy", "pray"], "argument --fault-policy: invalid choice: 'pray'"),
     (["--log-level", "LOUD"], "argument --log-level: invalid choice: 'LOUD'"),
     (["--data", "MISSING"], "--data MISSING: no such file"),
     (["--data", "SHORT"], "--data SHORT: 9 bytes, too short for one sequence of 64 + 1 tokens"),

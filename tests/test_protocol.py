@@ -1,10 +1,12 @@
-"""The pure protocol pieces: row segmentation, compute shares, the ledger, the task pool and the epoch-closure rule."""
+"""The pure protocol pieces: row segmentation, compute shares, the ledger, the task pool, the epoch-closure rule and
+the data of each microbatch under either fault policy."""
 import pytest
 
 from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.ledger import Ledger
 from p2ptrain.protocol.messages import Closure, GroupMember, TaskReply
 from p2ptrain.protocol.rows import Rows, route, segments, split_by_compute
+from p2ptrain.protocol.slots import SlotPlan
 from p2ptrain.protocol.taskpool import Kind, Task, TaskPool
 
 
@@ -156,3 +158,26 @@ def test_a_worker_waits_while_its_epoch_is_open_and_catches_up_when_it_is_long_g
     assert judge(0, {"fs-a": None}).catch_up_to is None
     # every FS of the layout closed the epoch, but the first one so long ago that it forgot the group: too late
     assert judge(3, {"fs-a": _reply(9), "fs-b": _reply(9, CLOSURE)}).catch_up_to == 10
+
+
+def test_the_task_pool_trains_each_global_batch_whole_and_an_abandoned_one_again():
+    plan = SlotPlan(microbatches=3, swarm=False)
+    assert plan.slots(0, 0) == [(0, 0), (0, 1), (0, 2)]
+    assert plan.refeed(0, 1) == [(0, 0), (0, 1), (0, 2)] and plan.retrained[1] == 0
+    assert plan.slots(2, 1) == [(1, 0), (1, 1), (1, 2)]
+
+
+def test_the_swarm_policy_feeds_dropped_microbatches_again_first_and_fresh_data_goes_on_where_it_stopped():
+    plan = SlotPlan(microbatches=3, swarm=True)
+    assert plan.slots(0, 0) == [(0, 0), (0, 1), (0, 2)]
+    assert plan.slots(1, 1) == [(1, 0), (1, 1), (1, 2)]
+    assert plan.dropped(0, 2) and plan.dropped(1, 0)
+    assert not plan.dropped(0, 2)  # two stages dropped rows of it: fed again once
+    assert not plan.dropped(9, 0)  # never fed (or forgotten)
+    assert plan.slots(2, 2) == [(0, 2), (1, 0), (2, 0)] and plan.retrained[2] == 2
+    assert plan.slots(3, 3) == [(2, 1), (2, 2), (3, 0)] and plan.retrained[3] == 0
+    assert plan.dropped(2, 0)  # a microbatch fed again can lose rows again
+    assert plan.refeed(3, 4) == [(2, 1), (2, 2), (3, 0)]  # an abandoned epoch's data comes whole, the queue waits
+    assert plan.slots(5, 4) == [(0, 2), (3, 1), (3, 2)]
+    plan.forget_before(4)
+    assert not plan.dropped(3, 1) and plan.dropped(5, 1)

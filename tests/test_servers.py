@@ -13,15 +13,18 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.live.probe import LinkProbe
 from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.layout import Layout, StageServers
 from p2ptrain.protocol.messages import (
+    LINK_PROBE,
     Ack,
     AskEpoch,
     Closure,
     EndEpoch,
     GroupMember,
     Leave,
+    MicrobatchRef,
     PushInputGrads,
     PushOutputs,
     PushRows,
@@ -52,12 +55,15 @@ class Clock:
 
 
 def servers(*, fs_state: FrontalState | None = None, bs_state: BackwardState | None = None,
-            clock: Callable[[], float] = time.monotonic) -> tuple[FrontalServer, BackwardServer]:
-    """The FS and BS of a one-stage run, two peers whose calls reach each other in this process."""
-    local, settings = {}, RuntimeConfig()
-    fs = FrontalServer(peer_id="fs", stage=0, config=CONFIG, settings=settings, state=fs_state, clock=clock,
+            clock: Callable[[], float] = time.monotonic, config: RunConfig = CONFIG,
+            workers: tuple[str, ...] = ("w1", "w2")) -> tuple[FrontalServer, BackwardServer]:
+    """The FS and BS of a one-stage run, two peers whose calls reach each other in this process, and the link probes
+    of live `workers` (a server probes a silent worker; one without a probe here cannot be reached, as if killed)."""
+    local = {(worker, LINK_PROBE): LinkProbe(peer_id=worker) for worker in workers}
+    settings = RuntimeConfig()
+    fs = FrontalServer(peer_id="fs", stage=0, config=config, settings=settings, state=fs_state, clock=clock,
                        caller=Caller(p2p=None, peer_id="fs", codec="none", timeout=10.0, local=local))
-    bs = BackwardServer(peer_id="bs", stage=0, config=CONFIG, settings=settings, state=bs_state, clock=clock,
+    bs = BackwardServer(peer_id="bs", stage=0, config=config, settings=settings, state=bs_state, clock=clock,
                         caller=Caller(p2p=None, peer_id="bs", codec="none", timeout=10.0, local=local))
     return fs, bs
 
@@ -228,6 +234,82 @@ def test_rows_of_a_worker_that_vanished_before_its_stage_averaged_are_redone_by_
         stats = fs.epoch_stats(0)
         assert (stats.rows_grouped, stats.rows_recomputed, stats.workers_lost) == (ROWS, ROWS // 2, 1)
         assert fs.state.pool.redone[0] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_judged_gone_that_was_alive_after_all_stays_out_of_the_epoch_its_rows_were_redone_in():
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock)
+        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
+        await feed(fs, 0)
+        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
+        for task, worker in ((second, "w2"), (first, "w1")):
+            await handled(await fs.push_input_grads(grads(task, worker), worker))
+            await bs.push_outputs(loss(task, worker), worker)
+            clock.now += 0.5
+        clock.now += fs.settings.worker_lost_s  # w2 froze: judged gone, its rows go to a redo
+        redo = await poll(fs, "w1", 0)
+        assert redo is not None and redo.kind == Kind.REDO
+        assert await poll(fs, "w2", 0) is None  # w2 thaws and polls: it gets no work of the epoch...
+        with pytest.raises(Refused, match="judged gone"):  # ...and its result, pushed again, no longer counts
+            await fs.push_input_grads(grads(second, "w2"), "w2")
+        await handled(await fs.push_input_grads(grads(redo, "w1"), "w1"))
+        assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == 0
+        assert fs.state.closures[0].group == (GroupMember(peer_id="w1", client_mode=False),)  # w2 polled, yet is out
+        assert fs.epoch_stats(0).rows_grouped == ROWS
+
+    asyncio.run(scenario())
+
+
+def test_under_the_swarm_policy_a_vanished_workers_rows_are_dropped_and_named_for_the_data_source_to_feed_again():
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock, config=dataclasses.replace(CONFIG, fault_policy="swarm"))
+        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
+        await feed(fs, 0)
+        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
+        await handled(await fs.push_input_grads(grads(second, "w2"), "w2"))  # w2 vanishes before it sends the loss
+        clock.now += 0.5
+        await handled(await fs.push_input_grads(grads(first, "w1"), "w1"))
+        await bs.push_outputs(loss(first, "w1"), "w1")
+        clock.now += fs.settings.worker_lost_s
+        assert await poll(fs, "w1", 0) is None  # no redo: the epoch closes without w2's rows
+        assert fs.state.closed_epoch == 0 and fs.state.pool.redone.get(0, 0) == 0
+        assert fs.state.closures[0].group == (GroupMember(peer_id="w1", client_mode=False),)
+        stats = fs.epoch_stats(0)
+        assert (stats.rows_grouped, stats.rows_dropped, stats.rows_recomputed, stats.workers_lost) == (
+            ROWS // 2, ROWS // 2, 0, 1)
+        for _ in range(100):  # the BS hears of the drop, and counts w2's rows through with no loss
+            if bs.state.closed_epoch == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert bs.state.closed_epoch == 0 and bs.epoch_stats(0).tokens == (ROWS // 2) * SEQ
+        state = await fs.ask_epoch(AskEpoch(epoch=1), "fs")
+        assert state.dropped == (MicrobatchRef(epoch=0, microbatch=0),)
+
+    asyncio.run(scenario())
+
+
+def test_a_killed_worker_is_known_gone_as_soon_as_a_probe_cannot_reach_it():
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock, workers=("w1",))  # w2 is killed after its result: its process is gone
+        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
+        await feed(fs, 0)
+        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
+        for task, worker in ((second, "w2"), (first, "w1")):
+            await handled(await fs.push_input_grads(grads(task, worker), worker))
+            await bs.push_outputs(loss(task, worker), worker)
+            clock.now += 0.5
+        assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == -1  # w2 silent 1 s: probed now
+        await asyncio.sleep(0.05)  # the probe fails: no process answers
+        assert fs.state.workers["w2"].unreachable > 0 and fs.gone(fs.state.workers["w2"])
+        redo = await poll(fs, "w1", 0)  # long before worker_lost_s
+        assert clock.now - fs.state.workers["w2"].last_seen < fs.settings.worker_lost_s
+        assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
+        assert fs.state.workers["w1"].probed == 0.0  # a worker that polls is never probed
 
     asyncio.run(scenario())
 

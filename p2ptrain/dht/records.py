@@ -68,6 +68,8 @@ class EpochMetricsModel(_Strict):
     workers_lost: _NonNegInt = 0
     workers_joined: _NonNegInt = 0
     abandoned: pydantic.StrictBool = False
+    rows_dropped: _NonNegInt = 0
+    microbatches_retrained: _NonNegInt = 0
 
 
 class MetricsModel(_Strict):
@@ -191,6 +193,8 @@ class EpochMetrics:
     workers_lost: int = 0  # workers that vanished holding gradients of the epoch (an FS)
     workers_joined: int = 0  # workers first seen while the epoch was open (an FS)
     abandoned: bool = False  # the data source abandoned the epoch (a server lost its rows); its batch came again
+    rows_dropped: int = 0  # rows whose gradients went with a vanished worker, not redone (an FS, fault policy swarm)
+    microbatches_retrained: int = 0  # microbatches of data fed again after a stage dropped rows (the data source)
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)

@@ -31,6 +31,7 @@ def server_epochs(server: StageServer) -> list[EpochMetrics]:
             loss=stats.loss_sum / stats.tokens if last_stage_bs and not stats.abandoned else None, tokens=stats.tokens,
             seconds=stats.finished - (stats.started or stats.finished), rows_recomputed=stats.rows_recomputed,
             workers_lost=stats.workers_lost, workers_joined=stats.workers_joined, abandoned=stats.abandoned,
+            rows_dropped=stats.rows_dropped,
         ))
     return records[-HISTORY:]
 
@@ -44,11 +45,14 @@ def worker_epochs(worker: Worker) -> list[EpochMetrics]:
 
 
 def feeder_epochs(feeder: DataFeeder, config: RunConfig) -> list[EpochMetrics]:
-    tokens = config.tokens_per_epoch
+    """The data source's epochs; `tokens`: those of fresh data (what was fed again trained before)."""
+    tokens_per_microbatch = config.rows_per_microbatch * config.seq_len
     return [
-        EpochMetrics(epoch=epoch, rows_in_batch=config.rows_per_epoch, rows_averaged=0, tasks_redone=0, tokens=tokens,
-                     seconds=seconds)
+        EpochMetrics(epoch=epoch, rows_in_batch=config.rows_per_epoch, rows_averaged=0, tasks_redone=0,
+                     tokens=config.tokens_per_epoch - again * tokens_per_microbatch, seconds=seconds,
+                     microbatches_retrained=again)
         for epoch, seconds in sorted(feeder.progress.epoch_seconds.items())[-HISTORY:]
+        for again in [feeder.progress.retrained.get(epoch, 0)]
     ]
 
 

@@ -34,6 +34,7 @@ MAX_STAGES = 256
 MAX_SERVERS = 256  # FS (or BS) of one stage
 MAX_GROUP = 4096  # workers averaging one stage
 MAX_CLOSURES = 64
+MAX_MICROBATCHES_DROPPED = 1024  # per epoch, in an FS's answer about the microbatches it dropped
 MAX_ID = 128  # characters of a peer id (base58 peer ids have about 52)
 MAX_TASK_ID = 64
 MAX_WAIT_S = 60.0  # a task poll may wait this long for work
@@ -160,6 +161,14 @@ class GroupMember(Message):
 
     peer_id: PeerId
     client_mode: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicrobatchRef(Message):
+    """One microbatch of one epoch."""
+
+    epoch: Epoch
+    microbatch: Microbatch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,6 +390,27 @@ class ReportTask(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DropResult(Request):
+    """From an FS of the last stage to the BS that records the loss of these rows (fault policy swarm): the result
+    of `task` by `worker`, a worker now gone, is dropped rather than redone, so if its loss never came the BS counts
+    its rows through without one."""
+
+    method: ClassVar[str] = "rpc_drop_result"
+    reply: ClassVar[type[Message]] = Ack
+
+    task: TaskId
+    worker: PeerId
+    epoch: Epoch
+    microbatch: Microbatch
+    rows: Rows
+    total_rows: RowCount
+    layout: Layout
+
+    def check(self, path: str) -> None:
+        _within(self.rows, self.total_rows, f"{path}.rows")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Leave(Request):
     """A worker that stops (SIGTERM) tells the servers of its stage: its leases go back to the pool at once, and
     the rows whose parameter gradients it holds are redone without waiting for it to fall silent."""
@@ -402,6 +432,12 @@ class EpochState(Message):
     abandoned: bool = False
     held_epoch: ClosedEpoch = -1
     batch: ClosedEpoch = -1
+    # fault policy swarm, an FS: the microbatches of its recent epochs whose rows it dropped with a vanished worker
+    dropped: tuple[MicrobatchRef, ...] = ()
+
+    def check(self, path: str) -> None:
+        if len(self.dropped) > MAX_CLOSURES * MAX_MICROBATCHES_DROPPED:
+            raise MessageError(f"{path}.dropped: more than {MAX_CLOSURES * MAX_MICROBATCHES_DROPPED} microbatches")
 
 
 @dataclass(frozen=True, kw_only=True)

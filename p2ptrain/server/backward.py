@@ -17,6 +17,7 @@ from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
     Ack,
+    DropResult,
     FetchOutputGrads,
     OutputGrads,
     PushOutputGrads,
@@ -77,6 +78,8 @@ class BackwardServer(StageServer[BackwardState]):
                                   rows=rows, taken=ledger.rows(epoch=epoch, microbatch=index))
         if self.ended(epoch):
             raise Refused(f"epoch {epoch} was abandoned while the result was confirmed")
+        if ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
+            return Ack(again=True)  # its FS dropped the result meanwhile (`drop_result`), and it counted then
         mb = self.open_microbatch(epoch, index, lambda: MicrobatchOutputs(segment=segment,
                                                                           total_rows=request.total_rows,
                                                                           layout=request.layout))
@@ -98,6 +101,31 @@ class BackwardServer(StageServer[BackwardState]):
         if ledger.covered(epoch=epoch, microbatch=index) < len(mb.segment):
             return Ack()
         return Answer(Ack(), then=lambda: self._forward(epoch, index, mb))
+
+    def rpc_drop_result(self, requests: Requests, context: P2PContext) -> Responses:
+        """From an FS of this stage, the last (fault policy swarm): a gone worker's result is dropped, not redone."""
+        return self.serve(requests, context, DropResult, self.drop_result)
+
+    async def drop_result(self, request: DropResult, sender: str) -> Ack:
+        if not self.is_last:
+            raise Refused("only the last stage's BS waits for the loss of a result")
+        epoch, index, rows = request.epoch, request.microbatch, request.rows
+        if self.ended(epoch):
+            return Ack(again=True)
+        segment = self.check_layout(request.layout, epoch=epoch, microbatch=index, total_rows=request.total_rows)
+        self.check_peer(sender, request.layout, stage=self.stage, role="fs", what="sender")
+        ledger = self.state.ledger
+        if ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
+            return Ack(again=True)  # its loss came before the worker vanished
+        if rows.intersect(segment) != rows or any(part.intersect(rows) for part in ledger.rows(epoch=epoch,
+                                                                                               microbatch=index)):
+            raise Refused(f"rows {rows} of {epoch}:{index} are not this server's, or another result's")
+        self.open_microbatch(epoch, index, lambda: MicrobatchOutputs(segment=segment, total_rows=request.total_rows,
+                                                                     layout=request.layout))
+        ledger.record(epoch=epoch, microbatch=index, worker=request.worker, rows=rows, task_id=request.task)
+        self._progress(epoch).rows_recorded += len(rows)  # counted through, with no loss
+        self.close_ready()
+        return Ack()
 
     def _progress(self, epoch: int) -> EpochProgress:
         return self.state.progress.setdefault(epoch, EpochProgress())

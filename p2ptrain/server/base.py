@@ -22,11 +22,14 @@ from hivemind.p2p import P2PContext
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.protocol.layout import Layout, ServerRole
 from p2ptrain.protocol.messages import (
+    LINK_PROBE,
     Ack,
     AskEpoch,
     EndEpoch,
     EpochState,
     Leave,
+    MicrobatchRef,
+    Probe,
     ReportTask,
     Request,
     TakeTask,
@@ -145,6 +148,10 @@ class StageServer(Service, Generic[S]):
         """A worker that gets no work here: banned for now for refused results, or gone by its own word."""
         return record.left or self.clock() < record.banned_until
 
+    def may_work(self, worker: str, epoch: int) -> bool:
+        """Whether `worker` may take tasks of `epoch` here."""
+        return True
+
     def lease_for(self, worker: str, task: Task) -> float:
         """How long `worker` may take on `task`: a few times what its tasks took here per row, or the cap for a
         worker not timed yet (`TaskPool` caps it at `lease_timeout_s`)."""
@@ -179,7 +186,7 @@ class StageServer(Service, Generic[S]):
     async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float) -> Task | None:
         """Take a task for `worker`, waiting up to `wait_s` for one to appear."""
         record = self.state.workers.get(worker)
-        if record is not None and self.excluded(record):
+        if (record is not None and self.excluded(record)) or not self.may_work(worker, epoch):
             return None
         deadline = self.clock() + wait_s
         while True:
@@ -201,11 +208,45 @@ class StageServer(Service, Generic[S]):
             logger.warning(f"{self.name}: task {task.task_id} timed out, back in the pool")
             self.task_added.set()
         for worker, record in self.state.workers.items():
-            if now - record.last_seen >= self.settings.worker_lost_s and pool.leased_to(worker):
+            if self.gone(record) and pool.leased_to(worker):
                 tasks = pool.requeue_worker(worker)
-                logger.warning(f"{self.name}: worker {worker} silent for {now - record.last_seen:.0f} s; its "
+                logger.warning(f"{self.name}: worker {worker} gone (silent for {now - record.last_seen:.1f} s); its "
                                f"{len(tasks)} task(s) back in the pool")
                 self.task_added.set()
+        self.probe_silent()
+
+    def gone(self, record: WorkerRecord) -> bool:
+        """Whether a worker is gone: silent for `worker_lost_s`, or its process could not be reached since it was
+        last heard from (a probe's dial failed)."""
+        return self.clock() - record.last_seen >= self.settings.worker_lost_s or record.unreachable > record.last_seen
+
+    def holds_gradients_of(self, worker: str) -> bool:
+        """Whether `worker` holds parameter gradients of rows of an open epoch that this server counts on."""
+        return False
+
+    def probe_silent(self) -> None:
+        """Probe once each worker silent for `probe_silent_s` that holds work here: a killed process is then known
+        gone at once (its dial fails) rather than after `worker_lost_s`."""
+        now = self.clock()
+        for worker, record in self.state.workers.items():
+            if (now - record.last_seen >= self.settings.probe_silent_s and record.probed <= record.last_seen
+                    and not record.left and (self.state.pool.leased_to(worker) or self.holds_gradients_of(worker))):
+                record.probed = now
+                self.spawn(self._probe(worker, record), what=f"probing worker {worker}")
+
+    async def _probe(self, worker: str, record: WorkerRecord) -> None:
+        try:
+            await self.caller.call(worker, LINK_PROBE, Probe(), timeout=self.settings.probe_timeout_s)
+            return
+        except (TimeoutError, Refused):
+            return  # alive but slow, or busy: its silence decides
+        except Exception as e:
+            if record.last_seen >= record.probed:
+                return  # heard from meanwhile
+            record.unreachable = self.clock()
+            logger.warning(f"{self.name}: worker {worker} cannot be reached ({type(e).__name__}: {e}); gone")
+        self.expire_leases()
+        self.tick()
 
     # -- reports between the servers of a stage -----------------------------------------------------------------
 
@@ -347,7 +388,7 @@ class StageServer(Service, Generic[S]):
         return EpochState(complete=state.closed_epoch >= request.epoch or self.has_all_rows(request.epoch),
                           closed_epoch=state.closed_epoch, abandoned=bool(stats and stats.abandoned),
                           held_epoch=max((key[0] for key in state.microbatches), default=state.closed_epoch),
-                          batch=self.committed_batch())
+                          batch=self.committed_batch(), dropped=self.dropped_microbatches())
 
     def has_all_rows(self, epoch: int) -> bool:
         """Whether every row of this server's segment of an open epoch is back."""
@@ -356,6 +397,10 @@ class StageServer(Service, Generic[S]):
     def committed_batch(self) -> int:
         """The global batch of the last epoch committed here, -1 if none (or if this role is not told)."""
         return -1
+
+    def dropped_microbatches(self) -> tuple[MicrobatchRef, ...]:
+        """The microbatches of recent epochs whose rows this server dropped with a vanished worker (policy swarm)."""
+        return ()
 
     def drop_epoch(self, epoch: int) -> None:
         """What a role holds of an abandoned epoch beyond its microbatches and tasks, dropped."""

@@ -10,6 +10,9 @@ epoch's layout restarts (it lost what it held) or falls silent for good before t
 the epoch instead: every server drops it, every worker drops its gradients of it, and the same global batch of data
 is fed again as the next epoch, under a layout without the lost server. No stage can have stepped on an abandoned
 epoch, so no row is lost or counted twice.
+
+Under fault policy swarm (SWARM's way, for comparison) the stages drop the rows a vanished worker held instead of
+redoing them, and the data source feeds those microbatches' data again from stage 0 in a later epoch (`SlotPlan`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from p2ptrain.data import TextSource
 from p2ptrain.protocol.layout import Layout, ServerRole, StageServers
 from p2ptrain.protocol.messages import BACKWARD_SERVER, FRONTAL_SERVER, AskEpoch, EndEpoch, EpochState, PushRows
 from p2ptrain.protocol.rows import Rows
+from p2ptrain.protocol.slots import Slot, SlotPlan
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.watch import ServerWatch
 from p2ptrain.transport import Refused
@@ -38,6 +42,7 @@ ASK_EVERY_S = 0.1  # how often the data source asks the other stage-0 FS whether
 @dataclass
 class FeederProgress:
     epoch_seconds: dict[int, float] = field(default_factory=dict)  # committed epochs
+    retrained: dict[int, int] = field(default_factory=dict)  # committed epochs: microbatches of data fed again
     finished: bool = False
 
 
@@ -52,6 +57,7 @@ class DataFeeder:
         self.epochs, self.max_in_flight, self.watch = epochs, max_in_flight, watch
         self.rows, self.microbatches = server.config.rows_per_microbatch, server.config.microbatches
         self.progress = FeederProgress()
+        self.plan = SlotPlan(microbatches=self.microbatches, swarm=server.config.fault_policy == "swarm")
 
     @property
     def leads(self) -> bool:
@@ -73,14 +79,22 @@ class DataFeeder:
         layout = await self._wait_for_layout(stop)
         if layout is None:
             return
-        epoch, batch = await self._resume(layout, stop)  # `batch`: the global batch of the data that `epoch` trains on
+        epoch, batch = await self._resume(layout, stop)  # `batch`: how many global batches the swarm trained
+        self.plan.fresh = batch * self.microbatches  # policy swarm: a restarted data source lost its retrain queue
+        slots: list[Slot] | None = None  # set: an abandoned epoch's data, fed again
         while batch < self.epochs:
             layout = await self._wait_for_layout(stop)
             if layout is None:
                 return
             self.watch.watch(peer for peer, _ in layout.servers())
             started = time.monotonic()
-            complete = asyncio.create_task(self._feed(epoch, batch, layout, stop))
+            if slots is None:
+                if self.plan.swarm:
+                    await self._collect_dropped(epoch, layout)
+                slots = self.plan.slots(epoch, batch)
+            else:
+                slots = self.plan.refeed(epoch - 1, epoch)
+            complete = asyncio.create_task(self._feed(epoch, slots, layout, stop))
             fault = asyncio.create_task(self.watch.fault.wait())
             await asyncio.wait([complete, fault], return_when=asyncio.FIRST_COMPLETED)
             fault.cancel()
@@ -97,6 +111,8 @@ class DataFeeder:
                         return
                     await asyncio.sleep(self.server.settings.feeder_poll_s)
                 self.progress.epoch_seconds[epoch] = time.monotonic() - started
+                self.progress.retrained[epoch] = self.plan.retrained[epoch]
+                slots = None
                 batch += 1
             else:
                 return  # stopped
@@ -104,15 +120,16 @@ class DataFeeder:
         self.progress.finished = True
         logger.info(f"data source: all {self.epochs} epochs done")
 
-    async def _feed(self, epoch: int, batch: int, layout: Layout, stop: asyncio.Event) -> bool:
-        """Push the epoch's microbatches, then wait until every stage-0 FS has all its rows back; False if stopped."""
+    async def _feed(self, epoch: int, slots: list[Slot], layout: Layout, stop: asyncio.Event) -> bool:
+        """Push the epoch's microbatches (the data of `slots`), then wait until every stage-0 FS has all its rows
+        back; False if stopped."""
         poll = self.server.settings.feeder_poll_s
-        for index in range(self.microbatches):
+        for index, slot in enumerate(slots):
             while self.server.in_flight() >= self.max_in_flight and not stop.is_set():
                 await asyncio.sleep(poll)
             if stop.is_set():
                 return False
-            await self._push(epoch, batch, index, layout)
+            await self._push(epoch, slot, index, layout)
         state = self.server.state
         while len(state.completed.get(epoch, ())) < self.microbatches and state.closed_epoch < epoch:
             if stop.is_set():
@@ -200,8 +217,26 @@ class DataFeeder:
         stages = tuple(StageServers(fs=alive(stage.fs), bs=alive(stage.bs)) for stage in layout.stages)
         return Layout(stages) if all(s.fs and s.bs for s in stages) else None
 
-    async def _push(self, epoch: int, batch: int, index: int, layout: Layout) -> None:
-        inputs, labels = self.source.microbatch(batch, index, self.rows)
+    async def _collect_dropped(self, epoch: int, layout: Layout) -> None:
+        """Fault policy swarm: ask every FS which microbatches of its recent epochs it dropped rows of, and queue
+        their data to be fed again."""
+        async def ask(fs: str) -> EpochState | None:
+            try:
+                return await self.server.retrying(fs, FRONTAL_SERVER, AskEpoch(epoch=epoch), attempts=self.server.
+                                                  settings.push_attempts, what="asking for dropped microbatches")
+            except Exception as e:
+                logger.warning(f"data source: {fs} did not say what it dropped: {e!r}")
+                return None
+
+        for answer in await asyncio.gather(*(ask(fs) for fs, _ in layout.servers("fs"))):
+            for ref in answer.dropped if answer is not None else ():
+                if self.plan.dropped(ref.epoch, ref.microbatch):
+                    logger.info(f"data source: microbatch {ref.epoch}:{ref.microbatch} lost rows with a vanished "
+                                f"worker; its data is fed again")
+        self.plan.forget_before(epoch - 2 * self.server.settings.closures_kept)
+
+    async def _push(self, epoch: int, slot: Slot, index: int, layout: Layout) -> None:
+        inputs, labels = self.source.microbatch(*slot, self.rows)
         for fs, part in layout.route(0, "fs", Rows(0, self.rows), self.rows):
             window = slice(part.start, part.end)
             request = PushRows(epoch=epoch, microbatch=index, rows=part, total_rows=self.rows, layout=layout,

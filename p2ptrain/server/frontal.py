@@ -18,10 +18,12 @@ from p2ptrain.protocol.messages import (
     FRONTAL_SERVER,
     Ack,
     Closure,
+    DropResult,
     FetchInputs,
     FetchOutputGrads,
     GroupMember,
     Inputs,
+    MicrobatchRef,
     PushInputGrads,
     PushOutputGrads,
     PushRows,
@@ -123,6 +125,12 @@ class FrontalServer(StageServer[FrontalState]):
         return TaskReply(task=offer, closed_epoch=self.state.closed_epoch, inputs=mb.inputs[window],
                          labels=mb.labels[window], grad=None if redo is None else redo.grad)
 
+    def holds_gradients_of(self, worker: str) -> bool:
+        return any(result.worker == worker for results in self.state.results.values() for result in results)
+
+    def may_work(self, worker: str, epoch: int) -> bool:
+        return worker not in self.state.lost.get(epoch, ())  # judged gone: its rows went to others
+
     def no_task(self) -> TaskReply:
         closures = tuple(self.state.closures[epoch] for epoch in sorted(self.state.closures))
         return TaskReply(closed_epoch=self.state.closed_epoch, closures=closures)
@@ -151,6 +159,11 @@ class FrontalServer(StageServer[FrontalState]):
             return Ack(again=True)  # a retry after a lost reply: the rows counted once, and the worker must count them
         mb = self.held(epoch, request.microbatch)
         self.check_peer(request.issuer, mb.layout, stage=self.stage, role="bs", what="issuer")
+        if request.worker in self.state.lost.get(epoch, ()):
+            if self.state.pool.fail(request.task, request.worker) is not None:
+                self.task_added.set()
+            raise Refused(f"worker {request.worker} was judged gone in epoch {epoch} and its rows went to others; "
+                          "it takes no further part in the epoch")
         redo = self.state.redo.get(request.task)
         try:
             if mb.segment.intersect(rows) != rows:
@@ -232,9 +245,9 @@ class FrontalServer(StageServer[FrontalState]):
 
     def close_ready(self) -> None:
         """Close every epoch whose rows are all back and which the data source committed (`EndEpoch`: so no
-        stage steps on an epoch that a server fault may still abandon), once each worker heard from lately (some hold its parameter
-        gradients) is known to be alive (it polled since the rows were all back) or gone (silent for
-        `worker_lost_s`, left, or banned);
+        stage steps on an epoch that a server fault may still abandon), once each worker heard from lately (some hold
+        its parameter gradients) is known to be alive (it polled since the rows were all back) or gone (`gone`: silent for
+        `worker_lost_s`, or not reachable by a probe; left, or banned);
         the rows of the gone ones are redone by others first, so every row reaches the average exactly once
         (DESIGN §5). The averaging group is every worker that polled since, and is not excluded."""
         state, settings = self.state, self.settings
@@ -249,18 +262,22 @@ class FrontalServer(StageServer[FrontalState]):
                 return
             if any(work.task.epoch == epoch for work in state.redo.values()):
                 return
-            now, done = self.clock(), self.epoch_stats(epoch).completed
+            done = self.epoch_stats(epoch).completed
             layout = next(mb.layout for key, mb in state.microbatches.items() if key[0] == epoch)
-            fresh = {w for w, record in state.workers.items() if record.last_seen >= done and not self.excluded(record)}
+            judged_gone = state.lost.get(epoch, set())
+            fresh = {w for w, record in state.workers.items()
+                     if record.last_seen >= done and not self.excluded(record) and w not in judged_gone}
             contributors = {result.worker for result in state.results.get(epoch, ())}
             # with several FS in the stage, any worker heard from lately may hold rows of another FS's segment, and
             # all FS must agree on who is alive (the first one's group is averaged); with one FS, its contributors
             # alone matter, so churn among the others never holds the epoch open
             watched = contributors | (set(state.workers) if len(layout.stages[self.stage].fs) > 1 else set())
-            if any(not self.excluded(state.workers[w]) and now - state.workers[w].last_seen < settings.worker_lost_s
-                   for w in watched - fresh):
+            if any(not self.excluded(state.workers[w]) and not self.gone(state.workers[w]) for w in watched - fresh):
                 return  # a worker that has not polled since: the next polls here tell whether it is gone
             lost = contributors - fresh
+            if lost and self.config.fault_policy == "swarm":
+                self._drop(epoch, lost)
+                continue
             if lost:
                 self._redo(epoch, lost)
                 return
@@ -271,6 +288,8 @@ class FrontalServer(StageServer[FrontalState]):
             state.accepted.pop(epoch - settings.closures_kept, None)
             state.completed.pop(epoch, None)
             state.committed.discard(epoch)
+            state.dropped.pop(epoch - settings.closures_kept, None)
+            state.lost.pop(epoch, None)
             self.epoch_stats(epoch).rows_grouped = sum(len(r.rows) for r in state.results.pop(epoch, ()))
             self.close_epoch(epoch)
 
@@ -293,23 +312,51 @@ class FrontalServer(StageServer[FrontalState]):
         for table in (state.completed, state.results, state.accepted):
             table.pop(epoch, None)
         state.committed.discard(epoch)
+        state.lost.pop(epoch, None)
         for task_id in [task_id for task_id, work in state.redo.items() if work.task.epoch == epoch]:
             del state.redo[task_id]
 
-    def _redo(self, epoch: int, lost: set[str]) -> None:
-        """Hand the rows whose parameter gradients `lost` workers took with them to other workers."""
+    def dropped_microbatches(self) -> tuple[MicrobatchRef, ...]:
+        return tuple(MicrobatchRef(epoch=epoch, microbatch=index)
+                     for epoch, indices in sorted(self.state.dropped.items()) for index in sorted(indices))
+
+    def _take_back(self, epoch: int, lost: set[str], *, then: str) -> list[Result]:
+        """The results of `epoch` whose parameter gradients `lost` workers took with them, no longer counted; those
+        workers take no further part in the epoch here, and their leases go back to the pool."""
         state = self.state
         kept, gone = [], []
         for result in state.results.get(epoch, []):
             (gone if result.worker in lost else kept).append(result)
         state.results[epoch] = kept
-        stats = self.epoch_stats(epoch)
-        stats.workers_lost += len(lost)
+        state.lost.setdefault(epoch, set()).update(lost)
+        self.epoch_stats(epoch).workers_lost += len(lost)
         logger.warning(f"{self.name}: worker(s) {sorted(lost)} gone with the parameter gradients of "
-                       f"{sum(len(r.rows) for r in gone)} rows of epoch {epoch}; redoing them")
+                       f"{sum(len(r.rows) for r in gone)} rows of epoch {epoch}; {then}")
         for worker in lost:
             state.pool.requeue_worker(worker)
-        for result in gone:
+        return gone
+
+    def _drop(self, epoch: int, lost: set[str]) -> None:
+        """SWARM's way (fault policy swarm): the rows whose parameter gradients `lost` workers took are not redone;
+        the stage averages without them, and the data source feeds their microbatches again from stage 0 in a later
+        epoch (it asks for `dropped_microbatches`)."""
+        gone = self._take_back(epoch, lost, then="dropping them (fault policy swarm)")
+        self.epoch_stats(epoch).rows_dropped += sum(len(r.rows) for r in gone)
+        self.state.dropped.setdefault(epoch, set()).update(r.microbatch for r in gone)
+        if not self.is_last:
+            return
+        for result in gone:  # the BS waits for every row's loss, and a gone worker may not have sent it
+            mb = self.state.microbatches[(epoch, result.microbatch)]
+            (bs, _), = mb.layout.route(self.stage, "bs", result.rows, mb.total_rows)
+            request = DropResult(task=result.task, worker=result.worker, epoch=epoch, microbatch=result.microbatch,
+                                 rows=result.rows, total_rows=mb.total_rows, layout=mb.layout)
+            self.spawn(self.retrying(bs, BACKWARD_SERVER, request, attempts=None,
+                                     what=f"dropping {result.task} at its BS"), what=f"drop {result.task}")
+
+    def _redo(self, epoch: int, lost: set[str]) -> None:
+        """Hand the rows whose parameter gradients `lost` workers took with them to other workers."""
+        state = self.state
+        for result in self._take_back(epoch, lost, then="redoing them"):
             state.accepted.get(epoch, set()).discard((result.task, result.worker))
             task = Task(task_id=self.new_task_id(epoch, result.microbatch, "R"), kind=Kind.REDO, epoch=epoch,
                         microbatch=result.microbatch, rows=result.rows)

@@ -41,12 +41,15 @@ class WorkerRecord:
     banned_until: float = 0.0
     left: bool = False  # it said it stops (`Leave`)
     seconds_per_row: float | None = None  # how long its tasks took here, taking to confirmed (moving average)
+    probed: float = 0.0  # when this server last probed it, silent while it held work
+    unreachable: float = 0.0  # when a probe last failed to reach its process: gone, unless heard from since
 
 
 @dataclass
 class EpochStats:
     rows: int = 0
     rows_recomputed: int = 0  # rows redone because the worker holding their parameter gradients vanished
+    rows_dropped: int = 0  # rows whose parameter gradients a vanished worker took, not redone (policy swarm)
     rows_grouped: int = 0  # rows whose parameter gradients the epoch's averaging group holds (an FS, at closure)
     workers_lost: int = 0
     workers_joined: int = 0  # workers first seen here while the epoch was open (an FS)
@@ -216,6 +219,11 @@ class FrontalState(StageState):
     redo: dict[str, RedoWork] = field(default_factory=dict)
     committed: set[int] = field(default_factory=set)  # epochs the data source committed, not yet closed here
     batch: int = -1  # the global batch of data of the last epoch committed here (a restarted data source asks)
+    # epoch -> microbatches with rows dropped (policy swarm), which the data source feeds again; kept closures_kept
+    dropped: dict[int, set[int]] = field(default_factory=dict)
+    # epoch -> workers judged gone while holding its parameter gradients: their rows went to others, so one that was
+    # alive after all is kept out of the epoch's group and its later results of the epoch are refused
+    lost: dict[int, set[str]] = field(default_factory=dict)
 
     def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         microbatches = []
@@ -237,6 +245,8 @@ class FrontalState(StageState):
             "redo": [{"task": work.task.to_dict(), "has_grad": _keep(tensors, f"redo/{task_id}/grad", work.grad)}
                      for task_id, work in self.redo.items()],
             "committed": sorted(self.committed), "batch": self.batch,
+            "dropped": [[epoch, sorted(indices)] for epoch, indices in self.dropped.items()],
+            "lost": [[epoch, sorted(workers)] for epoch, workers in self.lost.items()],
         }
 
     @classmethod
@@ -263,6 +273,8 @@ class FrontalState(StageState):
                 grad=tensors[f"redo/{work['task']['task_id']}/grad"] if work["has_grad"] else None)
                 for work in meta["redo"]},
             "committed": set(meta["committed"]), "batch": meta["batch"],
+            "dropped": {epoch: set(indices) for epoch, indices in meta["dropped"]},
+            "lost": {epoch: set(workers) for epoch, workers in meta["lost"]},
         }
 
 
