@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import threading
 import time
@@ -43,6 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from p2ptrain.config import FAULT_POLICIES, RunConfig
 
 RESULTS = ROOT / "benchmarks" / "results"
+RETURN_WAIT_S = 300.0
 
 
 class Chaos:
@@ -52,6 +54,7 @@ class Chaos:
                  rng: random.Random):
         self.swarm, self.clients, self.rate, self.extra, self.rng = swarm, clients, rate, extra, rng
         self.kills = 0
+        self.returns: list[float] = []  # seconds from each kill until the client is up again (what it costs)
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
@@ -67,8 +70,17 @@ class Chaos:
             if self._stop.is_set() or " up: " not in self.swarm.log_path(name).read_text(errors="replace"):
                 return
             self.swarm.kill(name)
+            killed = time.monotonic()
             self.swarm.start_client(stage, name=name, extra=self.extra)
             self.kills += 1
+        threading.Thread(target=self._time_return, args=(name, killed), daemon=True).start()
+
+    def _time_return(self, name: str, killed: float) -> None:
+        while not self._stop.is_set() and time.monotonic() - killed < RETURN_WAIT_S:
+            if " up: " in self.swarm.log_path(name).read_text(errors="replace"):
+                self.returns.append(time.monotonic() - killed)
+                return
+            time.sleep(0.2)
 
     def stop(self) -> None:
         with self._lock:
@@ -130,6 +142,8 @@ def run_case(args: argparse.Namespace, policy: str, rate: float, workdir: Path) 
     stages = [s for e in report["epochs"] for s in e["stages"]]
     return {
         "policy": policy, "rate": rate, "kills": chaos.kills, "epochs_closed": last + 1,
+        "return_s_median": statistics.median(chaos.returns) if chaos.returns else None,
+        "epoch_s_mean": None if elapsed is None else elapsed / (last - first),
         "tokens_per_s": tokens / elapsed if elapsed else None,
         "epochs_exact": sum(all(s["rows_averaged"] == s["rows_in_batch"] for s in e["stages"])
                             for e in report["epochs"]),
@@ -153,16 +167,18 @@ def markdown(args: argparse.Namespace, command: str, info: dict, cases: list[dic
     lines = [f"# Faults benchmark\n\n`{command}`\n", f"Machine: {info}\n",
              f"Recipe: {args.model}, 2 stages, {args.clients} clients per stage ({args.unreliable:.0%} unreliable), "
              f"{args.microbatches} microbatches of {args.rows} rows of {args.seq_len} tokens, {args.epochs} epochs "
-             f"({args.warmup} of warm-up), --worker-lost {args.worker_lost}.\n",
-             "| policy | disconnection rate | kills | tokens/s | vs no faults | task pool / this | epochs exact / "
-             "reported | rows averaged / in batch | tasks redone | rows recomputed | rows dropped | microbatches fed "
-             "again | workers lost | last loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"({args.warmup} of warm-up), --worker-lost {args.worker_lost}. 's to return': from a kill until the "
+             "client started again is up (imports, p2p daemon, DHT), on this machine that all peers share.\n",
+             "| policy | disconnection rate | kills | s to return (median) | s per epoch | tokens/s | vs no faults | "
+             "task pool / this | epochs exact / reported | rows averaged / in batch | tasks redone | rows recomputed | "
+             "rows dropped | microbatches fed again | workers lost | last loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         base, pool = _base(cases, c["policy"], 0.0), _base(cases, "taskpool", c["rate"])
         ratio = c["tokens_per_s"] / base if base and c["tokens_per_s"] else None
         versus = pool / c["tokens_per_s"] if pool and c["tokens_per_s"] else None
-        lines.append(f"| {c['policy']} | {c['rate']:.2f} | {c['kills']} | {fmt(c['tokens_per_s'], '.0f')} | "
+        lines.append(f"| {c['policy']} | {c['rate']:.2f} | {c['kills']} | {fmt(c['return_s_median'], '.1f')} | "
+                     f"{fmt(c['epoch_s_mean'], '.1f')} | {fmt(c['tokens_per_s'], '.0f')} | "
                      f"{fmt(ratio)} | {fmt(versus)} | {c['epochs_exact']} / {c['epochs_reported']} | "
                      f"{c['rows_averaged']} / {c['rows_in_batch']} | {c['tasks_redone']} | {c['rows_recomputed']} | "
                      f"{c['rows_dropped']} | {c['microbatches_retrained']} | {c['workers_lost']} | "

@@ -137,9 +137,10 @@ class RuntimeConfig:
     lease_min_s: float = 2.0
     worker_lost_s: float = 10.0  # a worker silent this long is gone: its leases go back to the pool, and the rows
     # whose parameter gradients it held in an epoch not yet closed are redone by others
-    probe_silent_s: float = 1.0  # a worker silent this long while it holds a lease or gradients is probed: if its
-    probe_timeout_s: float = 2.0  # process cannot be reached it is gone at once; an answer, or none in this long,
-    # leaves it to worker_lost_s
+    probe_silent_s: float = 1.0  # a worker silent this long while it holds a lease or gradients is probed (and
+    # during an all-reduce each groupmate this often): a process that cannot be reached is gone at once (the round
+    probe_timeout_s: float = 2.0  # fails); an answer, or none in this long, leaves it to worker_lost_s (the
+    # round to averaging_timeout_s)
     active_worker_s: float = 30.0  # an FS sizes tasks for the workers that polled within this long
     refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no tasks for ban_s,
     ban_s: float = 30.0  # ...doubled at each ban after the first

@@ -111,7 +111,7 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
 def test_the_swarm_policy_drops_a_vanished_workers_rows_and_feeds_their_microbatches_again(make_swarm):
     """SWARM's way (`--fault-policy swarm`), on the same runtime: a stage drops the rows a killed worker held instead
     of redoing them, and the data source feeds their microbatches again from stage 0 in a later epoch."""
-    epochs = 14
+    epochs = 22
     swarm = make_swarm("swarmpolicy", [*RECIPE, "--fault-policy", "swarm"])
     swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
     swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")

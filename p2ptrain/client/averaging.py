@@ -20,7 +20,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from p2ptrain.protocol.messages import GroupMember
+from p2ptrain.protocol.messages import LINK_PROBE, GroupMember, Probe
+from p2ptrain.transport import Caller, Refused
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,16 @@ class RoundResult:
 
 
 class StageAllReduce(ServicerBase):
-    """One worker's side of its stage's all-reduce rounds; registered under a per-stage namespace."""
+    """One worker's side of its stage's all-reduce rounds; registered under a per-stage namespace.
 
-    def __init__(self, *, p2p: P2P, run_id: str, stage: int, timeout: float):
-        self.p2p, self.timeout = p2p, timeout
+    While a round runs, the groupmates' link probes are pinged every `probe_every_s`: hivemind's runner waits for a
+    groupmate that died until `timeout`, and a dead process is known at once (its dial fails), so the round fails
+    then instead."""
+
+    def __init__(self, *, p2p: P2P, run_id: str, stage: int, timeout: float, caller: Caller | None = None,
+                 probe_every_s: float = 1.0, probe_timeout_s: float = 2.0):
+        self.p2p, self.timeout, self.caller = p2p, timeout, caller
+        self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
         self.prefix = f"{run_id}_stage{stage}_allreduce"
         self._runners: dict[bytes, asyncio.Future] = {}
 
@@ -77,13 +84,40 @@ class StageAllReduce(ServicerBase):
             peer_fractions=tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes), modes=modes,
         )
         self._runner(group_id).set_result(runner)
+
+        async def reduce() -> None:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update)
+
+        rounds = asyncio.create_task(reduce())
+        watch = asyncio.create_task(self._watch([m.peer_id for m in group]))
         try:
             async with asyncio.timeout(self.timeout):
-                async for tensor, update in azip(as_aiter(*tensors), runner):
-                    tensor.add_(update)
+                await asyncio.wait([rounds, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not rounds.done():
+                raise ConnectionError(f"groupmate {watch.result()} cannot be reached")
+            rounds.result()
         except Exception as e:
             logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers failed: {e!r}")
             return grads, RoundResult(group_size=0, ok=False)
         finally:
+            for task in (rounds, watch):
+                task.cancel()
+            await asyncio.gather(rounds, watch, return_exceptions=True)
             self._runners.pop(group_id, None)
         return tensors, RoundResult(group_size=len(group), ok=True)
+
+    async def _watch(self, peers: list[str]) -> str:
+        """Returns the first of `peers` whose process cannot be reached; runs until cancelled otherwise."""
+        others = [peer for peer in peers if peer != self.p2p.peer_id.to_base58()]
+        while True:
+            await asyncio.sleep(self.probe_every_s)
+            if self.caller is None:
+                continue
+            for peer in others:
+                try:
+                    await self.caller.call(peer, LINK_PROBE, Probe(), timeout=self.probe_timeout_s)
+                except (TimeoutError, Refused):
+                    continue  # slow or busy, not gone: the round's own timeout decides
+                except Exception:
+                    return peer

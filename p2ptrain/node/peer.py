@@ -256,7 +256,9 @@ class Peer:
         start, end = placement.layers
         model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
         averager = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage,
-                                  timeout=self.settings.averaging_timeout_s)
+                                  timeout=self.settings.averaging_timeout_s, caller=caller,
+                                  probe_every_s=self.settings.probe_silent_s,
+                                  probe_timeout_s=self.settings.probe_timeout_s)
         await averager.start()
         # what live planning measured was one block; tasks are sized by the speed on the whole stage
         compute = self.options.compute_power or measure_compute(model, config)
