@@ -39,10 +39,9 @@ def failed_rounds(workdir: Path) -> set[tuple[int, int]]:
     return found
 
 
-@pytest.mark.timeout(600)
-def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
-    rng = random.Random(7)
-    swarm = make_swarm("chaos", RECIPE)
+def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int):
+    """FS and BS of 2 stages and the CLIENTS; the data source (stage 0's FS) starts once every client is up."""
+    swarm = make_swarm(run_id, recipe)
     swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
     swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
     swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
@@ -52,7 +51,14 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
     while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(CLIENTS):
         assert time.monotonic() < deadline, "the clients did not come up\n" + swarm.logs()
         time.sleep(1.0)
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(EPOCHS))
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
+    return swarm
+
+
+@pytest.mark.timeout(600)
+def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
+    rng = random.Random(7)
+    swarm = start_swarm(make_swarm, "chaos", RECIPE, epochs=EPOCHS)
 
     kills: list[tuple[str, int]] = []  # (client, epoch closed when it died)
     joined, restarts = set(), 0
@@ -112,17 +118,7 @@ def test_the_swarm_policy_drops_a_vanished_workers_rows_and_feeds_their_microbat
     """SWARM's way (`--fault-policy swarm`), on the same runtime: a stage drops the rows a killed worker held instead
     of redoing them, and the data source feeds their microbatches again from stage 0 in a later epoch."""
     epochs = 22
-    swarm = make_swarm("swarmpolicy", [*RECIPE, "--fault-policy", "swarm"])
-    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
-    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
-    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
-    for name, stage in CLIENTS.items():
-        swarm.peer(name, "--role", "client", "--stage", stage)
-    deadline = time.monotonic() + 180
-    while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(CLIENTS):
-        assert time.monotonic() < deadline, "the clients did not come up\n" + swarm.logs()
-        time.sleep(1.0)
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
+    swarm = start_swarm(make_swarm, "swarmpolicy", [*RECIPE, "--fault-policy", "swarm"], epochs=epochs)
 
     rng, kills, killed_at = random.Random(3), 0, -1
     deadline = time.monotonic() + 300

@@ -207,18 +207,25 @@ async def poll(server: FrontalServer | BackwardServer, worker: str, epoch: int) 
     return (await server.take_task(TakeTask(worker=worker, compute=1.0, epoch=epoch), worker)).task
 
 
+async def both_results(fs: FrontalServer, bs: BackwardServer, clock: Clock) -> tuple[TaskOffer, TaskOffer]:
+    """w1 and w2 each take half the rows of epoch 0; w2's result comes in, then 0.5 s later w1's, which completes
+    the epoch; w1's task and w2's."""
+    assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None  # both known: half the rows each
+    await feed(fs, 0)
+    first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
+    for task, worker in ((second, "w2"), (first, "w1")):
+        await handled(await fs.push_input_grads(grads(task, worker), worker))
+        await bs.push_outputs(loss(task, worker), worker)
+        clock.now += 0.5
+    return first, second
+
+
 def test_rows_of_a_worker_that_vanished_before_its_stage_averaged_are_redone_by_another():
     async def scenario() -> None:
         clock = Clock()
         fs, bs = servers(clock=clock)
-        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None  # both known: half the rows each
-        await feed(fs, 0)
-        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
+        first, second = await both_results(fs, bs, clock)
         assert {len(first.rows), len(second.rows)} == {ROWS // 2}
-        for task, worker in ((second, "w2"), (first, "w1")):
-            await handled(await fs.push_input_grads(grads(task, worker), worker))
-            await bs.push_outputs(loss(task, worker), worker)
-            clock.now += 0.5
         # every row is back, but w2 holds half of their parameter gradients and has not polled since
         clock.now += 1.0
         assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == -1
@@ -242,13 +249,7 @@ def test_a_worker_judged_gone_that_was_alive_after_all_stays_out_of_the_epoch_it
     async def scenario() -> None:
         clock = Clock()
         fs, bs = servers(clock=clock)
-        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
-        await feed(fs, 0)
-        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
-        for task, worker in ((second, "w2"), (first, "w1")):
-            await handled(await fs.push_input_grads(grads(task, worker), worker))
-            await bs.push_outputs(loss(task, worker), worker)
-            clock.now += 0.5
+        first, second = await both_results(fs, bs, clock)
         clock.now += fs.settings.worker_lost_s  # w2 froze: judged gone, its rows go to a redo
         redo = await poll(fs, "w1", 0)
         assert redo is not None and redo.kind == Kind.REDO
@@ -296,13 +297,7 @@ def test_a_killed_worker_is_known_gone_as_soon_as_a_probe_cannot_reach_it():
     async def scenario() -> None:
         clock = Clock()
         fs, bs = servers(clock=clock, workers=("w1",))  # w2 is killed after its result: its process is gone
-        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
-        await feed(fs, 0)
-        first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
-        for task, worker in ((second, "w2"), (first, "w1")):
-            await handled(await fs.push_input_grads(grads(task, worker), worker))
-            await bs.push_outputs(loss(task, worker), worker)
-            clock.now += 0.5
+        first, second = await both_results(fs, bs, clock)
         assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == -1  # w2 silent 1 s: probed now
         await asyncio.sleep(0.05)  # the probe fails: no process answers
         assert fs.state.workers["w2"].unreachable > 0 and fs.gone(fs.state.workers["w2"])
