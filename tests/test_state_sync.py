@@ -42,11 +42,12 @@ def make_worker(worker_id: str, *, local: dict[tuple[str, str], Service], stage:
     """A worker of `stage` (layers as the run splits them) whose calls reach the servicers in `local`."""
     start, end = CONFIG.stage_layers(stage)
     model = build_stage(model_config, start=start, end=end, seed=CONFIG.seed)
+    caller = caller or Caller(p2p=None, peer_id=worker_id, codec="none", timeout=10.0, local=local)
     return Worker(worker_id=worker_id, stage=stage, config=CONFIG, settings=RuntimeConfig(), model=model,
                   optimizer=model.configure_optimizer(lr=CONFIG.lr, weight_decay=CONFIG.weight_decay),
                   # a group of one averages without the network: the averager is never started
-                  averager=StageAllReduce(p2p=None, run_id=CONFIG.run_id, stage=stage, timeout=1.0),
-                  caller=caller or Caller(p2p=None, peer_id=worker_id, codec="none", timeout=10.0, local=local),
+                  averager=StageAllReduce(p2p=None, run_id=CONFIG.run_id, stage=stage, timeout=1.0, caller=caller),
+                  caller=caller,
                   servers=lambda: ([], []), compute=1e9, client_mode=client_mode)
 
 

@@ -20,8 +20,9 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter, azip
 
-from p2ptrain.protocol.messages import LINK_PROBE, GroupMember, Probe
-from p2ptrain.transport import Caller, Refused
+from p2ptrain.live.probe import dial_failure
+from p2ptrain.protocol.messages import GroupMember
+from p2ptrain.transport import Caller
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class StageAllReduce(ServicerBase):
     groupmate that died until `timeout`, and a dead process is known at once (its dial fails), so the round fails
     then instead."""
 
-    def __init__(self, *, p2p: P2P, run_id: str, stage: int, timeout: float, caller: Caller | None = None,
+    def __init__(self, *, p2p: P2P | None, run_id: str, stage: int, timeout: float, caller: Caller,
                  probe_every_s: float = 1.0, probe_timeout_s: float = 2.0):
         self.p2p, self.timeout, self.caller = p2p, timeout, caller
         self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
@@ -109,15 +110,9 @@ class StageAllReduce(ServicerBase):
 
     async def _watch(self, peers: list[str]) -> str:
         """Returns the first of `peers` whose process cannot be reached; runs until cancelled otherwise."""
-        others = [peer for peer in peers if peer != self.p2p.peer_id.to_base58()]
+        others = [peer for peer in peers if peer != self.caller.peer_id]
         while True:
             await asyncio.sleep(self.probe_every_s)
-            if self.caller is None:
-                continue
-            for peer in others:
-                try:
-                    await self.caller.call(peer, LINK_PROBE, Probe(), timeout=self.probe_timeout_s)
-                except (TimeoutError, Refused):
-                    continue  # slow or busy, not gone: the round's own timeout decides
-                except Exception:
+            for peer in others:  # one only slow or busy is left to the round's own timeout
+                if await dial_failure(self.caller, peer, timeout=self.probe_timeout_s) is not None:
                     return peer

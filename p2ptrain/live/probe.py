@@ -19,7 +19,7 @@ from p2ptrain.dht import Link
 from p2ptrain.models import build_stage
 from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.messages import LINK_PROBE, Echo, Probe
-from p2ptrain.transport import Caller, Requests, Responses, Service
+from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 
 PAYLOAD_BYTES = 2**20
 PINGS = 3
@@ -72,6 +72,18 @@ async def measure_link(caller: Caller, peer: str) -> Link:
     # the transfer time is what the bulky message took beyond a tiny one; floor it so a lucky timing on
     # loopback cannot report an infinite bandwidth
     return Link(latency_s=rtt / 2, bandwidth_bps=PAYLOAD_BYTES / max(elapsed - rtt, 1e-4))
+
+
+async def dial_failure(caller: Caller, peer: str, *, timeout: float) -> Exception | None:
+    """Why `peer`'s process cannot be reached (its dial failed: it is gone); None if its link probe answered, or
+    was only slow or refused (alive but busy: silence must decide, not this probe)."""
+    try:
+        await caller.call(peer, LINK_PROBE, Probe(), timeout=timeout)
+    except (TimeoutError, Refused):
+        return None
+    except Exception as e:
+        return e
+    return None
 
 
 def available_memory() -> int:

@@ -20,16 +20,15 @@ from typing import Any, ClassVar, Generic, NoReturn, TypeVar
 from hivemind.p2p import P2PContext
 
 from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.live.probe import dial_failure
 from p2ptrain.protocol.layout import Layout, ServerRole
 from p2ptrain.protocol.messages import (
-    LINK_PROBE,
     Ack,
     AskEpoch,
     EndEpoch,
     EpochState,
     Leave,
     MicrobatchRef,
-    Probe,
     ReportTask,
     Request,
     TakeTask,
@@ -220,31 +219,29 @@ class StageServer(Service, Generic[S]):
         last heard from (a probe's dial failed)."""
         return self.clock() - record.last_seen >= self.settings.worker_lost_s or record.unreachable > record.last_seen
 
-    def holds_gradients_of(self, worker: str) -> bool:
-        """Whether `worker` holds parameter gradients of rows of an open epoch that this server counts on."""
-        return False
+    def gradient_holders(self) -> set[str]:
+        """The workers that hold parameter gradients of rows of an open epoch that this server counts on."""
+        return set()
 
     def probe_silent(self) -> None:
         """Probe once each worker silent for `probe_silent_s` that holds work here: a killed process is then known
         gone at once (its dial fails) rather than after `worker_lost_s`."""
-        now = self.clock()
+        now, holders = self.clock(), None
         for worker, record in self.state.workers.items():
-            if (now - record.last_seen >= self.settings.probe_silent_s and record.probed <= record.last_seen
-                    and not record.left and (self.state.pool.leased_to(worker) or self.holds_gradients_of(worker))):
+            if now - record.last_seen < self.settings.probe_silent_s or record.probed > record.last_seen or record.left:
+                continue
+            if holders is None:
+                holders = self.gradient_holders()
+            if worker in holders or self.state.pool.leased_to(worker):
                 record.probed = now
                 self.spawn(self._probe(worker, record), what=f"probing worker {worker}")
 
     async def _probe(self, worker: str, record: WorkerRecord) -> None:
-        try:
-            await self.caller.call(worker, LINK_PROBE, Probe(), timeout=self.settings.probe_timeout_s)
-            return
-        except (TimeoutError, Refused):
-            return  # alive but slow, or busy: its silence decides
-        except Exception as e:
-            if record.last_seen >= record.probed:
-                return  # heard from meanwhile
-            record.unreachable = self.clock()
-            logger.warning(f"{self.name}: worker {worker} cannot be reached ({type(e).__name__}: {e}); gone")
+        error = await dial_failure(self.caller, worker, timeout=self.settings.probe_timeout_s)
+        if error is None or record.last_seen >= record.probed:
+            return  # it answered (or was only slow), or was heard from meanwhile
+        record.unreachable = self.clock()
+        logger.warning(f"{self.name}: worker {worker} cannot be reached ({type(error).__name__}: {error}); gone")
         self.expire_leases()
         self.tick()
 

@@ -125,8 +125,8 @@ class FrontalServer(StageServer[FrontalState]):
         return TaskReply(task=offer, closed_epoch=self.state.closed_epoch, inputs=mb.inputs[window],
                          labels=mb.labels[window], grad=None if redo is None else redo.grad)
 
-    def holds_gradients_of(self, worker: str) -> bool:
-        return any(result.worker == worker for results in self.state.results.values() for result in results)
+    def gradient_holders(self) -> set[str]:
+        return {result.worker for results in self.state.results.values() for result in results}
 
     def may_work(self, worker: str, epoch: int) -> bool:
         return worker not in self.state.lost.get(epoch, ())  # judged gone: its rows went to others
