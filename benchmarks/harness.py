@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS  # noqa: E402
+from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS, flag_value  # noqa: E402
 from p2ptrain.config import RunConfig  # noqa: E402
 from p2ptrain.dht import start_dht  # noqa: E402
 from p2ptrain.launch import Swarm  # noqa: E402
@@ -283,7 +283,7 @@ class LocalSwarm:
         for name, flag in RECIPE_FLAGS.items():  # the peers' own flag of each field, so no field is left out
             value = getattr(config, name) if name in config_fields else None
             if value is not None:
-                self.flags += [flag, str(value)]
+                self.flags += [flag, flag_value(value)]
         self.flags += ["--epochs", str(epochs), "--threads", str(threads), "--host-maddrs", LOOPBACK]
         self.roles: dict[str, str] = {}  # peer name -> its --role
         self.started = time.monotonic()  # what `follow`'s progress lines count from

@@ -90,7 +90,7 @@ def stage_comparison(path: Path, tokens: int) -> list[dict]:
 
 def markdown(rows: list[dict], comparison: list[dict], command: str, samples: int) -> str:
     out = ["# Planner benchmark", "", f"Command: `{command}`", "",
-           f"PT: predicted time per global batch (DESIGN §3 cost model), seconds; eff = LB/PT. random = best of "
+           f"PT: predicted time per global batch (docs/design.md §3 cost model), seconds; eff = LB/PT. random = best of "
            f"{samples} random valid plans. ok = refined PT <= 0.9 x random and <= DT-FM.", "",
            "bound: the larger of LB and the memory-aware lower bound (`cost.memory_lower_bound`: devices that no "
            "stage of a valid plan has room for, and the two reliable servers every stage needs, are counted); no "

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from p2ptrain.config import CODECS, FAULT_POLICIES, ConfigError, RunConfig, check_run_id
+from p2ptrain.config import CODECS, FAULT_POLICIES, OPTIMIZERS, ConfigError, RunConfig, check_run_id
 from p2ptrain.models import TRAINABLE
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -64,12 +64,49 @@ def writable_file(text: str) -> Path:
 # RunConfig fields and the flags that set them
 RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-stages",
                 "rows_per_microbatch": "--batch-rows", "microbatches": "--microbatches", "seq_len": "--seq-len",
-                "seed": "--seed", "lr": "--lr", "weight_decay": "--weight-decay", "compression": "--compression",
-                "data": "--data", "fault_policy": "--fault-policy", "stage": "--stage"}
+                "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
+                "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
+                "clip_norm": "--clip-norm", "dpu": "--dpu", "compression": "--compression", "data": "--data",
+                "fault_policy": "--fault-policy", "stage": "--stage"}
+OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu")
+SWITCH = {"on": True, "off": False}
+
+
+def flag_value(value: object) -> str:
+    """A config value as its flag takes it: switches as on/off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = RunConfig()) -> None:
+    """How every stage steps: the optimizer, its learning-rate schedule keyed on the global epoch, clipping and
+    delayed parameter updates (part of the recipe)."""
+    group = parser.add_argument_group("optimization (the same on every peer)")
+    group.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer,
+                       help="AdamW, or LAMB (bitsandbytes, 32-bit); both with weight decay on matrices only")
+    group.add_argument("--lr", type=positive, default=defaults.lr, help="peak learning rate, after the warm-up")
+    group.add_argument("--warmup-epochs", type=index, default=defaults.warmup_epochs,
+                       help="epochs of linear warm-up to --lr")
+    group.add_argument("--decay-epochs", type=index, default=defaults.decay_epochs,
+                       help="the epoch where the cosine decay after the warm-up reaches --min-lr (0: no decay)")
+    group.add_argument("--min-lr", type=non_negative, default=defaults.min_lr)
+    group.add_argument("--weight-decay", type=non_negative, default=defaults.weight_decay,
+                       help="weight decay of matrices and embeddings")
+    group.add_argument("--clip-norm", type=non_negative, default=defaults.clip_norm,
+                       help="clip the gradient by its global norm across all stages (0: no clipping)")
+    group.add_argument("--dpu", choices=tuple(SWITCH), default=flag_value(defaults.dpu),
+                       help="delayed parameter updates: average and step in the background while the next epoch "
+                            "computes on the previous parameters")
+
+
+def optimization_from(args: argparse.Namespace) -> dict[str, object]:
+    """The RunConfig fields of `add_optimization_flags`."""
+    return {name: SWITCH[args.dpu] if name == "dpu" else getattr(args, name) for name in OPTIMIZATION_FIELDS}
 
 
 def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = RunConfig()) -> None:
-    """The flags every peer of a run must give alike (DESIGN §5)."""
+    """The flags every peer of a run must give alike (docs/design.md §5)."""
     recipe = parser.add_argument_group("recipe (the same on every peer)")
     recipe.add_argument("--run-id", type=run_id, default=defaults.run_id, help="prefix of this swarm's DHT keys")
     recipe.add_argument("--model", default=defaults.model, choices=TRAINABLE)
@@ -80,9 +117,6 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
                         help="microbatches per global batch (epoch)")
     recipe.add_argument("--seq-len", type=count, default=defaults.seq_len)
     recipe.add_argument("--seed", type=index, default=defaults.seed)
-    recipe.add_argument("--lr", type=positive, default=defaults.lr)
-    recipe.add_argument("--weight-decay", type=non_negative, default=defaults.weight_decay,
-                        help="AdamW weight decay of matrices and embeddings")
     recipe.add_argument("--compression", choices=CODECS, default=defaults.compression,
                         help="codec for activations and gradients")
     recipe.add_argument("--data", help="a local text file to train on (default: the embedded corpus)")
@@ -90,14 +124,15 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
                         help="rows whose gradients a vanished worker took: 'taskpool' redoes them at their stage from "
                              "the inputs its FS keeps; 'swarm' drops them and feeds their microbatches again from "
                              "stage 0 in a later epoch, as SWARM does (for comparison)")
+    add_optimization_flags(parser, defaults=defaults)
 
 
 def recipe_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunConfig:
     with refusing(parser, RECIPE_FLAGS):
         return RunConfig(run_id=args.run_id, model=args.model, num_stages=args.num_stages,
                          rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
-                         seed=args.seed, lr=args.lr, weight_decay=args.weight_decay, compression=args.compression,
-                         data=args.data, fault_policy=args.fault_policy)
+                         seed=args.seed, compression=args.compression, data=args.data,
+                         fault_policy=args.fault_policy, **optimization_from(args))
 
 
 @contextmanager

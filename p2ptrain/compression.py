@@ -7,7 +7,7 @@ dtype, shape, codec and chunk count, the rest only bytes, as hivemind's `split_f
 - "none": raw bytes, exact for every dtype (token ids, labels, the no-compression reference runs).
 - "fp16": hivemind's FLOAT16 codec, half the bytes, ~1e-3 relative error.
 - "int8": bitsandbytes blockwise dynamic 8-bit quantization on the CPU, about a quarter of the bytes.
-  hivemind's own 8-bit codecs cannot decode under numpy >= 2.4 (DESIGN §7), so the message is ours:
+  hivemind's own 8-bit codecs cannot decode under numpy >= 2.4 (docs/design.md §7), so the message is ours:
   compression=BLOCKWISE_8BIT, dtype/size of the original tensor, buffer = float32 absmax of every block
   followed by one uint8 code per element. The 256-entry code map is not sent: both sides rebuild it with
   `create_dynamic_map()`. Error bound: see `int8_error_bound`. bitsandbytes is imported on the first int8
@@ -30,7 +30,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from p2ptrain.config import CODECS
 
-# One message per MiB: far below the 4 MiB per-message limit of hivemind's P2P (DESIGN §7), and few enough
+# One message per MiB: far below the 4 MiB per-message limit of hivemind's P2P (docs/design.md §7), and few enough
 # messages that per-message overhead does not matter for activation-sized tensors.
 CHUNK_BYTES = 2**20
 

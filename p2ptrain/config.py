@@ -19,6 +19,7 @@ CODECS: tuple[str, ...] = ("none", "fp16", "int8")  # codecs of activations and 
 # stage from the inputs the FS keeps (the paper's task pool); "swarm" drops them, and the data source feeds their
 # microbatches again from stage 0 in a later epoch (what SWARM does), so the two compare on one runtime
 FAULT_POLICIES: tuple[str, ...] = ("taskpool", "swarm")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -47,8 +48,14 @@ class RunConfig:
     microbatches: int = 4  # per global batch (epoch)
     seq_len: int = 64
     seed: int = 0
-    lr: float = 3e-3
-    weight_decay: float = 0.01  # AdamW's, on matrices and embeddings only (StageModel.optimizer_groups)
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    lr: float = 3e-3  # the peak learning rate, reached after the warm-up
+    warmup_epochs: int = 0  # the learning rate rises linearly to `lr` over this many epochs...
+    decay_epochs: int = 0  # ...then falls along a cosine to `min_lr` at this epoch (0: no decay), and stays there
+    min_lr: float = 0.0
+    weight_decay: float = 0.01  # on matrices and embeddings only (StageModel.optimizer_groups)
+    clip_norm: float = 0.0  # clip the gradient by its global norm across all stages to this (0: no clipping)
+    dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
     compression: str = "none"  # codec of activations and gradients: one of CODECS
     data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
     fault_policy: str = "taskpool"  # one of FAULT_POLICIES
@@ -70,8 +77,18 @@ class RunConfig:
             raise ConfigError("seed", self.seed, "must be 0 or more")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ConfigError("lr", self.lr, "must be a positive number")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise ConfigError("weight_decay", self.weight_decay, "must be 0 or more")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("optimizer", self.optimizer, f"unknown optimizer; choose one of {', '.join(OPTIMIZERS)}")
+        for name in ("weight_decay", "min_lr", "clip_norm"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ConfigError(name, getattr(self, name), "must be 0 or more")
+        if self.min_lr > self.lr:
+            raise ConfigError("min_lr", self.min_lr, f"exceeds the peak learning rate {self.lr}")
+        if self.warmup_epochs < 0:
+            raise ConfigError("warmup_epochs", self.warmup_epochs, "must be 0 or more")
+        if self.decay_epochs and self.decay_epochs <= self.warmup_epochs:
+            raise ConfigError("decay_epochs", self.decay_epochs,
+                              f"must be 0 (no decay) or past the warm-up's {self.warmup_epochs} epochs")
         if self.compression not in CODECS:
             raise ConfigError("compression", self.compression, f"unknown codec; choose one of {', '.join(CODECS)}")
         if self.fault_policy not in FAULT_POLICIES:
@@ -129,7 +146,9 @@ class RuntimeConfig:
     no_servers_wait_s: float = 0.5  # a worker that knows no FS of its stage looks again after this
     fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work
     bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
-    averaging_timeout_s: float = 30.0  # longest one all-reduce round may take
+    averaging_timeout_s: float = 30.0  # longest one all-reduce round may take, and the longest a worker waits for
+    # the global gradient norm after it (clip_norm), asking the data source again every norm_poll_s
+    norm_poll_s: float = 0.05
     # servers
     lease_timeout_s: float = 30.0  # the longest a worker may take on a task before it goes back to the pool; a
     # worker this server has timed gets lease_slack times its measured time for the task's rows, at least lease_min_s
@@ -139,7 +158,7 @@ class RuntimeConfig:
     # whose parameter gradients it held in an epoch not yet closed are redone by others
     probe_silent_s: float = 1.0  # a worker silent this long while it holds a lease or gradients is probed (and
     # during an all-reduce each groupmate this often): a process that cannot be reached is gone at once (the round
-    probe_timeout_s: float = 2.0  # fails); an answer, or none in this long, leaves it to worker_lost_s (the
+    liveness_timeout_s: float = 2.0  # fails); an answer, or none in this long, leaves it to worker_lost_s (the
     # round to averaging_timeout_s)
     active_worker_s: float = 30.0  # an FS sizes tasks for the workers that polled within this long
     refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no tasks for ban_s,
@@ -169,6 +188,7 @@ class RuntimeConfig:
         if not 0 < self.record_period_s < self.record_ttl_s:
             raise ConfigError("record_period_s", self.record_period_s, "need 0 < record_period_s < record_ttl_s, or "
                                                                        "records lapse")
-        for name in ("rpc_timeout_s", "lease_timeout_s", "averaging_timeout_s", "plan_timeout_s", "probe_timeout_s"):
+        for name in ("rpc_timeout_s", "lease_timeout_s", "averaging_timeout_s", "plan_timeout_s", "probe_timeout_s",
+                     "liveness_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be positive")

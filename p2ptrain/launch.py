@@ -19,7 +19,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS, count, positive, refusing, run_id
+from p2ptrain.cli import (
+    LOOPBACK,
+    OPTIMIZATION_FIELDS,
+    RECIPE_FLAGS,
+    add_optimization_flags,
+    count,
+    existing_file,
+    flag_value,
+    optimization_from,
+    positive,
+    refusing,
+    run_id,
+)
 from p2ptrain.config import CODECS, RunConfig
 from p2ptrain.models import TRAINABLE
 from p2ptrain.planner import PlanningError, make_plan
@@ -105,9 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=count, default=64)
     parser.add_argument("--compression", choices=CODECS, default="none")
     parser.add_argument("--data", help="a local text file (default: the embedded corpus)")
+    parser.add_argument("--eval-data", type=existing_file,
+                        help="a held-out text file: the swarm's held-out loss is computed on it through the stages "
+                             "and shown beside the training loss")
+    parser.add_argument("--eval-every", type=count, default=5, help="with --eval-data: every this many epochs")
     parser.add_argument("--run-id", type=run_id, default="p2ptrain-local")
     parser.add_argument("--workdir", type=Path, help="where the peers' logs go (default: a temporary directory)")
     parser.add_argument("--timeout", type=positive, default=1800.0, help="give up after this many seconds")
+    add_optimization_flags(parser)
     return parser
 
 
@@ -126,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     with refusing(parser, {**RECIPE_FLAGS, "num_stages": "--stages"}):  # what every peer will check, checked first
         config = RunConfig(run_id=args.run_id, model=args.model, num_stages=args.stages, rows_per_microbatch=rows,
                            microbatches=microbatches, seq_len=args.seq_len, compression=args.compression,
-                           data=args.data)
+                           data=args.data, **optimization_from(args))
     if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
         parser.error(f"--workdir {args.workdir}: is a file; give a folder")
     try:
@@ -141,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
     importlib.import_module("p2ptrain.dht")
     common = ["--run-id", config.run_id, "--model", config.model, "--seq-len", str(config.seq_len), "--batch-rows",
               str(rows), "--microbatches", str(microbatches), "--epochs", str(args.epochs), "--compression",
-              config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else [])]
+              config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else []),
+              *(item for name in OPTIMIZATION_FIELDS for item in (RECIPE_FLAGS[name], flag_value(getattr(config, name)))),
+              *(["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)] if args.eval_data else [])]
     swarm = Swarm(workdir=workdir)
     interrupted = False
     try:
@@ -185,7 +204,9 @@ def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
                 report = collect(dht, args.run_id)
                 bar.n = report["epoch"] + 1
                 if report["loss"] is not None:
-                    bar.set_postfix(loss=f"{report['loss']:.3f}", tok_s=f"{report['tokens_per_s'] or 0:.0f}")
+                    held_out = {"eval": f"{report['eval_loss']:.3f}"} if report["eval_loss"] is not None else {}
+                    bar.set_postfix(loss=f"{report['loss']:.3f}", **held_out,
+                                    tok_s=f"{report['tokens_per_s'] or 0:.0f}")
                 bar.refresh()
                 if report["finished"] and report["epoch"] + 1 >= args.epochs:
                     return report

@@ -46,7 +46,9 @@ NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in
               "lease_timeout_s": "--lease-timeout", "averaging_timeout_s": "--averaging-timeout",
               "worker_lost_s": "--worker-lost", "server_lost_s": "--server-lost",
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
-              "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay"}
+              "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay", "checkpoint_dir": "--checkpoint-dir",
+              "checkpoint_every": "--checkpoint-every", "eval_data": "--eval-data", "eval_every": "--eval-every",
+              "eval_rows": "--eval-rows"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,10 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a stage server may not answer before it counts as lost: the data source abandons "
                           "the open epoch and lays the next one out without it (a restarted server is noticed at "
                           "once), and workers stop waiting for it to close an epoch")
+    run.add_argument("--checkpoint-dir", type=Path,
+                     help="a server: save the stage's parameters, optimizer state, epoch and data position here, and "
+                          "resume from them when started again")
+    run.add_argument("--checkpoint-every", type=count, default=10, metavar="N",
+                     help="with --checkpoint-dir: save every N epochs (and when stopped)")
+    run.add_argument("--eval-data", type=existing_file,
+                     help="the data source: a held-out text file; the swarm's parameters are evaluated on it through "
+                          "the stages' servers (forward only) and the loss is shown as eval_loss")
+    run.add_argument("--eval-every", type=count, default=10, metavar="N", help="with --eval-data: every N epochs")
+    run.add_argument("--eval-rows", type=count, default=64, help="with --eval-data: windows of --seq-len tokens")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
-    run.add_argument("--fault", choices=FAULTS, default="none", help="for tests: send corrupted results")
+    run.add_argument("--fault", choices=FAULTS, default="none",
+                     help="for tests: send corrupted results, or average slowly")
     run.add_argument("--probe-delay", type=non_negative, default=0.0, metavar="SECONDS",
                      help="for tests: answer link probes as if behind a slow link (latency about SECONDS/2, "
                           "bandwidth at most 1 MiB per SECONDS); training traffic is not slowed")
@@ -150,8 +163,9 @@ def parse_args(argv: list[str] | None = None) -> Command:
         parser.error("--role server needs --server-role fs or --server-role bs")
     if args.role != "server" and (args.server_role or args.compute):
         parser.error("--server-role and --compute are for --role server only")
-    if args.dump_grads is not None and args.dump_grads.exists() and not args.dump_grads.is_dir():
-        fail(parser, "--dump-grads", args.dump_grads, "is a file; give a folder")
+    for flag, folder in (("--dump-grads", args.dump_grads), ("--checkpoint-dir", args.checkpoint_dir)):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            fail(parser, flag, folder, "is a file; give a folder")
     for flag, values in (("--initial-peers", args.initial_peers), ("--host-maddrs", args.host_maddrs),
                          ("--announce-maddrs", args.announce_maddrs)):
         check_maddrs(parser, flag, values)
@@ -185,7 +199,9 @@ def parse_args(argv: list[str] | None = None) -> Command:
             role=args.role, placement=placement, computes=args.compute, network=network, planning=planning,
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
-            stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay)
+            stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
+            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, eval_data=args.eval_data,
+            eval_every=args.eval_every, eval_rows=args.eval_rows)
         settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout,
                                  plan_timeout_s=args.plan_timeout, worker_lost_s=args.worker_lost,
                                  server_lost_s=args.server_lost)
@@ -214,9 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=command.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from p2ptrain.node.peer import Peer  # torch and hivemind: only once the command line holds
+    from p2ptrain.state.checkpoint import CheckpointError
 
     peer = Peer(config=command.config, options=command.options, settings=command.settings)
-    asyncio.run(_run(peer))
+    try:
+        asyncio.run(_run(peer))
+    except CheckpointError as e:  # refused before anything of it was loaded
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 async def _run(peer: Peer) -> None:

@@ -3,23 +3,33 @@
 JSON fields (stable; later tools and outside checks read them):
   run_id                 the swarm's DHT prefix
   peers                  [{peer_id, role, stage, server_role}] every peer with a live record
-  stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], state}]; state is what the
+  stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], state, rounds_failed,
+                           digests_agree, digests_disagreed}]; state is what the
                            stage does now: "waiting for FS" or "waiting for BS" (it has none: the swarm waits
                            for one to come back), else its FS's view: "training", "waiting for workers" (none
-                           polled lately) or "workers banned" (every recent one is banned for refused results)
+                           polled lately) or "workers banned" (every recent one is banned for refused results);
+                           rounds_failed: all-reduce rounds of the epochs below that failed or averaged nothing
+                           (one per worker that says so); digests_agree: whether the workers' parameter digests
+                           of the newest epoch that two or more published agree (null: none such yet);
+                           digests_disagreed: epochs below whose digests did not agree
   epoch                  the last global batch that closed at every stage (-1: none yet)
   epochs_planned         global batches the data source will feed (null if no source is up)
   finished               the data source fed and closed all its epochs
   loss                   mean token loss (nats) of the last closed epoch, from the last stage
   tokens_per_s           training tokens per second over the last closed epoch, at the data source (fresh data
                            only: microbatches fed again under fault policy swarm do not count)
-  epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained,
+  eval_loss              the newest held-out loss (the data source's --eval-data, through every stage's servers,
+                           forward only), of the parameters after the epoch it is listed with in `epochs`; null
+                           if none yet
+  epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained, lr, eval_loss,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
-                                     rows_dropped, workers_lost, workers_joined}]}] oldest first:
+                                     rows_dropped, workers_lost, workers_joined, rounds_failed, digests,
+                                     digests_agree}]}] oldest first (lr: the learning rate of its step):
                            rows_in_batch: rows of the global batch that entered the stage;
                            rows_averaged: rows whose gradients reached the stage's averaged optimizer step: the
                              rows the FS handed to the epoch's averaging group, less those of any worker that
-                             reports its round failed (a worker's own record may be gone, a server's stays);
+                             reports its round failed (a worker's own record may be gone, a server's stays) and
+                             those of groupmates that died in the round (its survivors averaged without them);
                            tasks_redone: tasks handed out again (refused results, timed-out or vanished workers,
                              rows redone);
                            rows_recomputed: rows whose forward and backward were done again because the worker
@@ -28,6 +38,10 @@ JSON fields (stable; later tools and outside checks read them):
                              worker and were not redone at the stage (their microbatch's data is fed again);
                            workers_lost: workers that vanished holding parameter gradients of the epoch;
                            workers_joined: workers the stage's FS first saw while the epoch was open;
+                           rounds_failed: workers whose all-reduce round of the epoch failed or averaged nothing;
+                           digests: workers that published a digest of the parameters they stepped to;
+                           digests_agree: whether those digests are of the same parameters up to the rounding an
+                             all-reduce leaves (`protocol.optimization.digests_agree`; null: no digest);
                          abandoned: the data source ended the epoch without a step because a stage server of its
                            layout restarted or was lost before all its rows were back: no stage stepped on it (its
                            rows_averaged are 0 and it never counts as closed), and its batch of data was fed again
@@ -45,6 +59,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.cli import check_maddrs, run_id
 from p2ptrain.config import RunConfig
+from p2ptrain.protocol.optimization import Digest, digests_agree
 
 if TYPE_CHECKING:
     import hivemind
@@ -67,10 +82,16 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
         stages.append({
             "stage": stage, "fs": fs, "bs": bs,
             "workers": sorted(m.peer_id for m in metrics
-                              if m.stage == stage and (m.role == "worker" or m.worker_epochs)),
+                              if m.stage == stage and (m.role == "worker" or (m.worker_epochs and not m.holds_state))),
             "state": "waiting for FS" if not fs else "waiting for BS" if not bs else _worst(views),
         })
     epochs = _epochs(metrics, num_stages)
+    for entry in stages:
+        summaries = [e["stages"][entry["stage"]] for e in epochs]
+        checked = [s for s in summaries if s["digests"] >= 2]
+        entry["rounds_failed"] = sum(s["rounds_failed"] for s in summaries)
+        entry["digests_agree"] = checked[-1]["digests_agree"] if checked else None
+        entry["digests_disagreed"] = sum(not s["digests_agree"] for s in checked)
     source = next((m for m in metrics if m.epochs_planned is not None), None)
     closed = [e for e in epochs if e["closed"]]
     last = closed[-1] if closed else None
@@ -84,6 +105,7 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
         "finished": bool(source and source.finished),
         "loss": last["loss"] if last else None,
         "tokens_per_s": last["tokens_per_s"] if last else None,
+        "eval_loss": next((e["eval_loss"] for e in reversed(epochs) if e["eval_loss"] is not None), None),
         "epochs": [{k: v for k, v in e.items() if k != "closed"} for e in epochs],
     }
 
@@ -100,6 +122,11 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
     """Per epoch and stage: rows in (FS), rows averaged (workers), tasks redone (FS and BS); loss; speed."""
     rows_in, averaged, redone = defaultdict(int), defaultdict(int), defaultdict(int)
     recomputed, lost, joined, dropped = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
+    failed: dict[tuple[int, int], int] = defaultdict(int)
+    died: dict[tuple[int, int], int] = defaultdict(int)
+    digests: dict[tuple[int, int], list[Digest]] = defaultdict(list)
+    rates: dict[int, float] = {}
+    evals: dict[int, float] = {}
     closed_at: dict[int, set[int]] = defaultdict(set)
     abandoned: set[int] = set()
     loss, speed, seconds, retrained = {}, {}, {}, {}
@@ -122,22 +149,35 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             if entry.abandoned:
                 abandoned.add(entry.epoch)
         for entry in workers:  # a worker whose round failed stepped on its own gradients
-            averaged[(entry.epoch, record.stage)] -= entry.rows_in_batch - entry.rows_averaged
+            key = (entry.epoch, record.stage)
+            averaged[key] -= entry.rows_in_batch - entry.rows_averaged
+            failed[key] += entry.round_failed
+            died[key] = max(died[key], entry.rows_lost)  # every survivor of the round reports the same rows
+            if entry.digest is not None:
+                digests[key].append(tuple(entry.digest))
+            if entry.lr is not None:
+                rates[entry.epoch] = entry.lr
         for entry in record.source_epochs:
             seconds[entry.epoch] = entry.seconds
+            if entry.eval_loss is not None:
+                evals[entry.epoch] = entry.eval_loss
             retrained[entry.epoch] = entry.microbatches_retrained
             speed[entry.epoch] = entry.tokens / entry.seconds if entry.seconds else None
     all_epochs = sorted({key[0] for key in rows_in} | set(loss) | set(speed))
     return [
         {
             "epoch": epoch, "loss": loss.get(epoch), "tokens_per_s": speed.get(epoch), "seconds": seconds.get(epoch),
-            "abandoned": epoch in abandoned, "microbatches_retrained": retrained.get(epoch, 0),
+            "abandoned": epoch in abandoned, "microbatches_retrained": retrained.get(epoch, 0), "lr": rates.get(epoch),
+            "eval_loss": evals.get(epoch),
             "closed": len(closed_at[epoch]) == num_stages and epoch in loss and epoch not in abandoned,
             "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
-                        "rows_averaged": averaged[(epoch, stage)], "tasks_redone": redone[(epoch, stage)],
+                        "rows_averaged": averaged[(epoch, stage)] - died[(epoch, stage)],
+                        "tasks_redone": redone[(epoch, stage)],
                         "rows_recomputed": recomputed[(epoch, stage)], "rows_dropped": dropped[(epoch, stage)],
                         "workers_lost": lost[(epoch, stage)],
-                        "workers_joined": joined[(epoch, stage)]}
+                        "workers_joined": joined[(epoch, stage)], "rounds_failed": failed[(epoch, stage)],
+                        "digests": len(digests[(epoch, stage)]),
+                        "digests_agree": digests_agree(digests[(epoch, stage)]) if digests[(epoch, stage)] else None}
                        for stage in range(num_stages)],
         }
         for epoch in all_epochs
@@ -148,12 +188,15 @@ def render(report: dict) -> str:
     lines = [f"swarm {report['run_id']}: epoch {report['epoch']}"
              + (f" of {report['epochs_planned']}" if report["epochs_planned"] else "")
              + (f", loss {report['loss']:.4f}" if report["loss"] is not None else "")
+             + (f", held-out {report['eval_loss']:.4f}" if report.get("eval_loss") is not None else "")
              + (f", {report['tokens_per_s']:.0f} tokens/s" if report["tokens_per_s"] else "")
              + (" (finished)" if report["finished"] else "")]
     for stage in report["stages"]:
         lines.append(f"  stage {stage['stage']}: FS {', '.join(p[-8:] for p in stage['fs']) or '-'}"
                      f" | BS {', '.join(p[-8:] for p in stage['bs']) or '-'}"
-                     f" | workers {', '.join(p[-8:] for p in stage['workers']) or '-'} | {stage['state']}")
+                     f" | workers {', '.join(p[-8:] for p in stage['workers']) or '-'} | {stage['state']}"
+                     + {True: " | parameters agree", False: " | PARAMETERS DIFFER", None: ""}[stage["digests_agree"]]
+                     + (f" | {stage['rounds_failed']} rounds failed" if stage["rounds_failed"] else ""))
     lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))
     for epoch in report["epochs"][-10:]:
         cells = "  ".join(f"{s['rows_in_batch']:>6}/{s['rows_averaged']:<4}/{s['tasks_redone']:<3}"

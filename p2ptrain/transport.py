@@ -1,14 +1,14 @@
 """Typed messages over hivemind's libp2p streaming RPCs: a msgpack header plus named tensors.
 
 Tensors always travel as streams of chunks of at most 1 MiB: hivemind refuses unary requests over 4 MiB and a unary
-response over 4 MiB hangs the caller (DESIGN §7). Streaming stubs take no timeout, so every call is wrapped.
+response over 4 MiB hangs the caller (docs/design.md §7). Streaming stubs take no timeout, so every call is wrapped.
 
 The caller, not the server, ends every stream. A message's header announces how many tensor chunks follow, so the
 caller knows when it holds the whole reply and closes the stream then; the server keeps its end open until that
 happens (up to `LINGER_S`). Why: p2pd pipes each libp2p stream to a Unix socket and resets the stream as soon as
 either side closes, and a reset discards whatever the receiving daemon had not yet handed to its Python peer, so
 a reply the server closed right after writing was sometimes lost on a loaded machine ("the peer sent an empty
-stream"; DESIGN §7). Work a handler does after its reply (`Answer.then`) runs as a task of the servicer, not of
+stream"; docs/design.md §7). Work a handler does after its reply (`Answer.then`) runs as a task of the servicer, not of
 the stream, so a caller that goes away never cancels it halfway.
 
 A servicer (`Service`) decodes every request into its `protocol.messages` type before its handler sees it. A request

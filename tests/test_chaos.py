@@ -1,11 +1,12 @@
-"""Volunteers that vanish (DESIGN §5, issue 7): clients SIGKILLed (and some SIGTERMed) at random moments and started
+"""Volunteers that vanish (docs/design.md §5, issue 7): clients SIGKILLed (and some SIGTERMed) at random moments and started
 again with the same command, and clients that join for the first time mid-run. Training goes on, no row is lost or
 counted twice, the rows a dead worker held are redone by others, and the loss falls.
 
 One moment of death is not made exact yet: during the stage's all-reduce, or after the worker was counted into the
-averaging group and before its round ended (the round fails for its group, and the survivors step on their own
-gradients, which they log, and the status shows as rows not averaged while their records live). An epoch may
-therefore lack rows at a stage only where a worker logged that its round failed; every other epoch must be exact.
+averaging group and before its round ended. The round fails for its group; the survivors average again among
+themselves without the dead worker's rows (they log it, and the status counts those rows as not averaged), or, if
+that fails too, skip the step and log it. An epoch may therefore lack rows at a stage only where a worker logged
+either; every other epoch must be exact.
 
 Under `--fault-policy swarm` (SWARM's way, for comparison) a kill instead drops the rows the worker held, and their
 microbatches' data comes again in a later epoch.
@@ -34,7 +35,10 @@ def failed_rounds(workdir: Path) -> set[tuple[int, int]]:
     (a killed client's log is kept under another name)."""
     found = set()
     for log in workdir.glob("c*.log"):
-        for stage, epoch in re.findall(r"stage (\d+) averaging of epoch (\d+) failed", log.read_text()):
+        text = log.read_text()
+        for stage, epoch in re.findall(r"stage (\d+) averaging of epoch (\d+) failed", text):
+            found.add((int(epoch), int(stage)))
+        for stage, epoch in re.findall(r"stage (\d+) all-reduce of epoch (\d+): \d+ groupmate\(s\) died", text):
             found.add((int(epoch), int(stage)))
     return found
 

@@ -1,4 +1,4 @@
-"""Bad command lines (DESIGN: "bad input gets a clear error that says what to fix"): every CLI checks its options
+"""Bad command lines (docs/design.md: "bad input gets a clear error that says what to fix"): every CLI checks its options
 before anything starts. Each bad option ends with exit status 2 and a message naming the flag, and no process and
 no DHT node is started."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad input from a worker (DESIGN: "a peer sending a tensor of the wrong shape or NaNs"): the servers refuse it
+"""Bad input from a worker (docs/design.md: "a peer sending a tensor of the wrong shape or NaNs"): the servers refuse it
 with a clear logged error, hand its rows to another worker, and no row is lost or counted twice."""
 from __future__ import annotations
 

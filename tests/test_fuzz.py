@@ -1,4 +1,4 @@
-"""Malformed messages (DESIGN: "bad input gets a clear error ... and loses nothing"): a frontal and a backward
+"""Malformed messages (docs/design.md: "bad input gets a clear error ... and loses nothing"): a frontal and a backward
 server receive at least 500 malformed messages on each RPC they serve (missing and extra fields, wrong types,
 negative and huge row ranges, unknown epochs and tasks, oversized, empty and wrongly typed tensors, NaN, spoofed
 senders, layouts that leave the server out). Every one is refused with a refusal reply; the servers stay up, log
@@ -264,7 +264,7 @@ async def fuzz(caller: Caller, fuzzer: Fuzzer, targets: dict[str, str]) -> Count
     """Send PER_RPC malformed messages on each RPC; returns how many of each kind of defect went to each RPC, and
     under "lost" how many replies the transport lost. Fails on the first reply that is not a refusal.
 
-    hivemind's streams here sometimes end early under load (DESIGN §7; old and new code alike): a message whose
+    hivemind's streams here sometimes end early under load (docs/design.md §7; old and new code alike): a message whose
     reply was lost is sent again, up to LOST_REPLY_ATTEMPTS times. A server that broke the stream on a malformed
     message would lose every reply to it, and fail the test."""
     sent: Counter = Counter()

@@ -159,7 +159,7 @@ def test_clients_without_stage_avoid_the_slow_stage_take_its_state_and_join_its_
         assert "loaded the state of epoch" in log, log[-3000:]
     deadline = time.monotonic() + 180
     for rule in ("paper", "cost"):
-        while not re.search(r"stepped to epoch \d+ \([1-9]\d* rows, averaged in a group of [2-9]",
+        while not re.search(r"stepped epoch \d+ \([1-9]\d* rows, averaged in a group of [2-9]",
                             (swarm.workdir / f"client-{rule}.log").read_text()):
             assert time.monotonic() < deadline and not swarm.failed(), swarm.logs([f"client-{rule}", "fs1"])
             time.sleep(1.0)

@@ -50,6 +50,10 @@ def test_two_stages_of_peers_built_in_python_train_one_epoch():
     for stage in range(CONFIG.num_stages):
         [record] = peers[f"client{stage}"].worker.history
         assert (record.epoch, record.rows, record.averaged) == (0, CONFIG.rows_per_epoch, True)
+        for role in ("fs", "bs"):  # the servers hold the stage's state: they stepped with the client, on no rows
+            [record] = peers[f"{role}{stage}"].worker.history
+            assert (record.epoch, record.rows, record.averaged, record.digest) == (
+                0, 0, True, peers[f"client{stage}"].worker.history[0].digest)
         assert peers[f"fs{stage}"].server.state.closed_epoch == peers[f"bs{stage}"].server.state.closed_epoch == 0
     stats = peers["bs1"].server.epoch_stats(0)
     assert stats.rows == CONFIG.rows_per_epoch and stats.tokens == CONFIG.tokens_per_epoch

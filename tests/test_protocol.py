@@ -158,6 +158,9 @@ def test_a_worker_waits_while_its_epoch_is_open_and_catches_up_when_it_is_long_g
     assert judge(0, {"fs-a": None}).catch_up_to is None
     # every FS of the layout closed the epoch, but the first one so long ago that it forgot the group: too late
     assert judge(3, {"fs-a": _reply(9), "fs-b": _reply(9, CLOSURE)}).catch_up_to == 10
+    # an FS that restarted stands past the epochs it resumed after and remembers no group of them; while another FS
+    # still has the epoch open, that one gives its group when it closes it (the worker may be in it): no catching up
+    assert judge(13, {"fs-a": _reply(12), "fs-b": _reply(13)}) == Verdict(epoch_fs=())
 
 
 def test_the_task_pool_trains_each_global_batch_whole_and_an_abandoned_one_again():

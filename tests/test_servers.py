@@ -54,6 +54,11 @@ class Clock:
         return self.now
 
 
+def members(closure: Closure) -> list[str]:
+    """The peer ids of a closure's averaging group."""
+    return [member.peer_id for member in closure.group]
+
+
 def servers(*, fs_state: FrontalState | None = None, bs_state: BackwardState | None = None,
             clock: Callable[[], float] = time.monotonic, config: RunConfig = CONFIG,
             workers: tuple[str, ...] = ("w1", "w2")) -> tuple[FrontalServer, BackwardServer]:
@@ -116,14 +121,44 @@ def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_
             await fs.push_input_grads(grads(task, "w2"), "w2")
         assert fs.epoch_stats(0).rows == ROWS
         assert fs.state.closures[0] == Closure(epoch=0, fs=("fs",), group=(GroupMember(peer_id="w1",
-                                                                                       client_mode=False),))
+                                                                                       client_mode=False, rows=ROWS),))
 
         # a worker that took its task without polling this FS (say, from another server) still joins the group
         await feed(fs, 1)
         task = await take(fs, "w1", 1)
         fs.state.workers.pop("w1")
         assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
-        assert fs.state.closures[1].group == (GroupMember(peer_id="w1", client_mode=False),)
+        assert members(fs.state.closures[1]) == ["w1"]
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_polling_from_two_epochs_back_is_left_out_of_the_group_and_holds_nothing_open():
+    """A state holder that restarted (or a joiner) polls from the epoch it has, catches up by loading a mate's state
+    and would never take part in the round of the epoch that closes: in its group, it would hold every member until
+    the round's timeout. One epoch behind, it steps that one first and then averages this one."""
+    async def scenario() -> None:
+        fs, _ = servers()
+        holder = TakeTask(worker="w2", compute=1.0, epoch=0, holds_state=True)
+        for epoch in (0, 1):
+            await feed(fs, epoch)
+            task = await take(fs, "w1", epoch)
+            assert (await fs.take_task(holder, "w2")).task is None
+            assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+            assert fs.state.closed_epoch == epoch - 1  # a holder seen before the rows were all back polls again first
+            await fs.take_task(holder, "w2")
+            assert fs.state.closed_epoch == epoch
+        assert members(fs.state.closures[1]) == ["w1", "w2"]  # one epoch behind: it steps 0, then 1
+        await feed(fs, 2)
+        task = await take(fs, "w1", 2)
+        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await fs.take_task(holder, "w2")
+        assert fs.state.closed_epoch == 2 and members(fs.state.closures[2]) == ["w1"]
+        await feed(fs, 3)
+        task = await take(fs, "w1", 3)
+        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await fs.take_task(dataclasses.replace(holder, epoch=3), "w2")  # caught up: in the group again
+        assert members(fs.state.closures[3]) == ["w1", "w2"]
 
     asyncio.run(scenario())
 
@@ -183,7 +218,7 @@ def test_a_state_saved_mid_epoch_restores_into_a_new_server_that_finishes_the_ep
         assert await handled(await restored_fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         assert await handled(await restored_bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
         assert restored_fs.state.closed_epoch == restored_bs.state.closed_epoch == 0
-        assert restored_fs.state.closures[0].group == (GroupMember(peer_id="w1", client_mode=False),)
+        assert members(restored_fs.state.closures[0]) == ["w1"]
 
         snapshot, tensors = restored_fs.state.snapshot()
         again = FrontalState.restore(snapshot, tensors)
@@ -237,7 +272,7 @@ def test_rows_of_a_worker_that_vanished_before_its_stage_averaged_are_redone_by_
             await bs.push_outputs(loss(redo, "w1"), "w1")
         assert await poll(fs, "w1", 0) is None
         assert fs.state.closed_epoch == 0
-        assert fs.state.closures[0].group == (GroupMember(peer_id="w1", client_mode=False),)
+        assert members(fs.state.closures[0]) == ["w1"]
         stats = fs.epoch_stats(0)
         assert (stats.rows_grouped, stats.rows_recomputed, stats.workers_lost) == (ROWS, ROWS // 2, 1)
         assert fs.state.pool.redone[0] == 1
@@ -258,7 +293,7 @@ def test_a_worker_judged_gone_that_was_alive_after_all_stays_out_of_the_epoch_it
             await fs.push_input_grads(grads(second, "w2"), "w2")
         await handled(await fs.push_input_grads(grads(redo, "w1"), "w1"))
         assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == 0
-        assert fs.state.closures[0].group == (GroupMember(peer_id="w1", client_mode=False),)  # w2 polled, yet is out
+        assert members(fs.state.closures[0]) == ["w1"]  # w2 polled, yet is out
         assert fs.epoch_stats(0).rows_grouped == ROWS
 
     asyncio.run(scenario())
@@ -278,7 +313,7 @@ def test_under_the_swarm_policy_a_vanished_workers_rows_are_dropped_and_named_fo
         clock.now += fs.settings.worker_lost_s
         assert await poll(fs, "w1", 0) is None  # no redo: the epoch closes without w2's rows
         assert fs.state.closed_epoch == 0 and fs.state.pool.redone.get(0, 0) == 0
-        assert fs.state.closures[0].group == (GroupMember(peer_id="w1", client_mode=False),)
+        assert members(fs.state.closures[0]) == ["w1"]
         stats = fs.epoch_stats(0)
         assert (stats.rows_grouped, stats.rows_dropped, stats.rows_recomputed, stats.workers_lost) == (
             ROWS // 2, ROWS // 2, 0, 1)
@@ -428,7 +463,7 @@ def test_a_restarted_server_takes_the_swarms_epoch_and_an_abandon_waits_for_the_
         await fs.end_epoch(end(6, abandoned=False), "fs")
         await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=6), "w1")
         assert fs.state.closed_epoch == 7
-        assert fs.state.closures[6].group == (GroupMember(peer_id="w1", client_mode=False),)
+        assert members(fs.state.closures[6]) == ["w1"]
         assert fs.state.closures[7].abandoned
 
     asyncio.run(scenario())

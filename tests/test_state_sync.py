@@ -44,7 +44,6 @@ def make_worker(worker_id: str, *, local: dict[tuple[str, str], Service], stage:
     model = build_stage(model_config, start=start, end=end, seed=CONFIG.seed)
     caller = caller or Caller(p2p=None, peer_id=worker_id, codec="none", timeout=10.0, local=local)
     return Worker(worker_id=worker_id, stage=stage, config=CONFIG, settings=RuntimeConfig(), model=model,
-                  optimizer=model.configure_optimizer(lr=CONFIG.lr, weight_decay=CONFIG.weight_decay),
                   # a group of one averages without the network: the averager is never started
                   averager=StageAllReduce(p2p=None, run_id=CONFIG.run_id, stage=stage, timeout=1.0, caller=caller),
                   caller=caller,
@@ -63,6 +62,7 @@ async def step(worker: Worker, seed: int) -> None:
         accumulated.copy_(torch.randn(accumulated.shape, generator=generator))
     worker.rows_accumulated = CONFIG.rows_per_microbatch
     await worker._step((GroupMember(peer_id=worker.worker_id, client_mode=False),))
+    await worker.settle()  # with delayed parameter updates the step runs in the background
 
 
 def assert_same_state(a: Worker, b: Worker) -> None:
@@ -137,9 +137,9 @@ def test_a_state_that_does_not_fit_is_refused_and_the_worker_keeps_its_own():
         reply = await joiner.caller.call("narrow", STAGE_STATE, DownloadState(stage=0, start=0, end=2))
         with pytest.raises(StateMismatch, match=r"model entry 'embed.weight' is torch.float32 \[256, 32\], this stage's "
                                                 r"is torch.float32 \[256, 64\]"):
-            decode_state(reply.blob, joiner.model, joiner.optimizer)
+            decode_state(reply.blob, joiner.master, joiner.optimizer)
         with pytest.raises(StateMismatch, match="the state does not decode"):
-            decode_state(torch.arange(100, dtype=torch.uint8), joiner.model, joiner.optimizer)
+            decode_state(torch.arange(100, dtype=torch.uint8), joiner.master, joiner.optimizer)
 
         assert await load_state_from_peers(joiner, caller=joiner.caller,
                                            candidates=["stage1", "narrow", "nobody"]) is None
@@ -158,7 +158,7 @@ def test_the_optimizer_state_is_checked_against_the_local_parameters():
     blob = encode_state({name: t.clone() for name, t in mate.model.state_dict().items()}, state)
     with pytest.raises(StateMismatch, match=r"optimizer entry 'optimizer/0/exp_avg' is torch.float32 \[16383\], its "
                                             r"parameter is torch.float32 \[256, 64\]"):
-        decode_state(blob, joiner.model, joiner.optimizer)
+        decode_state(blob, joiner.master, joiner.optimizer)
 
 
 @pytest.mark.timeout(60)

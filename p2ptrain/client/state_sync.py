@@ -5,19 +5,22 @@ stage mates for theirs (`load_state_from_peers`), as hivemind's `DecentralizedAv
 `rpc_download_state` and `load_state_from_peers`. With no mate able to serve, it starts from the seed's weights,
 as the first workers of a run do.
 
-What a worker serves. Its parameters and optimizer state, taken in one piece in the event loop: the optimizer steps
+What a worker serves. The parameters of its master copy (the one its optimizer steps; `client.worker`) and its
+optimizer state, taken in one piece in the event loop: the optimizer steps
 synchronously in that loop too, so a snapshot never sees half a step. It refuses (`Refused`) while it holds only
-the seed's weights, that is, until it has stepped once since it started (`Worker.history` holds a record per step)
-or loaded a mate's state (`Worker.loaded_state`): a fresh worker that served would hand its seed weights to a
+the seed's weights, that is, until it has stepped once since it started (`Worker.master_epoch` is past 0) or loaded
+a mate's state (`Worker.loaded_state`): a fresh worker that served would hand its seed weights to a
 joiner as if they were the stage's. A client-mode worker refuses too: it dials out only, so it is no peer to
-download from. The reply's epoch is the sender's `Worker.epoch`, the epoch its parameters are current for.
+download from. The reply's epoch is the epoch the master copy's parameters are current for (`Worker.master_epoch`:
+the one after its last step); with delayed parameter updates a step in flight is not in them yet.
 
 The encoding of the reply's `blob` (one uint8 tensor): the bytes of one safetensors buffer
 (`safetensors.torch.save`) holding
 
 - ``model/<name>``: every entry of ``model.state_dict()``, parameters and buffers;
 - ``optimizer/<index>/<name>``: every tensor of ``optimizer.state_dict()["state"][index]`` (AdamW's moments and
-  its `step` count);
+  its `step` count; an entry that is itself a map, as bitsandbytes' LAMB keeps its statistics, as
+  ``<name>:<inner name>``);
 
 and, in the buffer's own metadata under `STATE_METADATA`, a JSON object for what is not a tensor:
 ``{"format": FORMAT, "scalars": {"<index>": {"<name>": number}}, "param_groups": [...]}``, where `scalars` holds
@@ -54,6 +57,7 @@ logger = logging.getLogger(__name__)
 FORMAT = 1  # of the blob's encoding; a receiver refuses others
 STATE_METADATA = "p2ptrain.stage_state"  # the safetensors metadata key that holds the JSON part
 MODEL, OPTIMIZER = "model/", "optimizer/"
+NESTED = ":"  # joins the names of a nested optimizer entry (`_flatten`)
 
 # Until RuntimeConfig has them: how long one stage mate may take to send its state (a stage of a few GB at tens of
 # MB/s takes minutes), and how long a joining worker looks for one at most before it starts from the seed.
@@ -73,7 +77,7 @@ def encode_state(model_state: dict[str, torch.Tensor], optimizer_state: Optimize
     tensors = {MODEL + name: tensor for name, tensor in model_state.items()}
     scalars: dict[str, dict[str, Any]] = {}
     for index, entries in optimizer_state["state"].items():
-        for name, value in entries.items():
+        for name, value in _flatten(entries):
             if isinstance(value, torch.Tensor):
                 tensors[f"{OPTIMIZER}{index}/{name}"] = value
             else:
@@ -157,12 +161,31 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], scalars: object, param_gr
         _, index, entry = name.split("/")
         number = _param_index(index, params)
         param = params[number]
-        # per-parameter optimizer state is either a scalar (a step count) or a statistic shaped like its parameter
-        if tensor.dim() > 0 and (tensor.shape, tensor.dtype) != (param.shape, param.dtype):
+        # per-parameter optimizer state is either a scalar (a step count, a norm) or a statistic shaped like its
+        # parameter
+        if tensor.numel() > 1 and (tensor.shape, tensor.dtype) != (param.shape, param.dtype):
             raise StateMismatch(f"optimizer entry {name!r} is {tensor.dtype} {list(tensor.shape)}, its parameter is "
                                 f"{param.dtype} {list(param.shape)}")
         state.setdefault(number, {})[entry] = tensor
-    return {"state": state, "param_groups": groups}
+    return {"state": {number: _nest(entries) for number, entries in state.items()}, "param_groups": groups}
+
+
+def _flatten(entries: dict[str, Any]) -> list[tuple[str, Any]]:
+    """An optimizer's per-parameter state as flat (name, value) pairs: a nested map (bitsandbytes keeps its
+    statistics in one) becomes ``outer:inner`` names."""
+    return [(f"{name}{NESTED}{inner}", value) for name, nested in entries.items() if isinstance(nested, dict)
+            for inner, value in nested.items()] + [(name, v) for name, v in entries.items() if not isinstance(v, dict)]
+
+
+def _nest(entries: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for name, value in entries.items():
+        outer, _, inner = name.partition(NESTED)
+        if inner:
+            nested.setdefault(outer, {})[inner] = value
+        else:
+            nested[name] = value
+    return nested
 
 
 def _param_index(index: str, params: dict[int, torch.nn.Parameter]) -> int:
@@ -185,22 +208,27 @@ class StageStateServer(Service):
         return self.serve(requests, context, DownloadState, self.download_state)
 
     async def download_state(self, request: DownloadState, sender: str) -> StageStateReply:
-        worker, model = self.worker, self.worker.model
+        worker, model = self.worker, self.worker.master
         if (request.stage, request.start, request.end) != (worker.stage, model.start, model.end):
             raise Refused(f"this worker holds layers [{model.start}, {model.end}) of stage {worker.stage}, not "
                           f"[{request.start}, {request.end}) of stage {request.stage}")
         if worker.client_mode:
             raise Refused("a client-mode worker does not serve its state")
-        if not (worker.history or worker.loaded_state):
+        if not (worker.master_epoch or worker.loaded_state):
             raise Refused("this worker holds only the seed's weights: it has not stepped since it started")
-        # copies taken together, with no await in between: the optimizer steps in this event loop, so they are of one
-        # step; serializing them may then take its time in a thread while the worker trains on
-        epoch = worker.epoch
-        model_state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-        optimizer_state = worker.optimizer.state_dict()
-        optimizer_state["state"] = {index: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                                            for name, value in entries.items()}
-                                    for index, entries in optimizer_state["state"].items()}
+        stale = Refused("its last averaging round failed: its parameters may stand apart from the stage's")
+        if worker.stale:  # checked before waiting too: its update in flight may be a reload from the asker
+            raise stale
+        # with DPU a step may be in flight: the state served is the one after it, so that a joiner is current for the
+        # epoch the stage computes (served before it, the joiner would stand an epoch behind and be left out again).
+        # Unless that round waits for the asker (it joined the group, then found it must load the state first): then
+        # the state before the round, with which the asker takes part in it and steps as its mates do
+        if not worker.averages_with(sender):
+            await worker.updated()
+            if worker.stale:
+                raise stale
+        # serializing the snapshot may take its time in a thread while the worker trains on
+        epoch, model_state, optimizer_state = worker.snapshot()
         blob = await asyncio.to_thread(encode_state, model_state, optimizer_state)
         logger.info(f"worker {worker.worker_id}: sending its state of epoch {epoch} ({blob.numel() / 2**20:.1f} MiB) "
                     f"to {sender}")
@@ -229,7 +257,7 @@ async def load_state_from_peers(worker: Worker, *, caller: Caller, candidates: I
         started = time.monotonic()
         try:
             reply = await caller.call(peer, STAGE_STATE, request, timeout=min(timeout, remaining))
-            model_state, optimizer_state = decode_state(reply.blob, worker.model, worker.optimizer)
+            model_state, optimizer_state = decode_state(reply.blob, worker.master, worker.optimizer)
         except Refused as e:
             logger.info(f"worker {worker.worker_id}: {peer} does not serve its state: {e}")
             continue

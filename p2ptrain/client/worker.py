@@ -3,12 +3,21 @@
 Clients run it, and so do servers started with --compute. It only dials out, so it works behind NAT. Parameter
 gradients of a task are kept aside until the server accepts the task's result, so a refused or duplicate
 result never reaches the average: every row's gradient counts exactly once.
+
+A worker keeps two copies of its stage: the model it computes with, and the master copy its optimizer steps. When
+an epoch closes, the stage averages its gradients and steps the master copy (clipped by the global norm across all
+stages, at the learning rate of the epoch); the model takes the master's parameters at an epoch boundary. With
+delayed parameter updates (`RunConfig.dpu`, the paper's §3.2.1) the averaging and the step run in the background
+while the next epoch computes on the parameters from before them, and the model takes them at the end of that next
+epoch: one epoch of staleness, and no stall at the boundary. Without, the worker waits for them before it goes on.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +25,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.averaging import RoundResult, StageAllReduce, parameter_digest
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.closure import judge
@@ -29,16 +38,20 @@ from p2ptrain.protocol.messages import (
     Message,
     PushInputGrads,
     PushOutputs,
+    ReportNorm,
     Request,
     TakeTask,
     TaskOffer,
     TaskReply,
 )
+from p2ptrain.protocol.optimization import Digest, LRSchedule, clip_coefficient
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Kind
 from p2ptrain.transport import Caller, Refused
 
 logger = logging.getLogger(__name__)
+
+SLOW_AVERAGING_S = 1.0  # how much longer each round takes with the fault "slow-averaging" (`NodeOptions.fault`)
 
 
 @dataclass
@@ -48,6 +61,11 @@ class EpochRecord:
     tokens: int
     averaged: bool  # the step used the stage's average
     seconds: float
+    digest: Digest = ()  # of the master parameters after the step (`parameter_digest`)
+    round_failed: bool = False  # the all-reduce of a group of several failed or averaged nothing
+    lr: float = 0.0
+    grad_norm: float | None = None  # the global norm the step clipped by (with clip_norm set)
+    rows_lost: int = 0  # rows of groupmates that died in the round: not in the average
 
 
 @dataclass
@@ -68,18 +86,33 @@ class Worker:
 
     def __init__(
         self, *, worker_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, model: StageModel,
-        optimizer: torch.optim.Optimizer, averager: StageAllReduce, caller: Caller,
-        servers: Callable[[], tuple[list[str], list[str]]], compute: float, client_mode: bool = False,
+        averager: StageAllReduce, caller: Caller, servers: Callable[[], tuple[list[str], list[str]]],
+        compute: float, norm_keeper: Callable[[], str | None] = lambda: None, client_mode: bool = False,
         fault: str = "none", dump_dir: Path | None = None,
         download_state: Callable[[Worker], Awaitable[int | None]] | None = None,
+        holds_only: bool = False, after_step: Callable[[Worker], Awaitable[None]] | None = None,
     ):
         self.worker_id, self.stage, self.config, self.settings = worker_id, stage, config, settings
-        self.model, self.optimizer, self.averager, self.caller = model, optimizer, averager, caller
+        self.model, self.averager, self.caller, self.norm_keeper = model, averager, caller, norm_keeper
+        self.master = copy.deepcopy(model)
+        self.optimizer = self.master.configure_optimizer(name=config.optimizer, lr=config.lr,
+                                                         weight_decay=config.weight_decay)
+        self.schedule = LRSchedule(lr=config.lr, warmup_epochs=config.warmup_epochs,
+                                   decay_epochs=config.decay_epochs, min_lr=config.min_lr)
+        self._update: asyncio.Task | None = None  # the averaging and step of the last closed epoch, with DPU
+        self._averaging_with: frozenset[str] = frozenset()  # the group of the all-reduce under way
+        self._stale = False  # a round failed and this worker did not step: it reloads the stage's state
         self.servers, self.compute, self.client_mode, self.fault = servers, compute, client_mode, fault
         self.dump_dir = dump_dir
+        # a reliable server that computes nothing but holds the stage's state: it takes no tasks, averages with the
+        # workers (with no rows of its own) and steps alike, serves its state and saves it (`after_step`)
+        self.holds_only, self.after_step = holds_only, after_step
         self.download_state = download_state  # loads the stage's state from a mate before the first task
         self.loaded_state = False  # it holds a mate's state, not the seed's, even before its first step
+        # the epoch the master copy's parameters are current for: the one after its last step, or the loaded state's
+        self.master_epoch = 0
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master_params = [p for p in self.master.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
         self.rows_accumulated = 0
         self.epoch = 0
@@ -98,7 +131,17 @@ class Worker:
         return self.stage == self.config.num_stages - 1
 
     async def run(self, stop: asyncio.Event) -> None:
-        if self.download_state is not None:  # a worker that joins a running stage must not compute on seed weights
+        try:
+            await self._run(stop)
+        finally:
+            if self._update is not None:
+                self._update.cancel()
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        # a worker that joins a running stage must not compute on seed weights; one restored from a checkpoint need
+        # not download, and a server that only holds the state computes nothing: it polls at once, so that it is in
+        # the first epoch's group, and downloads the state only if it finds the stage further on (catch-up)
+        if self.download_state is not None and not (self.loaded_state or self.holds_only):
             await self.download_state(self)
         while not stop.is_set():
             fs_list, bs_list = self.servers()
@@ -124,11 +167,41 @@ class Worker:
                                 *((bs, BACKWARD_SERVER) for bs in bs_list)]))
 
     def load_state(self, *, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], epoch: int) -> None:
-        """Take a stage mate's parameters and optimizer state, current for `epoch` (`client.state_sync`)."""
-        self.model.load_state_dict(model_state)
+        """Take a stage mate's parameters and optimizer state, current for `epoch` (`client.state_sync`); the caller
+        settled any update in flight first (`settle`), which would step over them."""
+        self.master.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
-        self.loaded_state = True
-        self._advance(epoch)
+        self.loaded_state, self.master_epoch = True, epoch
+        if self._update is None:  # not loaded by the update in flight, whose parameters the model takes at `settle`
+            self._take_master()
+            if epoch > self.epoch:  # never backwards: the stage may have closed the epoch a lagging mate served
+                self._advance(epoch)
+
+    @property
+    def stale(self) -> bool:
+        """Its last averaging round failed and it did not step: its parameters may stand apart from its mates'."""
+        return self._stale
+
+    def averages_with(self, peer: str) -> bool:
+        """Its all-reduce under way waits for `peer`: what it serves `peer` must not wait for that round."""
+        return peer in self._averaging_with
+
+    async def updated(self) -> None:
+        """Until the update in flight (DPU) has stepped the master copy; the model keeps its parameters."""
+        if self._update is not None:
+            await asyncio.shield(self._update)
+
+    async def settle(self) -> None:
+        """Wait for the update in flight (DPU) and let the model take its parameters."""
+        update, self._update = self._update, None
+        if update is not None:
+            await update
+            self._take_master()
+
+    def _take_master(self) -> None:
+        with torch.no_grad():
+            for param, master in zip(self.model.parameters(), self.master.parameters()):
+                param.copy_(master)
 
     async def _take(self, fs_list: list[str], bs_list: list[str]
                     ) -> tuple[TaskReply | None, dict[str, TaskReply | None]]:
@@ -137,8 +210,9 @@ class Worker:
         With no task, also returns each FS's reply (its last closed epoch and its recent closures), None where
         an FS could not be reached.
         """
-        poll = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode)
-        for bs in bs_list:
+        poll = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode,
+                        holds_state=self.holds_only)
+        for bs in bs_list if not self.holds_only else ():
             reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=self.settings.bs_poll_wait_s))
             if reply is not None and reply.task is not None:
                 return reply, {}
@@ -161,6 +235,7 @@ class Worker:
         verdict = judge(self.epoch, polls, epoch_fs=self.epoch_fs, gone=gone)
         self.epoch_fs = verdict.epoch_fs
         if verdict.catch_up_to is not None:
+            await self.settle()
             self._advance(verdict.catch_up_to)
             if self.download_state is not None:  # the stage stepped without this worker: take its parameters
                 await self.download_state(self)
@@ -304,8 +379,10 @@ class Worker:
         return None
 
     async def _step(self, group: tuple[GroupMember, ...]) -> None:
-        """The stage closed this epoch: average gradients with the group the stage's first FS fixed, then step."""
+        """The stage closed this epoch: average its gradients with the group the stage's first FS fixed, then step
+        the master copy; with DPU in the background, after the previous epoch's update landed (module doc)."""
         rows, epoch = self.rows_accumulated, self.epoch
+        await self.settle()
         if self.worker_id not in {member.peer_id for member in group}:
             if rows:  # the FS counted this worker as gone and had its rows redone by others
                 logger.warning(f"worker {self.worker_id}: left out of the averaging group of epoch {epoch}; "
@@ -319,25 +396,106 @@ class Worker:
         tokens = rows * self.config.seq_len
         # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
         grads = [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
-        logger.info(f"worker {self.worker_id}: averaging epoch {epoch} in a group of {len(group)}")
-        averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
-        if not result.ok:
-            logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed; "
-                         "stepping on local gradients")
-        with torch.no_grad():
-            for param, grad in zip(self.params, averaged):
-                param.grad = grad
-        self.optimizer.step()
-        if self.dump_dir is not None:
-            self._dump_averaged_grads(epoch)
-        self.optimizer.zero_grad(set_to_none=True)
-        now = time.monotonic()
-        self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=tokens, averaged=result.ok,
-                                        seconds=now - self._epoch_started))
-        self._epoch_started = now
+        seconds = time.monotonic() - self._epoch_started
+        self._epoch_started = time.monotonic()
         self._advance(epoch + 1)
-        logger.info(f"worker {self.worker_id}: stage {self.stage} stepped to epoch {self.epoch} ({rows} rows, "
-                    f"averaged in a group of {result.group_size})")
+        self._averaging_with = frozenset(member.peer_id for member in group)
+        update = self._average_and_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
+        if self.config.dpu:
+            self._update = asyncio.create_task(update)
+        else:
+            await update
+            self._take_master()
+
+    async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
+                                group: tuple[GroupMember, ...], seconds: float) -> None:
+        logger.info(f"worker {self.worker_id}: averaging epoch {epoch} in a group of {len(group)}")
+        if self.fault == "slow-averaging":
+            await asyncio.sleep(SLOW_AVERAGING_S)
+        try:
+            averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
+        finally:
+            self._averaging_with = frozenset()
+        if _failed(result, group):
+            # a step on its own gradients would leave this peer's parameters apart from its mates' for good: it skips
+            # the step and takes a mate's state after its next round instead
+            logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed; not "
+                         "stepping, reloading the stage's state from a mate after the next round")
+            self._stale = True
+            self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len,
+                                            averaged=False, seconds=seconds, digest=parameter_digest(self.master_params),
+                                            round_failed=True, lr=self.schedule.at(epoch)))
+            return
+        lr, norm = self.schedule.at(epoch), None
+        if self._stale and await self._reload():
+            logger.info(f"worker {self.worker_id}: stage {self.stage} took a mate's state after epoch {epoch} in "
+                        "place of its own step (its previous round failed)")
+        else:
+            self._stale = False
+            norm = await self._global_norm(averaged, epoch) if self.config.clip_norm else None
+            self._apply(averaged, epoch=epoch, lr=lr, norm=norm)
+            logger.info(f"worker {self.worker_id}: stage {self.stage} stepped epoch {epoch} ({rows} rows, averaged in "
+                        f"a group of {result.group_size}, lr {lr:.3g}"
+                        + (f", global gradient norm {norm:.4g}" if norm is not None else "") + ")")
+        self.history.append(EpochRecord(
+            epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=result.ok, seconds=seconds,
+            digest=parameter_digest(self.master_params), lr=lr, grad_norm=norm, rows_lost=result.rows_lost))
+        if self.after_step is not None:
+            await self.after_step(self)
+
+    def _apply(self, averaged: list[torch.Tensor], *, epoch: int, lr: float, norm: float | None) -> None:
+        """Step the master copy on the stage's averaged gradients, clipped by the global norm."""
+        scale = clip_coefficient(norm, self.config.clip_norm) if norm is not None else 1.0
+        with torch.no_grad():
+            for param, grad in zip(self.master_params, averaged):
+                param.grad = grad * scale if scale < 1.0 else grad
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = lr
+        self.optimizer.step()
+        self.master_epoch = epoch + 1
+        if self.dump_dir is not None:
+            self._dump_step(epoch)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    async def _reload(self) -> bool:
+        """After a failed round this worker skipped its step; once a round succeeds again it takes a mate's state,
+        stepped by that round, in place of stepping its own. It asks only after the round, so that a mate serving it
+        waits for nothing this worker still owes. False if no mate could serve (stale mates refuse: their parameters
+        did not move either, and this worker steps with them)."""
+        if self.download_state is None or await self.download_state(self) is None:
+            return False
+        self._stale = False
+        return True
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
+        """The epoch the master copy is current for, and copies of its parameters and of the optimizer state, taken
+        together with no await in between: the optimizer steps in this event loop, so they are of one step."""
+        epoch = self.master_epoch
+        model_state = {name: tensor.detach().clone() for name, tensor in self.master.state_dict().items()}
+        optimizer_state = self.optimizer.state_dict()
+        optimizer_state["state"] = {index: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                                            for name, value in entries.items()}
+                                    for index, entries in optimizer_state["state"].items()}
+        return epoch, model_state, optimizer_state
+
+
+
+    async def _global_norm(self, averaged: list[torch.Tensor], epoch: int) -> float:
+        """The norm of the whole model's averaged gradient: this stage's part goes to the data source, which
+        answers once every stage's has. If none comes within the averaging timeout, this stage's own norm (a
+        warning says so: the stages then clip alike only if their norms were small)."""
+        squared = math.fsum(grad.double().square().sum().item() for grad in averaged)
+        request = ReportNorm(epoch=epoch, stage=self.stage, squared_norm=squared)
+        deadline = time.monotonic() + self.settings.averaging_timeout_s
+        while time.monotonic() < deadline:
+            keeper = self.norm_keeper()
+            reply = await self._call(keeper, FRONTAL_SERVER, request) if keeper is not None else None
+            if reply is not None and reply.norm is not None:
+                return reply.norm
+            await asyncio.sleep(self.settings.norm_poll_s)
+        logger.warning(f"worker {self.worker_id}: no global gradient norm of epoch {epoch} within "
+                       f"{self.settings.averaging_timeout_s:.0f} s; clipping by stage {self.stage}'s own")
+        return math.sqrt(squared)
 
     def _advance(self, epoch: int) -> None:
         """Move to `epoch`, dropping what this worker holds of the current one: averaged by a step just taken, or
@@ -348,9 +506,17 @@ class Worker:
         self.epoch, self.epoch_fs = epoch, ()
         self.cache.clear()
 
-    def _dump_averaged_grads(self, epoch: int) -> None:
-        """Save the gradients the optimizer applied (the stage's average), for the gradient-equivalence test."""
-        grads = {name: p.grad.detach().clone() for name, p in self.model.named_parameters() if p.grad is not None}
+    def _dump_step(self, epoch: int) -> None:
+        """Save the gradients the optimizer applied (the stage's average, clipped) and the parameters it stepped
+        to, for the tests that compare them with one process."""
+        named = list(self.master.named_parameters())
+        grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+        params = {name: p.detach().clone() for name, p in named}
         self.dump_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"stage": self.stage, "layers": [self.model.start, self.model.end], "grads": grads},
-                   self.dump_dir / f"stage{self.stage}-{self.worker_id}-epoch{epoch}.pt")
+        torch.save({"stage": self.stage, "layers": [self.model.start, self.model.end], "grads": grads,
+                    "params": params}, self.dump_dir / f"stage{self.stage}-{self.worker_id}-epoch{epoch}.pt")
+
+
+def _failed(result: RoundResult, group: tuple[GroupMember, ...]) -> bool:
+    """A round of several workers that did not average: a lone worker's round has nothing to fail."""
+    return len(group) > 1 and not result.ok

@@ -1,4 +1,4 @@
-"""Signed, schema-checked soft-state records of a run in hivemind's DHT (DESIGN §4)."""
+"""Signed, schema-checked soft-state records of a run in hivemind's DHT (docs/design.md §4)."""
 from p2ptrain.dht.announcer import Announcer
 from p2ptrain.dht.keys import (
     MAX_STAGES,

@@ -57,4 +57,7 @@ class MembershipCache:
 
     def leads(self, peer_id: str) -> bool:
         """The stage-0 FS with the smallest peer id is the data source."""
-        return bool(self.stages[0].fs) and self.stages[0].fs[0] == peer_id
+        return self.data_source() == peer_id
+
+    def data_source(self) -> str | None:
+        return self.stages[0].fs[0] if self.stages[0].fs else None

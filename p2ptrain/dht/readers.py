@@ -30,13 +30,10 @@ def get_stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> list[Member
     return _per_peer(dht, stage_key(run_id, stage), Membership.from_value)
 
 
-def get_stage_workers(dht: hivemind.DHT, run_id: str, stage: int) -> list[str]:
-    """The peer ids of the workers of `stage`: its members announced as workers (clients), and its servers whose
-    peer record says they compute (`--compute`; a server's stage record names its server role only)."""
-    members = get_stage_members(dht, run_id, stage)
-    servers = {m.peer_id for m in members if m.role != "worker"}
-    computing = {info.peer_id for info in get_peers(dht, run_id) if info.peer_id in servers and info.computes}
-    return sorted({m.peer_id for m in members if m.role == "worker"} | computing)
+def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int) -> list[str]:
+    """The peer ids of the peers that hold `stage`'s state: its workers (clients) and its servers, which hold it
+    whether or not they compute."""
+    return sorted({m.peer_id for m in get_stage_members(dht, run_id, stage)})
 
 
 def get_metrics(dht: hivemind.DHT, run_id: str) -> list[Metrics]:

@@ -70,6 +70,12 @@ class EpochMetricsModel(_Strict):
     abandoned: pydantic.StrictBool = False
     rows_dropped: _NonNegInt = 0
     microbatches_retrained: _NonNegInt = 0
+    digest: Optional[pydantic.conlist(pydantic.StrictFloat, max_items=8)] = None
+    round_failed: pydantic.StrictBool = False
+    lr: Optional[_NonNegFloat] = None
+    grad_norm: Optional[_NonNegFloat] = None
+    eval_loss: Optional[pydantic.StrictFloat] = None
+    rows_lost: _NonNegInt = 0
 
 
 class MetricsModel(_Strict):
@@ -86,6 +92,7 @@ class MetricsModel(_Strict):
     epochs_planned: Optional[_NonNegInt]
     finished: pydantic.StrictBool
     condition: pydantic.constr(strict=True, max_length=64) = ""
+    holds_state: pydantic.StrictBool = False
     per_epoch: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     worker_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     source_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
@@ -180,7 +187,7 @@ class Membership(_Record):
 
 @dataclass(kw_only=True)
 class EpochMetrics:
-    """What one peer saw of one closed epoch (DESIGN §5 counts)."""
+    """What one peer saw of one closed epoch (docs/design.md §5 counts)."""
 
     epoch: int
     rows_in_batch: int
@@ -195,9 +202,18 @@ class EpochMetrics:
     abandoned: bool = False  # the data source abandoned the epoch (a server lost its rows); its batch came again
     rows_dropped: int = 0  # rows whose gradients went with a vanished worker, not redone (an FS, fault policy swarm)
     microbatches_retrained: int = 0  # microbatches of data fed again after a stage dropped rows (the data source)
+    digest: list[float] | None = None  # of the parameters the worker stepped to (`protocol.optimization.Digest`)
+    round_failed: bool = False  # the worker's all-reduce round failed or averaged nothing (a worker)
+    lr: float | None = None  # the learning rate of the step (a worker)
+    grad_norm: float | None = None  # the global gradient norm the step clipped by (a worker, with clip_norm)
+    eval_loss: float | None = None  # held-out loss of the parameters after the epoch's step (the data source)
+    rows_lost: int = 0  # rows of groupmates that died in the worker's round, missing from its average (a worker)
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)
+        self.lr, self.grad_norm, self.eval_loss = _opt_float(self.lr), _opt_float(self.grad_norm), _opt_float(
+            self.eval_loss)
+        self.digest = None if self.digest is None else [float(x) for x in self.digest]
 
 
 @dataclass(kw_only=True)
@@ -218,6 +234,7 @@ class Metrics(_Record):
     epochs_planned: int | None = None  # set by the data source only
     finished: bool = False  # the data source fed all its epochs and they closed
     condition: str = ""  # a server's view of its stage (`StageServer.condition`)
+    holds_state: bool = False  # a server that computes nothing: its worker_epochs are its steps as a state holder
     per_epoch: list[EpochMetrics] = field(default_factory=list)  # at most MAX_EPOCHS_KEPT, oldest first
     worker_epochs: list[EpochMetrics] = field(default_factory=list)  # a server that also computes
     source_epochs: list[EpochMetrics] = field(default_factory=list)  # the data source: tokens and wall time

@@ -48,5 +48,12 @@ class StageModel(nn.Module, ABC):
         return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
-    def configure_optimizer(self, *, lr: float, weight_decay: float) -> torch.optim.AdamW:
-        return torch.optim.AdamW(self.optimizer_groups(weight_decay), lr=lr)
+    def configure_optimizer(self, *, name: str = "adamw", lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        """AdamW, or LAMB (bitsandbytes' 32-bit one: layer-wise trust ratios for large batches)."""
+        if name == "adamw":
+            return torch.optim.AdamW(self.optimizer_groups(weight_decay), lr=lr)
+        if name == "lamb":
+            from bitsandbytes.optim import LAMB  # bitsandbytes loads slowly: only for runs that use it
+
+            return LAMB(self.optimizer_groups(weight_decay), lr=lr, optim_bits=32)
+        raise ValueError(f"unknown optimizer {name!r}; choose adamw or lamb")

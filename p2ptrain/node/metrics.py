@@ -39,7 +39,8 @@ def server_epochs(server: StageServer) -> list[EpochMetrics]:
 def worker_epochs(worker: Worker) -> list[EpochMetrics]:
     return [
         EpochMetrics(epoch=r.epoch, rows_in_batch=r.rows, rows_averaged=r.rows if r.averaged else 0, tasks_redone=0,
-                     tokens=r.tokens, seconds=r.seconds)
+                     tokens=r.tokens, seconds=r.seconds, digest=list(r.digest) or None, round_failed=r.round_failed,
+                     lr=r.lr, grad_norm=r.grad_norm, rows_lost=r.rows_lost)
         for r in worker.history[-HISTORY:]
     ]
 
@@ -50,7 +51,7 @@ def feeder_epochs(feeder: DataFeeder, config: RunConfig) -> list[EpochMetrics]:
     return [
         EpochMetrics(epoch=epoch, rows_in_batch=config.rows_per_epoch, rows_averaged=0, tasks_redone=0,
                      tokens=config.tokens_per_epoch - again * tokens_per_microbatch, seconds=seconds,
-                     microbatches_retrained=again)
+                     microbatches_retrained=again, eval_loss=feeder.progress.eval_loss.get(epoch))
         for epoch, seconds in sorted(feeder.progress.epoch_seconds.items())[-HISTORY:]
         for again in [feeder.progress.retrained.get(epoch, 0)]
     ]
@@ -76,6 +77,7 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
         epochs_planned=feeder.epochs if leads else None, finished=leads and feeder.progress.finished, per_epoch=own,
         worker_epochs=worker_epochs(worker) if server is not None and worker is not None else [],
         source_epochs=source, condition=server.condition() if server is not None else "",
+        holds_state=worker is not None and worker.holds_only,
     )
 
 

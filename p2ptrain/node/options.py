@@ -15,7 +15,9 @@ from p2ptrain.protocol.layout import PeerRole, Placement
 if TYPE_CHECKING:
     from hivemind.dht.crypto import RSASignatureValidator
 
-FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan")  # how a worker corrupts its results on purpose, for tests
+# how a worker misbehaves on purpose, for tests: corrupts its results, or averages slowly ("slow-averaging": each
+# round takes SLOW_AVERAGING_S longer, as over a slow link)
+FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan", "slow-averaging")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +68,11 @@ class NodeOptions:
     fault: str = "none"  # one of FAULTS (tests)
     stage_choice: str = "cost"  # how a client without a placement picks its stage: one of STAGE_CHOICES
     probe_delay_s: float = 0.0  # tests: this peer answers link probes as over a slow link (live.probe.LinkProbe)
+    checkpoint_dir: Path | None = None  # a server: where it saves its stage's state, and restores it from at start
+    checkpoint_every: int = 10  # ...every this many epochs, and when it stops
+    eval_data: Path | None = None  # the data source: a held-out text file to evaluate the swarm's parameters on...
+    eval_every: int = 10  # ...after every this many global batches...
+    eval_rows: int = 64  # ...on this many windows of it
 
     def __post_init__(self) -> None:
         if self.role not in ("bootstrap", "server", "client"):
@@ -89,7 +96,10 @@ class NodeOptions:
                 raise ConfigError("stage", self.placement, "not a stage with layers")
         if self.computes and self.role != "server":
             raise ConfigError("computes", self.computes, "only a server is told to compute; a client always does")
-        for name in ("epochs", "max_in_flight", "threads"):
+        if self.checkpoint_dir is not None and self.role != "server":
+            raise ConfigError("checkpoint_dir", self.checkpoint_dir, "servers hold the stage's state; a "
+                                                                     f"{self.role} saves none")
+        for name in ("epochs", "max_in_flight", "threads", "checkpoint_every", "eval_every", "eval_rows"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be at least 1")
         if self.compute_power is not None and not (math.isfinite(self.compute_power) and self.compute_power > 0):

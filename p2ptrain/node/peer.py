@@ -21,7 +21,7 @@ from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import Announcer, EpochMetrics, Membership, PeerInfo, get_metrics, start_dht
 from p2ptrain.dht.membership import MembershipCache
-from p2ptrain.dht.readers import get_stage_workers
+from p2ptrain.dht.readers import get_state_holders
 from p2ptrain.live.joining import join_client
 from p2ptrain.live.planning import Joined, join_by_plan
 from p2ptrain.live.probe import LinkProbe, measure_compute
@@ -32,9 +32,11 @@ from p2ptrain.node.options import NodeOptions
 from p2ptrain.protocol.layout import Placement
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
-from p2ptrain.server.feeder import DataFeeder
+from p2ptrain.server.evaluation import StageEvaluator
+from p2ptrain.server.feeder import DataFeeder, HeldOut
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.watch import ServerWatch
+from p2ptrain.state.checkpoint import load_checkpoint, save_checkpoint
 from p2ptrain.transport import Caller
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class Peer:
         self._p2p: P2P | None = None
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._saving = asyncio.Lock()  # one checkpoint written at a time
         self._planner: asyncio.Task | None = None
         self._planner_stop = threading.Event()
         self.started = time.time()  # this process's incarnation: the link probe tells it, and a restart changes it
@@ -126,6 +129,8 @@ class Peer:
         """Stop every part, withdraw this peer's records and shut its DHT node down; safe to call twice."""
         self._stopping.set()
         self._planner_stop.set()
+        if self.options.checkpoint_dir is not None and self.worker is not None and self.server is not None:
+            await self._save_checkpoint(self.worker)  # the state of the last step that landed; one in flight is lost
         if self.worker is not None and self._p2p is not None:
             try:
                 await asyncio.wait_for(self.worker.leave(), self.settings.leave_timeout_s)
@@ -227,10 +232,12 @@ class Peer:
             kind = FrontalServer if role == "fs" else BackwardServer
             self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller)
             await self.server.add_p2p_handlers(self._p2p)
+        if options.does_compute or role is not None:  # a server holds the stage's state even if it computes nothing
+            self.worker = await self._make_worker(caller, membership)  # a bad checkpoint stops it here, unannounced
+        if role is not None:
             self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role=role,
                                                              compute=float(options.compute_power or 0.0)))
-        if options.does_compute:
-            self.worker = await self._make_worker(caller, membership)
+        if self.worker is not None:
             if options.role == "client":
                 self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role="worker",
                                                                  compute=self.worker.compute))
@@ -241,7 +248,7 @@ class Peer:
                                 lost_s=settings.server_lost_s, timeout_s=settings.probe_timeout_s)
             self.feeder = DataFeeder(server=self.server, source=source, layout=membership.layout,
                                      is_leader=membership.leads, epochs=options.epochs,
-                                     max_in_flight=options.max_in_flight, watch=watch)
+                                     max_in_flight=options.max_in_flight, watch=watch, held_out=self._held_out())
             self._spawn(self.feeder.run(self._stopping))
         self._spawn(publish_metrics(
             announcer=self._announcer, period_s=settings.metrics_period_s, stop=self._stopping,
@@ -258,26 +265,75 @@ class Peer:
         averager = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage,
                                   timeout=self.settings.averaging_timeout_s, caller=caller,
                                   probe_every_s=self.settings.probe_silent_s,
-                                  probe_timeout_s=self.settings.probe_timeout_s)
+                                  probe_timeout_s=self.settings.liveness_timeout_s)
         await averager.start()
+        holds_only = not self.options.does_compute
         # what live planning measured was one block; tasks are sized by the speed on the whole stage
-        compute = self.options.compute_power or measure_compute(model, config)
+        compute = 1.0 if holds_only else self.options.compute_power or measure_compute(model, config)
         worker = Worker(worker_id=self.peer_id, stage=placement.stage, config=config, settings=self.settings,
-                        model=model, optimizer=model.configure_optimizer(lr=config.lr, weight_decay=config.weight_decay),
-                        averager=averager, caller=caller, servers=lambda: membership.servers(placement.stage),
+                        model=model, averager=averager, caller=caller,
+                        servers=lambda: membership.servers(placement.stage), norm_keeper=membership.data_source,
                         compute=compute, client_mode=self.options.network.client_mode, fault=self.options.fault,
-                        dump_dir=self.options.dump_grads, download_state=self._download_state)
+                        dump_dir=self.options.dump_grads, download_state=self._download_state, holds_only=holds_only,
+                        after_step=self._after_step if self.options.checkpoint_dir is not None else None)
+        if self.options.checkpoint_dir is not None:
+            self._restore(worker)
         await StageStateServer(worker=worker).add_p2p_handlers(self._p2p)
+        if self.options.role == "server":  # it holds the stage's parameters: it takes part in evaluation
+            await StageEvaluator(worker=worker, caller=caller,
+                                 servers=lambda stage: sum(membership.servers(stage), [])).add_p2p_handlers(self._p2p)
         return worker
+
+    def _held_out(self) -> HeldOut | None:
+        """The data source's held-out windows (`--eval-data`): the first `eval_rows` windows its text source
+        draws, in calls of at most one microbatch's rows."""
+        options, config = self.options, self.config
+        if options.eval_data is None:
+            return None
+        source = TextSource(path=str(options.eval_data), seq_len=config.seq_len, seed=config.seed)
+        sizes = [min(config.rows_per_microbatch, options.eval_rows - start)
+                 for start in range(0, options.eval_rows, config.rows_per_microbatch)]
+        return HeldOut(windows=[source.microbatch(0, index, rows) for index, rows in enumerate(sizes)],
+                       every=options.eval_every)
+
+    def _restore(self, worker: Worker) -> None:
+        """Resume this server's stage from its checkpoint, if it has one: the worker's state, the epoch the server
+        stands at and the data position (`state.checkpoint`); a checkpoint that does not fit raises before
+        anything of it is loaded."""
+        placement = self.placement
+        loaded = load_checkpoint(self.options.checkpoint_dir, config=self.config, stage=placement.stage,
+                                 layers=placement.layers, model=worker.master, optimizer=worker.optimizer)
+        if loaded is None:
+            return
+        checkpoint, model_state, optimizer_state = loaded
+        worker.load_state(model_state=model_state, optimizer_state=optimizer_state, epoch=checkpoint.epoch)
+        self.server.resume(epoch=checkpoint.epoch, batch=checkpoint.batch)
+        logger.info(f"restored stage {placement.stage} at epoch {checkpoint.epoch} (data batch {checkpoint.batch}) "
+                    f"from {checkpoint.path}")
+
+    async def _after_step(self, worker: Worker) -> None:
+        if worker.master_epoch % self.options.checkpoint_every == 0:
+            await self._save_checkpoint(worker)
+
+    async def _save_checkpoint(self, worker: Worker) -> None:
+        """Save the worker's state, taken at once (`Worker.snapshot`), written in a thread."""
+        async with self._saving:
+            epoch, model_state, optimizer_state = worker.snapshot()
+            placement = self.placement
+            path = await asyncio.to_thread(
+                save_checkpoint, self.options.checkpoint_dir, config=self.config, stage=placement.stage,
+                layers=placement.layers, role=placement.server_role, epoch=epoch, batch=self.server.committed_batch(),
+                model_state=model_state, optimizer_state=optimizer_state)
+            logger.info(f"saved stage {placement.stage} at epoch {epoch} to {path}")
 
     async def _download_state(self, worker: Worker) -> int | None:
         """Load the stage's current state into `worker` from a stage mate (`client.state_sync`); its epoch, or None
         if no mate served one."""
         try:  # a fresh read: the membership cache knows servers only, and may not have read the DHT yet
-            mates = await asyncio.wait_for(asyncio.to_thread(get_stage_workers, self.dht, self.config.run_id,
+            mates = await asyncio.wait_for(asyncio.to_thread(get_state_holders, self.dht, self.config.run_id,
                                                              worker.stage), self.settings.rpc_timeout_s)
         except Exception as e:  # the DHT failed or timed out: start as the first workers of a run do
-            logger.warning(f"could not read the workers of stage {worker.stage}: {e!r}; starting from the seed")
+            logger.warning(f"could not read who holds stage {worker.stage}'s state: {e!r}; starting from the seed")
             return None
         return await load_state_from_peers(worker, caller=worker.caller, candidates=mates)
 

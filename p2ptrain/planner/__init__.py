@@ -1,4 +1,4 @@
-"""Offline planner: swarm files, the DESIGN §3 cost model, model presets, the paper's planner, its refinement and
+"""Offline planner: swarm files, the docs/design.md §3 cost model, model presets, the paper's planner, its refinement and
 the baselines. ``make_plan`` is the entry point the CLI and the runtime share."""
 from __future__ import annotations
 

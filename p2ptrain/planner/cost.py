@@ -1,4 +1,4 @@
-"""The cost model of DESIGN §3 (the contract), as pure functions over device indices.
+"""The cost model of docs/design.md §3 (the contract), as pure functions over device indices.
 
 Nothing here does I/O or reads a clock. Devices are indices into the arrays of a ``Network``; a stage is a
 ``StageLayout`` of index arrays. Every planner and baseline is scored by ``evaluate``.
@@ -136,7 +136,7 @@ def link_times(net: Network, wl: Workload, stage: StageLayout, shares: np.ndarra
 
 
 def worker_times(net: Network, wl: Workload, stage: StageLayout) -> np.ndarray:
-    """T_w of DESIGN §3 for every worker of the stage (order: fs, bs, clients)."""
+    """T_w of docs/design.md §3 for every worker of the stage (order: fs, bs, clients)."""
     workers = stage.workers
     shares = compute_shares(net, workers) if stage.shares is None else np.asarray(stage.shares, dtype=float)
     work = shares * wl.microbatch_tokens * stage.layers * wl.model.flops_per_token_per_layer

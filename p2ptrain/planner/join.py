@@ -3,7 +3,7 @@
 A client started without a stage measures its links to the servers of every stage and picks one by a rule:
 
 - ``paper``: the paper's rule, the stage whose servers it reaches with the best average bandwidth;
-- ``cost``: the stage where adding it gives the lowest predicted batch time under the DESIGN §3 cost model
+- ``cost``: the stage where adding it gives the lowest predicted batch time under the docs/design.md §3 cost model
   (``cost.evaluate``, the contract), i.e. the stage where it lowers the batch time most. When the model cannot tell
   stages apart (equal times within a relative 1e-9), the paper's rule decides among them.
 

@@ -1,17 +1,18 @@
 """Model presets for the planner: per-layer training FLOPs, activation, parameter and memory bytes.
 
-Every number is computed from a model config, never typed in. Assumptions (DESIGN §3 symbols):
+Every number is computed from a model config, never typed in. Assumptions (docs/design.md §3 symbols):
 
 - ``f`` (FLOP per token per layer, forward + backward) = 3 x the forward FLOPs: 2 per weight of every matmul,
   plus attention scores and the weighted sum (2 x 2 x hidden x attended keys). Backward costs twice the forward.
   A causal model (Llama) attends on average to (seq + 1) / 2 keys, a bidirectional one (ALBERT) to all seq keys.
   Norms, rotary tables and softmax are a few per mille of the total and left out.
 - ``t`` (activation bytes per token at a stage boundary) = hidden_size x bytes per element of the compute precision.
-- ``P`` (bytes of one layer's parameters in an averaging round) = parameters x bytes of the compute precision:
-  mixed fp16/bf16 runs average in half precision (hivemind's float16 codec), fp32 and fp64 runs in their own.
+- ``P`` (bytes of one layer's parameters in an averaging round) = parameters x the bytes an averaged value takes:
+  mixed fp16/bf16 runs average in half precision (hivemind's float16 codec); fp32 runs average as float64, so
+  that every worker ends with the same float32 average (`p2ptrain.client.averaging`), and fp64 runs in fp64.
 - ``M`` (device bytes one layer needs on a worker while training) = the parameter state that stays on the device
   plus the layer's checkpointed input for one row (one sequence, the smallest task a worker takes). Workers
-  recompute the forward from the stored input (DESIGN §2), so a layer keeps only its input between passes; the
+  recompute the forward from the stored input (docs/design.md §2), so a layer keeps only its input between passes; the
   transient working set of the one layer being recomputed is a constant the linear model leaves out.
   What stays on the device depends on ``offload``:
     * ``"none"``: weights + gradients + Adam's two moments (+ an fp32 master copy in mixed precision):
@@ -28,12 +29,13 @@ from dataclasses import dataclass
 from p2ptrain.models.configs import MODEL_CONFIGS, ModelConfig
 
 PRECISIONS: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+AVERAGED_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 8, "fp64": 8}  # per parameter in a round (``P``)
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """What the cost model needs to know about a model (DESIGN §3: L, f, t, P, M)."""
+    """What the cost model needs to know about a model (docs/design.md §3: L, f, t, P, M)."""
 
     layers: int
     flops_per_token_per_layer: float
@@ -80,7 +82,7 @@ def _spec(*, name: str, layers: int, params: int, hidden: int, seq: int, attende
     forward = 2.0 * params + 4.0 * hidden * attended
     return ModelSpec(
         name=name, layers=layers, flops_per_token_per_layer=3.0 * forward,
-        activation_bytes_per_token=float(hidden * width), param_bytes_per_layer=float(params * width),
+        activation_bytes_per_token=float(hidden * width), param_bytes_per_layer=float(params * AVERAGED_BYTES[precision]),
         memory_bytes_per_layer=float(params * _state_bytes_per_param(precision, offload) + hidden * seq * width),
     )
 

@@ -12,7 +12,7 @@ from p2ptrain.planner.cost import Evaluation, Network, StageLayout, Workload, ev
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
     """Layers [start, end) and the stage's members; ``shares`` maps worker id to its fraction of each microbatch's
-    rows (absent: proportional to compute, as DESIGN §3 says)."""
+    rows (absent: proportional to compute, as docs/design.md §3 says)."""
 
     layers: tuple[int, int]
     fs: tuple[str, ...]
@@ -27,7 +27,7 @@ class StagePlan:
 
 @dataclass(frozen=True, kw_only=True)
 class Prediction:
-    """DESIGN §3 figures; ``stage_times_s[k] = d·(C_k + C_{k+1} + DT_k)``, ``averaging_s[k] = AR_k``."""
+    """docs/design.md §3 figures; ``stage_times_s[k] = d·(C_k + C_{k+1} + DT_k)``, ``averaging_s[k] = AR_k``."""
 
     batch_time_s: float
     lower_bound_s: float

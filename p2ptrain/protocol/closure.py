@@ -34,8 +34,10 @@ def judge(epoch: int, replies: Mapping[str, TaskReply | None], *, epoch_fs: tupl
     closure = next((held[epoch] for held in closures.values() if epoch in held), None)
     if closure is None:
         closed = [reply.closed_epoch for reply in replies.values() if reply is not None]
-        if closed and max(closed) >= epoch:
-            # closed so long ago that no FS remembers the epoch's group: the worker joined late
+        if closed and min(closed) >= epoch:
+            # closed so long ago that no FS remembers the epoch's group: the worker joined late. Not while an FS still
+            # has it open: that one gives the group when it closes it (an FS that restarted stands past the epochs
+            # it resumed after, and remembers none of their groups)
             return Verdict(epoch_fs=(), catch_up_to=max(closed) + 1)
         return Verdict(epoch_fs=epoch_fs)
     if closure.abandoned:  # the data source abandoned it at every server: one FS's word is enough, even if

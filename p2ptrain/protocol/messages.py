@@ -47,6 +47,7 @@ FRONTAL_SERVER = "FrontalServer"
 BACKWARD_SERVER = "BackwardServer"
 LINK_PROBE = "LinkProbe"
 STAGE_STATE = "StageState"  # a worker's parameters and optimizer state, for a stage mate that joins
+STAGE_EVAL = "StageEval"  # a server's forward pass on held-out data, stage after stage (evaluation)
 
 
 class MessageError(ValueError):
@@ -88,6 +89,7 @@ ByteCount = Annotated[int, Between(0, 2**62)]
 Timestamp = Annotated[float, Between(0.0, 1e12)]  # seconds since the epoch of Unix time
 Stage = Annotated[int, Between(0, MAX_STAGES - 1)]
 Layer = Annotated[int, Between(0, MAX_LAYERS)]
+Norm = Annotated[float, Between(0.0, 1e300)]  # a norm or a squared norm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,10 +159,12 @@ def _within(rows: Rows, total_rows: int, where: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class GroupMember(Message):
-    """One worker of a stage's averaging group; a client-mode worker sends and receives but reduces no part."""
+    """One worker of a stage's averaging group; a client-mode worker sends and receives but reduces no part. `rows`:
+    the rows of the epoch whose parameter gradients it hands in (0 for a server that only holds the state)."""
 
     peer_id: PeerId
     client_mode: bool
+    rows: Annotated[int, Between(0, MAX_ROWS)] = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,6 +281,9 @@ class TakeTask(Request):
     epoch: Epoch
     client_mode: bool = False
     wait_s: WaitSeconds = 0.0
+    # a reliable server that holds the stage's state (the paper's parameter server): it averages with the stage's
+    # workers and steps alike, but takes no tasks; its polls only keep it in the averaging group
+    holds_state: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -465,6 +472,49 @@ class EndEpoch(Request):
     abandoned: bool
     layout: Layout
     batch: ClosedEpoch = -1  # committed: the global batch of data the epoch trained on
+
+
+@dataclass(frozen=True, kw_only=True)
+class GlobalNorm(Message):
+    """The norm of the whole model's averaged gradient of an epoch, over all stages; None until every stage
+    reported its part."""
+
+    norm: Norm | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportNorm(Request):
+    """A worker hands the data source the squared norm of its stage's averaged gradient of `epoch`, and asks for
+    the global norm to clip by (`protocol.optimization.NormBook`); it asks again until every stage reported."""
+
+    method: ClassVar[str] = "rpc_report_norm"
+    reply: ClassVar[type[Message]] = GlobalNorm
+
+    epoch: Epoch
+    stage: Stage
+    squared_norm: Norm
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalLoss(Message):
+    """The summed token loss of held-out rows and how many tokens it sums over."""
+
+    loss_sum: Norm
+    tokens: ByteCount
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalForward(Request):
+    """Held-out rows for a server of `stage` to run forward on the parameters of `epoch` (those its stage holds
+    after stepping through epoch - 1) and hand on to the next stage; the last stage answers with their loss."""
+
+    method: ClassVar[str] = "rpc_eval_forward"
+    reply: ClassVar[type[Message]] = EvalLoss
+
+    epoch: Epoch
+    stage: Stage
+    inputs: Tensor
+    labels: Tensor
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,12 +36,12 @@ from p2ptrain.protocol.messages import (
 )
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
-from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, StageState, WorkerRecord
+from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, ServerState, WorkerRecord
 from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
 
-S = TypeVar("S", bound=StageState)
+S = TypeVar("S", bound=ServerState)
 TASK_ID_PEER = 8  # characters of the issuer's peer id in a task id: base58, so 58**8 ids
 SPEED_MEMORY = 0.7  # weight of a worker's past tasks in its measured time per row
 M = TypeVar("M", MicrobatchInputs, MicrobatchOutputs)
@@ -56,7 +56,7 @@ class StageServer(Service, Generic[S]):
 
     role: ClassVar[ServerRole]
     other_service: ClassVar[str]  # the service of the other role of the stage, which it confirms tasks with
-    state_type: ClassVar[type[StageState]]
+    state_type: ClassVar[type[ServerState]]
 
     def __init__(self, *, peer_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, caller: Caller,
                  state: S | None = None, clock: Callable[[], float] = time.monotonic):
@@ -94,7 +94,7 @@ class StageServer(Service, Generic[S]):
         self.check_sender(request.worker, sender)
         record = self._worker(request.worker, request.epoch)
         record.compute, record.epoch, record.last_seen = request.compute, request.epoch, self.clock()
-        record.client_mode = request.client_mode
+        record.client_mode, record.holds_state = request.client_mode, request.holds_state
         self.tick()
         task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s)
         return self.no_task() if task is None else self.offer(task)
@@ -130,7 +130,8 @@ class StageServer(Service, Generic[S]):
         """What this server's stage is doing, as far as it sees: "training", "waiting for workers" (none polled
         lately) or "workers banned" (every one that did is banned for refused results)."""
         now, recent = self.clock(), self.settings.active_worker_s
-        seen = [r for r in self.state.workers.values() if now - r.last_seen <= recent and not r.left]
+        seen = [r for r in self.state.workers.values() if now - r.last_seen <= recent and not r.left
+                and not r.holds_state]
         if not seen:
             return "waiting for workers"
         if all(self.excluded(record) for record in seen):
@@ -160,11 +161,12 @@ class StageServer(Service, Generic[S]):
         return max(self.settings.lease_min_s, self.settings.lease_slack * len(task.rows) * record.seconds_per_row)
 
     def active_workers(self, *, within_s: float | None = None) -> dict[str, float]:
-        """The compute of each worker that polled within `within_s` and is not excluded."""
+        """The compute of each worker that polled within `within_s` and is not excluded (servers that only hold the
+        stage's state compute nothing)."""
         now, within = self.clock(), self.settings.active_worker_s if within_s is None else within_s
         return {
             worker: record.compute for worker, record in self.state.workers.items()
-            if now - record.last_seen <= within and not self.excluded(record)
+            if now - record.last_seen <= within and not self.excluded(record) and not record.holds_state
         }
 
     def rpc_leave(self, requests: Requests, context: P2PContext) -> Responses:
@@ -185,6 +187,9 @@ class StageServer(Service, Generic[S]):
     async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float) -> Task | None:
         """Take a task for `worker`, waiting up to `wait_s` for one to appear."""
         record = self.state.workers.get(worker)
+        if record is not None and record.holds_state:  # its poll only keeps it in the averaging group
+            await asyncio.sleep(wait_s)
+            return None
         if (record is not None and self.excluded(record)) or not self.may_work(worker, epoch):
             return None
         deadline = self.clock() + wait_s
@@ -237,7 +242,7 @@ class StageServer(Service, Generic[S]):
                 self.spawn(self._probe(worker, record), what=f"probing worker {worker}")
 
     async def _probe(self, worker: str, record: WorkerRecord) -> None:
-        error = await dial_failure(self.caller, worker, timeout=self.settings.probe_timeout_s)
+        error = await dial_failure(self.caller, worker, timeout=self.settings.liveness_timeout_s)
         if error is None or record.last_seen >= record.probed:
             return  # it answered (or was only slow), or was heard from meanwhile
         record.unreachable = self.clock()
@@ -369,6 +374,11 @@ class StageServer(Service, Generic[S]):
         return Ack()
 
     closes_by_commit: ClassVar[bool] = False  # an FS closes an epoch only once the data source committed it
+
+    def resume(self, *, epoch: int, batch: int) -> None:
+        """Stand where this server's checkpoint left its stage: every epoch before `epoch` closed here (an FS: the
+        data through global batch `batch` trained)."""
+        self.state.closed_epoch = epoch - 1
 
     def commit(self, epoch: int, *, batch: int) -> Ack:
         """The data source committed `epoch` (which trained on global batch `batch`): every row of it came back at

@@ -22,9 +22,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from p2ptrain.data import TextSource
 from p2ptrain.protocol.layout import Layout, ServerRole, StageServers
-from p2ptrain.protocol.messages import BACKWARD_SERVER, FRONTAL_SERVER, AskEpoch, EndEpoch, EpochState, PushRows
+from p2ptrain.protocol.messages import (
+    BACKWARD_SERVER,
+    FRONTAL_SERVER,
+    STAGE_EVAL,
+    AskEpoch,
+    EndEpoch,
+    EpochState,
+    EvalForward,
+    PushRows,
+)
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.slots import Slot, SlotPlan
 from p2ptrain.server.frontal import FrontalServer
@@ -43,7 +54,17 @@ ASK_EVERY_S = 0.1  # how often the data source asks the other stage-0 FS whether
 class FeederProgress:
     epoch_seconds: dict[int, float] = field(default_factory=dict)  # committed epochs
     retrained: dict[int, int] = field(default_factory=dict)  # committed epochs: microbatches of data fed again
+    eval_loss: dict[int, float] = field(default_factory=dict)  # held-out loss of the parameters after an epoch's step
     finished: bool = False
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Held-out (token ids, labels) windows the data source evaluates the swarm's parameters on, through the
+    stages' servers (`server.evaluation`), after every `every` global batches."""
+
+    windows: list[tuple[torch.Tensor, torch.Tensor]]
+    every: int
 
 
 class DataFeeder:
@@ -52,9 +73,11 @@ class DataFeeder:
     runs beside and the `watch` on the servers, and calls the stage servers."""
 
     def __init__(self, *, server: FrontalServer, source: TextSource, layout: Callable[[], Layout | None],
-                 is_leader: Callable[[str], bool], epochs: int, max_in_flight: int, watch: ServerWatch):
+                 is_leader: Callable[[str], bool], epochs: int, max_in_flight: int, watch: ServerWatch,
+                 held_out: HeldOut | None = None):
         self.server, self.source, self.layout, self.is_leader = server, source, layout, is_leader
-        self.epochs, self.max_in_flight, self.watch = epochs, max_in_flight, watch
+        self.epochs, self.max_in_flight, self.watch, self.held_out = epochs, max_in_flight, watch, held_out
+        self._evaluations: set[asyncio.Task] = set()
         self.rows, self.microbatches = server.config.rows_per_microbatch, server.config.microbatches
         self.progress = FeederProgress()
         self.plan = SlotPlan(microbatches=self.microbatches, swarm=server.config.fault_policy == "swarm")
@@ -114,11 +137,32 @@ class DataFeeder:
                 self.progress.retrained[epoch] = self.plan.retrained[epoch]
                 slots = None
                 batch += 1
+                if self.held_out is not None and batch % self.held_out.every == 0:
+                    evaluation = asyncio.create_task(self._evaluate(epoch))
+                    self._evaluations.add(evaluation)
+                    evaluation.add_done_callback(self._evaluations.discard)
             else:
                 return  # stopped
             epoch += 1
+        await asyncio.gather(*self._evaluations)
         self.progress.finished = True
         logger.info(f"data source: all {self.epochs} epochs done")
+
+    async def _evaluate(self, epoch: int) -> None:
+        """The held-out loss of the parameters after `epoch`'s step, through every stage (`server.evaluation`)."""
+        total = tokens = 0.0
+        try:
+            for inputs, labels in self.held_out.windows:
+                reply = await self.server.caller.call(
+                    self.server.peer_id, STAGE_EVAL, EvalForward(epoch=epoch + 1, stage=0, inputs=inputs,
+                                                                 labels=labels),
+                    timeout=self.server.settings.rpc_timeout_s)
+                total, tokens = total + reply.loss_sum, tokens + reply.tokens
+        except Exception as e:  # a server refused or failed: this evaluation is lost, training goes on
+            logger.warning(f"data source: evaluating the parameters after epoch {epoch} failed: {e!r}")
+            return
+        self.progress.eval_loss[epoch] = total / tokens
+        logger.info(f"data source: held-out loss after epoch {epoch}: {total / tokens:.4f}")
 
     async def _feed(self, epoch: int, slots: list[Slot], layout: Layout, stop: asyncio.Event) -> bool:
         """Push the epoch's microbatches (the data of `slots`), then wait until every stage-0 FS has all its rows
@@ -149,7 +193,9 @@ class DataFeeder:
         """The epoch and batch to feed first. A data source that restarted finds the swarm further on: it asks
         every server where it stands, ends the last epoch an FS closed again as it ended (the old data source may have
         died telling the others), abandons every epoch after it (their rows died with it), and goes on with the batch
-        after the last committed one."""
+        after the last committed one. A server that stands further back (restored from an older checkpoint than the
+        others: servers save when their own stage steps) has the epochs between abandoned: its stage trains on from
+        its checkpoint's parameters."""
         servers = layout.servers()
 
         async def ask(peer: str, role: ServerRole) -> EpochState | None:
@@ -174,14 +220,21 @@ class DataFeeder:
             await self._end(closed, layout, abandoned=abandoned, batch=batch, stop=stop)
         for epoch in range(closed + 1, top + 1):
             await self._end(epoch, layout, abandoned=True, stop=stop)
+        behind = min((answer.closed_epoch for answer in answers.values() if answer is not None), default=closed)
+        for epoch in range(behind + 1, closed + 1):
+            await self._end(epoch, layout, abandoned=True, stop=stop,
+                            only={peer for (peer, _), answer in answers.items()
+                                  if answer is not None and answer.closed_epoch < epoch})
         return top + 1, batch + 1
 
-    async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1) -> None:
-        """Tell the servers of the epoch's layout that it is committed (every FS; `batch`: its global batch of data)
-        or abandoned (every server); a server lost for good is skipped."""
+    async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1,
+                   only: set[str] | None = None) -> None:
+        """Tell the servers of the epoch's layout (those in `only`, if given) that it is committed (every FS; `batch`:
+        its global batch of data) or abandoned (every server); a server lost for good is skipped."""
         request = EndEpoch(epoch=epoch, abandoned=abandoned, layout=layout, batch=batch)
         verb = "abandon" if abandoned else "commit"
-        targets = layout.servers() if abandoned else layout.servers("fs")
+        targets = [(peer, role) for peer, role in (layout.servers() if abandoned else layout.servers("fs"))
+                   if only is None or peer in only]
 
         async def end(peer: str, role: ServerRole) -> None:
             try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import cached_property
 
 import torch
 from hivemind.p2p import P2PContext
@@ -21,16 +22,19 @@ from p2ptrain.protocol.messages import (
     DropResult,
     FetchInputs,
     FetchOutputGrads,
+    GlobalNorm,
     GroupMember,
     Inputs,
     MicrobatchRef,
     PushInputGrads,
     PushOutputGrads,
     PushRows,
+    ReportNorm,
     ReportTask,
     TaskOffer,
     TaskReply,
 )
+from p2ptrain.protocol.optimization import NormBook
 from p2ptrain.protocol.rows import Rows, split_by_compute
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
@@ -134,6 +138,24 @@ class FrontalServer(StageServer[FrontalState]):
     def no_task(self) -> TaskReply:
         closures = tuple(self.state.closures[epoch] for epoch in sorted(self.state.closures))
         return TaskReply(closed_epoch=self.state.closed_epoch, closures=closures)
+
+    # -- the global gradient norm (the data source) -----------------------------------------------------------------
+
+    @cached_property
+    def norms(self) -> NormBook:
+        return NormBook(num_stages=self.config.num_stages, kept=self.settings.closures_kept)
+
+    def rpc_report_norm(self, requests: Requests, context: P2PContext) -> Responses:
+        """A stage's squared gradient norm of an epoch; the answer is the global norm once every stage reported."""
+        return self.serve(requests, context, ReportNorm, self.report_norm)
+
+    async def report_norm(self, request: ReportNorm, sender: str) -> GlobalNorm:
+        if not self.is_first:
+            raise Refused("gradient norms go to the data source, a stage-0 FS")
+        if request.stage >= self.config.num_stages:
+            raise Refused(f"stage {request.stage} is not in 0..{self.config.num_stages - 1}")
+        return GlobalNorm(norm=self.norms.report(epoch=request.epoch, stage=request.stage,
+                                                 squared_norm=request.squared_norm))
 
     def rpc_fetch_inputs(self, requests: Requests, context: P2PContext) -> Responses:
         """The stored inputs of some rows, for a worker that recomputes a forward pass it does not hold."""
@@ -249,7 +271,8 @@ class FrontalServer(StageServer[FrontalState]):
         its parameter gradients) is known to be alive (it polled since the rows were all back) or gone (`gone`: silent for
         `worker_lost_s`, or not reachable by a probe; left, or banned);
         the rows of the gone ones are redone by others first, so every row reaches the average exactly once
-        (DESIGN §5). The averaging group is every worker that polled since, and is not excluded."""
+        (docs/design.md §5). The averaging group is every worker that polled since, from this epoch or the one before, and is
+        not excluded."""
         state, settings = self.state, self.settings
         while True:
             epoch = state.closed_epoch + 1
@@ -268,22 +291,34 @@ class FrontalServer(StageServer[FrontalState]):
             fresh = {w for w, record in state.workers.items()
                      if record.last_seen >= done and not self.excluded(record) and w not in judged_gone}
             contributors = {result.worker for result in state.results.get(epoch, ())}
+            holders = {w for w, record in state.workers.items() if record.holds_state}
             # with several FS in the stage, any worker heard from lately may hold rows of another FS's segment, and
             # all FS must agree on who is alive (the first one's group is averaged); with one FS, its contributors
-            # alone matter, so churn among the others never holds the epoch open
-            watched = contributors | (set(state.workers) if len(layout.stages[self.stage].fs) > 1 else set())
+            # alone matter, so churn among the others never holds the epoch open. The servers that hold the stage's
+            # state must be in every group, or they would fall behind the workers
+            watched = contributors | holders | (set(state.workers) if len(layout.stages[self.stage].fs) > 1 else set())
             if any(not self.excluded(state.workers[w]) and not self.gone(state.workers[w]) for w in watched - fresh):
                 return  # a worker that has not polled since: the next polls here tell whether it is gone
-            lost = contributors - fresh
+            # a worker one epoch behind steps that one when this poll's reply tells it closed, then this one; one
+            # further behind (it joined, or restarted and lost what it held) catches up by loading a mate's state and
+            # would never take part in this round: in the group it would hold every member until the timeout
+            ready = {w for w in fresh if state.workers[w].epoch >= epoch - 1}
+            lost = contributors - ready
             if lost and self.config.fault_policy == "swarm":
                 self._drop(epoch, lost)
                 continue
             if lost:
                 self._redo(epoch, lost)
                 return
+            rows: dict[str, int] = {}
+            for result in state.results.get(epoch, ()):
+                rows[result.worker] = rows.get(result.worker, 0) + len(result.rows)
             state.closures[epoch] = Closure(
                 epoch=epoch, fs=layout.stages[self.stage].fs,
-                group=tuple(GroupMember(peer_id=w, client_mode=state.workers[w].client_mode) for w in sorted(fresh)))
+                # servers that hold the state can be dialed: they reduce a share, so a group of survivors, or of
+                # workers that all dial out only, still has reducers
+                group=tuple(GroupMember(peer_id=w, client_mode=state.workers[w].client_mode, rows=rows.get(w, 0))
+                            for w in sorted(ready)))
             state.closures.pop(epoch - settings.closures_kept, None)
             state.accepted.pop(epoch - settings.closures_kept, None)
             state.completed.pop(epoch, None)
@@ -292,6 +327,10 @@ class FrontalServer(StageServer[FrontalState]):
             state.lost.pop(epoch, None)
             self.epoch_stats(epoch).rows_grouped = sum(len(r.rows) for r in state.results.pop(epoch, ()))
             self.close_epoch(epoch)
+
+    def resume(self, *, epoch: int, batch: int) -> None:
+        super().resume(epoch=epoch, batch=batch)
+        self.state.batch = batch
 
     def commit(self, epoch: int, *, batch: int) -> Ack:
         self.state.batch = max(self.state.batch, batch)

@@ -43,6 +43,7 @@ class WorkerRecord:
     seconds_per_row: float | None = None  # how long its tasks took here, taking to confirmed (moving average)
     probed: float = 0.0  # when this server last probed it, silent while it held work
     unreachable: float = 0.0  # when a probe last failed to reach its process: gone, unless heard from since
+    holds_state: bool = False  # a server that holds the stage's state: in the averaging group, never given tasks
 
 
 @dataclass
@@ -136,7 +137,7 @@ class EpochProgress:
 
 
 @dataclass(kw_only=True)
-class StageState:
+class ServerState:
     """What both roles keep: the task pool, the workers seen, per-epoch stats and the last epoch closed here."""
 
     role: ClassVar[str]
@@ -204,7 +205,7 @@ class StageState:
 
 
 @dataclass(kw_only=True)
-class FrontalState(StageState):
+class FrontalState(ServerState):
     """An FS's state: its microbatches' inputs and gradients, which are complete per epoch, the closures of recent
     epochs (each with its averaging group), and the (task, worker) of every result accepted lately, kept past
     closure so that a worker whose reply was lost hears "accepted" again."""
@@ -279,7 +280,7 @@ class FrontalState(StageState):
 
 
 @dataclass(kw_only=True)
-class BackwardState(StageState):
+class BackwardState(ServerState):
     """A BS's state: the ledger, its microbatches' assembled outputs, the output gradients of backward tasks not yet
     confirmed, and per epoch how many rows were recorded and came back through the backward pass."""
 

@@ -1,0 +1,1 @@
+"""A stage's saveable state: checkpoints on disk."""

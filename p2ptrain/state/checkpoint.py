@@ -1,0 +1,123 @@
+"""A server's checkpoint of its stage: the parameters and optimizer state it holds, the epoch they are current for
+and the data position, in a folder of its own (`--checkpoint-dir`).
+
+Two files: ``state-<epoch>.safetensors``, the tensors exactly as a stage mate downloads them (`client.state_sync`'s
+blob: ``model/<name>`` and ``optimizer/<index>/<name>``, the optimizer's other entries in the safetensors metadata),
+and ``manifest.json``, which names that file and says what it holds:
+
+    {"format": 1, "recipe": {model, num_stages, seq_len, rows_per_microbatch, microbatches, seed, optimizer},
+     "stage": S, "layers": [start, end], "role": "fs" | "bs", "epoch": E, "batch": B,
+     "tensors": "state-E.safetensors", "bytes": n, "sha256": hex}
+
+`epoch` is the next epoch the stage computes (its parameters have stepped through E - 1); `batch` the global
+batches of data the swarm trained on (-1 where this server is not told: a BS). Saving is atomic: the tensors go to a
+temporary file that is synced and renamed, then the manifest the same way; the manifest is the commit point, so a
+crash leaves the previous checkpoint whole. Loading checks everything before it touches the model: a manifest that
+does not parse, another recipe, stage or layer range, a tensor file of the wrong size or hash (truncated, corrupt),
+or tensors that do not fit the stage raise `CheckpointError`, whose text names the file and what differs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2ptrain.client.state_sync import StateMismatch, decode_state, encode_state
+from p2ptrain.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+RECIPE_FIELDS = ("model", "num_stages", "seq_len", "rows_per_microbatch", "microbatches", "seed", "optimizer")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the text names the file and what is wrong."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """What a loaded checkpoint restores beside the tensors."""
+
+    epoch: int
+    batch: int
+    path: Path
+
+
+def recipe_of(config: RunConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in RECIPE_FIELDS}
+
+
+def save_checkpoint(folder: Path, *, config: RunConfig, stage: int, layers: tuple[int, int], role: str, epoch: int,
+                    batch: int, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> Path:
+    """Write a checkpoint into `folder` atomically (module doc) and remove the tensors of older ones; the
+    manifest's path. The states must be copies no one steps meanwhile (`Worker.snapshot`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = encode_state(model_state, optimizer_state).numpy().tobytes()
+    name = f"state-{epoch}.safetensors"
+    _write_atomically(folder / name, data)
+    manifest = {"format": FORMAT, "recipe": recipe_of(config), "stage": stage, "layers": list(layers), "role": role,
+                "epoch": epoch, "batch": batch, "tensors": name, "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest()}
+    _write_atomically(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    for old in folder.glob("state-*.safetensors"):
+        if old.name != name:
+            old.unlink(missing_ok=True)
+    return folder / MANIFEST
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(folder: Path, *, config: RunConfig, stage: int, layers: tuple[int, int],
+                    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                    ) -> tuple[Checkpoint, dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The checkpoint in `folder`, checked against this run, stage and layers, with its model and optimizer state
+    (checked against `model` and `optimizer`, which it does not touch); None if the folder holds none."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        epoch, batch, tensors = int(manifest["epoch"]), int(manifest["batch"]), str(manifest["tensors"])
+        size, digest, version = int(manifest["bytes"]), str(manifest["sha256"]), manifest["format"]
+        saved_recipe, saved_stage, saved_layers = manifest["recipe"], manifest["stage"], manifest["layers"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: not a checkpoint manifest ({e!r})") from None
+    if version != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {version}, this version reads format {FORMAT}")
+    recipe = recipe_of(config)
+    for name, value in recipe.items():
+        if saved_recipe.get(name) != value:
+            raise CheckpointError(f"{path}: saved with {name} = {saved_recipe.get(name)!r}, this run has {value!r}")
+    if saved_stage != stage or list(saved_layers) != list(layers):
+        raise CheckpointError(f"{path}: holds stage {saved_stage} layers {saved_layers}, this server serves stage "
+                              f"{stage} layers {list(layers)}")
+    tensor_path = folder / Path(tensors).name
+    try:
+        data = tensor_path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{tensor_path}: cannot be read ({e.strerror}); {path} names it") from None
+    if len(data) != size:
+        raise CheckpointError(f"{tensor_path}: {len(data)} bytes, the manifest says {size} (truncated?)")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(f"{tensor_path}: its SHA-256 differs from the manifest's (corrupt)")
+    try:
+        model_state, optimizer_state = decode_state(torch.frombuffer(bytearray(data), dtype=torch.uint8), model,
+                                                    optimizer)
+    except StateMismatch as e:
+        raise CheckpointError(f"{tensor_path}: {e}") from None
+    return Checkpoint(epoch=epoch, batch=batch, path=path), model_state, optimizer_state

@@ -1,0 +1,240 @@
+"""Servers keep their stage's state on disk (`state.checkpoint`): a checkpoint round-trips bit-equal; a truncated,
+corrupt or mismatched one is refused with a message naming the file and what differs, and nothing of it is loaded;
+and a swarm whose peers are all SIGKILLed and started again with the same commands resumes at the saved epoch."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.worker import Worker
+from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.launch import Swarm
+from p2ptrain.models import build_stage
+from p2ptrain.protocol.messages import GroupMember
+from p2ptrain.state.checkpoint import MANIFEST, CheckpointError, load_checkpoint, save_checkpoint
+from p2ptrain.transport import Caller
+
+CONFIG = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
+
+
+def make_worker(config: RunConfig = CONFIG, stage: int = 0) -> Worker:
+    start, end = config.stage_layers(stage)
+    model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
+    caller = Caller(p2p=None, peer_id="w", codec="none", timeout=10.0)
+    return Worker(worker_id="w", stage=stage, config=config, settings=RuntimeConfig(), model=model,
+                  averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=stage, timeout=1.0, caller=caller),
+                  caller=caller, servers=lambda: ([], []), compute=1e9)
+
+
+def stepped_worker() -> Worker:
+    worker = make_worker()
+    for accumulated in worker.accumulated:
+        accumulated.normal_()
+    worker.rows_accumulated = CONFIG.rows_per_microbatch
+
+    async def step() -> None:
+        await worker._step((GroupMember(peer_id="w", client_mode=False),))
+        await worker.settle()
+
+    asyncio.run(step())
+    return worker
+
+
+def save(worker: Worker, folder: Path, *, config: RunConfig = CONFIG) -> Path:
+    epoch, model_state, optimizer_state = worker.snapshot()
+    return save_checkpoint(folder, config=config, stage=0, layers=CONFIG.stage_layers(0), role="fs", epoch=epoch,
+                           batch=0, model_state=model_state, optimizer_state=optimizer_state)
+
+
+def load(folder: Path, worker: Worker, *, config: RunConfig = CONFIG, stage: int = 0):
+    return load_checkpoint(folder, config=config, stage=stage, layers=config.stage_layers(stage),
+                           model=worker.master, optimizer=worker.optimizer)
+
+
+def test_a_checkpoint_round_trips_bit_equal(tmp_path):
+    worker = stepped_worker()
+    save(worker, tmp_path)
+    assert load(tmp_path / "none", worker) is None
+    fresh = make_worker()
+    checkpoint, model_state, optimizer_state = load(tmp_path, fresh)
+    assert (checkpoint.epoch, checkpoint.batch) == (1, 0)
+    fresh.load_state(model_state=model_state, optimizer_state=optimizer_state, epoch=checkpoint.epoch)
+    for (name, a), b in zip(worker.master.state_dict().items(), fresh.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert fresh.epoch == fresh.master_epoch == 1
+    assert [p.name for p in tmp_path.iterdir()] != [] and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize(("damage", "says"), [
+    ("truncate", r"state-1\.safetensors: \d+ bytes, the manifest says \d+ \(truncated\?\)"),
+    ("flip", r"state-1\.safetensors: its SHA-256 differs from the manifest's \(corrupt\)"),
+    ("manifest", r"manifest\.json: not a checkpoint manifest"),
+    ("missing", r"state-1\.safetensors: cannot be read"),
+])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage, says):
+    worker = stepped_worker()
+    save(worker, tmp_path)
+    tensors = tmp_path / "state-1.safetensors"
+    if damage == "truncate":
+        tensors.write_bytes(tensors.read_bytes()[:-100])
+    elif damage == "flip":
+        data = bytearray(tensors.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        tensors.write_bytes(bytes(data))
+    elif damage == "manifest":
+        (tmp_path / MANIFEST).write_text("{not json")
+    else:
+        tensors.unlink()
+    fresh = make_worker()
+    before = [p.clone() for p in fresh.master.parameters()]
+    with pytest.raises(CheckpointError, match=says):
+        load(tmp_path, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.master.parameters()))  # nothing loaded
+
+
+def test_a_checkpoint_of_another_recipe_or_stage_is_refused_naming_what_differs(tmp_path):
+    save(stepped_worker(), tmp_path)
+    other = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=16)
+    with pytest.raises(CheckpointError, match=r"saved with seq_len = 8, this run has 16"):
+        load(tmp_path, make_worker(other), config=other)
+    with pytest.raises(CheckpointError, match=r"manifest.json: holds stage 0 layers \[0, 2\], this server serves stage 1 layers \[2, 4\]"):
+        load(tmp_path, make_worker(stage=1), stage=1)
+
+
+# -- a whole swarm killed and started again -------------------------------------------------------------------------
+
+RECIPE = ["--model", "llama-tiny", "--num-stages", "2", "--batch-rows", "8", "--microbatches", "2", "--seq-len",
+          "64", "--seed", "9", "--lr", "0.003", "--epochs", "400"]
+SERVERS = [("fs0", "0", "fs"), ("bs0", "0", "bs"), ("fs1", "1", "fs"), ("bs1", "1", "bs")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RestartableSwarm(Swarm):
+    """Every peer started from a fixed command line (the bootstrap on a fixed port with an identity, the servers
+    with identities and checkpoint folders), so that all can be killed and started again with the same commands."""
+
+    def __init__(self, workdir: Path, run_id: str):
+        super().__init__(workdir=workdir)
+        self.run_id, self.port = run_id, free_port()
+        self.commands: dict[str, list[str]] = {}
+        self.commands["bootstrap"] = ["--role", "bootstrap", "--run-id", run_id, "--identity-path",
+                                      str(workdir / "bootstrap.key"), "--host-maddrs",
+                                      f"/ip4/127.0.0.1/tcp/{self.port}", "--maddrs-file",
+                                      str(workdir / "bootstrap.maddrs")]
+
+    def start_all(self, incarnation: int) -> None:
+        maddrs = self.workdir / "bootstrap.maddrs"
+        maddrs.unlink(missing_ok=True)
+        self.start(f"bootstrap.{incarnation}", self.commands["bootstrap"])
+        deadline = time.monotonic() + 120
+        while not (maddrs.exists() and maddrs.read_text().strip()):
+            assert time.monotonic() < deadline, "the bootstrap peer did not come up"
+            time.sleep(0.2)
+        initial = maddrs.read_text().split()
+        common = ["--run-id", self.run_id, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *RECIPE, "--initial-peers",
+                  *initial]
+        for name, stage, role in SERVERS:
+            self.commands.setdefault(name, [*common, "--role", "server", "--stage", stage, "--server-role", role,
+                                            "--identity-path", str(self.workdir / f"{name}.key"),
+                                            "--checkpoint-dir", str(self.workdir / "ckpt" / name),
+                                            "--checkpoint-every", "2"])
+        for stage in ("0", "1"):
+            self.commands.setdefault(f"client{stage}", [*common, "--role", "client", "--stage", stage])
+        for name, command in self.commands.items():
+            if name != "bootstrap":
+                self.start(f"{name}.{incarnation}", command)
+
+    def kill_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)  # the peer and its p2p daemon, without notice
+                process.wait()
+        self.processes.clear()  # dead, daemons and all: `failed` asks about the next incarnation only
+
+    def status(self) -> dict:
+        out = subprocess.run([sys.executable, "-m", "p2ptrain.status", "--run-id", self.run_id, "--json",
+                              "--initial-peers", f"/ip4/127.0.0.1/tcp/{self.port}/p2p/{self.boot_id()}"],
+                             capture_output=True, text=True, timeout=120)
+        return json.loads(out.stdout) if out.returncode == 0 else {"epoch": -1, "epochs": []}
+
+    def boot_id(self) -> str:
+        return (self.workdir / "bootstrap.maddrs").read_text().split()[0].rsplit("/", 1)[1]
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text()
+
+
+def with_flag(command: list[str], flag: str, value: str) -> list[str]:
+    at = command.index(flag)
+    return [*command[: at + 1], value, *command[at + 2:]]
+
+
+def wait_for(swarm: RestartableSwarm, condition, what: str, timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        failed = swarm.failed()
+        assert not failed, f"peers {failed} died:\n" + "\n".join(swarm.log(n)[-2000:] for n in failed)
+        report = swarm.status()
+        if condition(report):
+            return report
+        time.sleep(2.0)
+    raise AssertionError(f"{what} within {timeout} s")
+
+
+@pytest.mark.timeout(720)
+def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
+    swarm = RestartableSwarm(tmp_path, "ckpt")
+    try:
+        swarm.start_all(0)
+        before = wait_for(swarm, lambda r: r["epoch"] >= 7, "the swarm did not train 8 epochs")
+        swarm.kill_all()  # at once: the losses before the kill are those `before` saw
+        saved = {name: json.loads((tmp_path / "ckpt" / name / MANIFEST).read_text())["epoch"]
+                 for name, _, _ in SERVERS}
+        assert all(epoch >= 6 and epoch % 2 == 0 for epoch in saved.values()), saved
+        losses = {e["epoch"]: e["loss"] for e in before["epochs"] if e["loss"] is not None}
+
+        # a truncated copy of a server's checkpoint is refused at start, naming the file; the swarm never sees it
+        damaged = tmp_path / "damaged"
+        shutil.copytree(tmp_path / "ckpt" / "fs1", damaged)
+        [tensors] = damaged.glob("state-*.safetensors")
+        tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])
+
+        swarm.start_all(1)
+        resume = max(saved.values())
+        after = wait_for(swarm, lambda r: r["epoch"] >= resume + 1, f"the swarm did not train past epoch {resume}")
+        for name, _, _ in SERVERS:
+            assert re.search(rf"restored stage \d at epoch {saved[name]} ", swarm.log(f"{name}.1")), name
+        resumed = {e["epoch"]: e["loss"] for e in after["epochs"] if e["loss"] is not None and e["epoch"] >= resume}
+        first = min(resumed)
+        assert first == resume, f"the swarm resumed at epoch {first}, its checkpoints are of epoch {resume}"
+        last_before = [losses[e] for e in sorted(losses) if e < resume][-2:]
+        # within noise of the loss before the kill, far below an untrained model's (about ln 256 = 5.5)
+        assert abs(resumed[first] - sum(last_before) / len(last_before)) < 0.25, (resumed, losses)
+        assert resumed[first] < losses[min(losses)] - 0.5
+
+        command = with_flag(with_flag(swarm.commands["fs1"], "--checkpoint-dir", str(damaged)),
+                            "--identity-path", str(tmp_path / "other.key"))
+        refused = subprocess.run([sys.executable, "-m", "p2ptrain.peer", *command], capture_output=True, text=True,
+                                 timeout=180)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert f"{tensors}" in refused.stderr and "truncated" in refused.stderr, refused.stderr[-2000:]
+    finally:
+        swarm.stop()
