@@ -24,7 +24,7 @@ from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.launch import Swarm
 from p2ptrain.models import build_stage
 from p2ptrain.protocol.messages import GroupMember
-from p2ptrain.state.checkpoint import MANIFEST, CheckpointError, load_checkpoint, save_checkpoint
+from p2ptrain.state.checkpoint import CheckpointError, load_checkpoint, manifests, save_checkpoint
 from p2ptrain.transport import Caller
 
 CONFIG = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
@@ -53,8 +53,9 @@ def stepped_worker() -> Worker:
     return worker
 
 
-def save(worker: Worker, folder: Path, *, config: RunConfig = CONFIG) -> Path:
-    epoch, model_state, optimizer_state = worker.snapshot()
+def save(worker: Worker, folder: Path, *, config: RunConfig = CONFIG, epoch: int | None = None) -> Path:
+    current, model_state, optimizer_state = worker.snapshot()
+    epoch = current if epoch is None else epoch
     return save_checkpoint(folder, config=config, stage=0, layers=CONFIG.stage_layers(0), role="fs", epoch=epoch,
                            batch=0, model_state=model_state, optimizer_state=optimizer_state)
 
@@ -81,7 +82,7 @@ def test_a_checkpoint_round_trips_bit_equal(tmp_path):
 @pytest.mark.parametrize(("damage", "says"), [
     ("truncate", r"state-1\.safetensors: \d+ bytes, the manifest says \d+ \(truncated\?\)"),
     ("flip", r"state-1\.safetensors: its SHA-256 differs from the manifest's \(corrupt\)"),
-    ("manifest", r"manifest\.json: not a checkpoint manifest"),
+    ("manifest", r"manifest-1\.json: not a checkpoint manifest"),
     ("missing", r"state-1\.safetensors: cannot be read"),
 ])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage, says):
@@ -95,7 +96,7 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage, says)
         data[len(data) // 2] ^= 0xFF
         tensors.write_bytes(bytes(data))
     elif damage == "manifest":
-        (tmp_path / MANIFEST).write_text("{not json")
+        (tmp_path / "manifest-1.json").write_text("{not json")
     else:
         tensors.unlink()
     fresh = make_worker()
@@ -105,13 +106,36 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage, says)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.master.parameters()))  # nothing loaded
 
 
-def test_a_checkpoint_of_another_recipe_or_stage_is_refused_naming_what_differs(tmp_path):
+def test_a_checkpoint_of_another_run_recipe_or_stage_is_refused_naming_what_differs(tmp_path):
     save(stepped_worker(), tmp_path)
     other = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=16)
-    with pytest.raises(CheckpointError, match=r"saved with seq_len = 8, this run has 16"):
+    with pytest.raises(CheckpointError, match=r"manifest-1\.json: saved with seq_len = 8, this run has 16"):
         load(tmp_path, make_worker(other), config=other)
-    with pytest.raises(CheckpointError, match=r"manifest.json: holds stage 0 layers \[0, 2\], this server serves stage 1 layers \[2, 4\]"):
+    another_run = RunConfig(run_id="another", num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
+    with pytest.raises(CheckpointError, match=r"saved by run 'p2ptrain', this is run 'another'"):
+        load(tmp_path, make_worker(another_run), config=another_run)
+    with pytest.raises(CheckpointError, match=r"manifest-1\.json: holds stage 0 layers \[0, 2\], this server serves "
+                                              r"stage 1 layers \[2, 4\]"):
         load(tmp_path, make_worker(stage=1), stage=1)
+
+
+def test_only_the_newest_checkpoints_are_kept_and_a_damaged_newest_falls_back_to_the_one_before(tmp_path, caplog):
+    worker = stepped_worker()
+    for epoch in (2, 4, 6):
+        save(worker, tmp_path, epoch=epoch)
+    assert [epoch for epoch, _ in manifests(tmp_path)] == [6, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest-4.json", "manifest-6.json",
+                                                          "state-4.safetensors", "state-6.safetensors"]
+    newest = tmp_path / "state-6.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-10])
+    checkpoint, _, _ = load(tmp_path, make_worker())
+    assert checkpoint.epoch == 4
+    assert "state-6.safetensors" in caplog.text and "truncated" in caplog.text
+    assert "loading the older checkpoint" in caplog.text and "manifest-4.json" in caplog.text
+    older = tmp_path / "state-4.safetensors"
+    older.write_bytes(older.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"state-6\.safetensors: \d+ bytes"):  # none valid: the newest's error
+        load(tmp_path, make_worker())
 
 
 # -- a whole swarm killed and started again -------------------------------------------------------------------------
@@ -206,16 +230,17 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         swarm.start_all(0)
         before = wait_for(swarm, lambda r: r["epoch"] >= 7, "the swarm did not train 8 epochs")
         swarm.kill_all()  # at once: the losses before the kill are those `before` saw
-        saved = {name: json.loads((tmp_path / "ckpt" / name / MANIFEST).read_text())["epoch"]
+        saved = {name: json.loads(manifests(tmp_path / "ckpt" / name)[0][1].read_text())["epoch"]
                  for name, _, _ in SERVERS}
         assert all(epoch >= 6 and epoch % 2 == 0 for epoch in saved.values()), saved
         losses = {e["epoch"]: e["loss"] for e in before["epochs"] if e["loss"] is not None}
 
-        # a truncated copy of a server's checkpoint is refused at start, naming the file; the swarm never sees it
+        # a truncated copy of a server's checkpoints is refused at start, naming the file; the swarm never sees it
         damaged = tmp_path / "damaged"
         shutil.copytree(tmp_path / "ckpt" / "fs1", damaged)
-        [tensors] = damaged.glob("state-*.safetensors")
-        tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])
+        for state in damaged.glob("state-*.safetensors"):
+            state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+        tensors = damaged / f"state-{saved['fs1']}.safetensors"
 
         swarm.start_all(1)
         resume = max(saved.values())
