@@ -120,6 +120,30 @@ def test_a_joining_worker_loads_a_mates_state_bit_equal_and_trains_on_in_lockste
 
 
 @pytest.mark.timeout(60)
+def test_a_joiner_asks_its_stages_servers_before_its_mates():
+    """The servers hold the stage's state whatever the workers do: a joiner takes theirs, and a mate's only when no
+    server serves one."""
+    async def scenario() -> None:
+        local: dict[tuple[str, str], Service] = {}
+        server = serving(make_worker("server", local=local), local)
+        mates = [serving(make_worker(f"mate{n}", local=local), local) for n in range(4)]
+        for epoch in range(2):
+            for worker in (server, *mates):
+                await step(worker, seed=epoch)
+        await step(server, seed=7)  # the server stands an epoch further: whoever served shows in the epoch
+        for n in range(5):
+            joiner = make_worker(f"joiner{n}", local=local)
+            assert await load_state_from_peers(joiner, caller=joiner.caller, servers=["server"],
+                                               candidates=[m.worker_id for m in mates]) == 3
+        local.pop(("server", STAGE_STATE))  # the server cannot be reached: a mate serves
+        joiner = make_worker("joiner", local=local)
+        assert await load_state_from_peers(joiner, caller=joiner.caller, servers=["server"],
+                                           candidates=[m.worker_id for m in mates]) == 2
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
 def test_a_state_that_does_not_fit_is_refused_and_the_worker_keeps_its_own():
     async def scenario() -> None:
         local: dict[tuple[str, str], Service] = {}

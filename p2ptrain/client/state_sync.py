@@ -1,7 +1,9 @@
-"""A joining or restarted worker starts from its stage's current state, downloaded from a live stage mate.
+"""A joining or restarted worker starts from its stage's current state, downloaded from a server of its stage (every
+server holds the state, docs/design.md §6), else from a live stage mate.
 
-Every worker serves its state (`StageStateServer`, service `STAGE_STATE`); before its first task, a worker asks its
-stage mates for theirs (`load_state_from_peers`), as hivemind's `DecentralizedAverager` does with
+Every worker serves its state (`StageStateServer`, service `STAGE_STATE`), and so does every server, whose replica
+is a worker that takes no tasks; before its first task, a worker asks its stage's servers, then its other stage
+mates, for theirs (`load_state_from_peers`), as hivemind's `DecentralizedAverager` does with
 `rpc_download_state` and `load_state_from_peers`. With no mate able to serve, it starts from the seed's weights,
 as the first workers of a run do.
 
@@ -236,17 +238,22 @@ class StageStateServer(Service):
 
 
 async def load_state_from_peers(worker: Worker, *, caller: Caller, candidates: Iterable[str],
-                                timeout: float = STATE_DOWNLOAD_TIMEOUT_S,
+                                servers: Iterable[str] = (), timeout: float = STATE_DOWNLOAD_TIMEOUT_S,
                                 deadline: float = STATE_DOWNLOAD_DEADLINE_S) -> int | None:
-    """Load the stage's current state into `worker` from one of `candidates` (its stage mates' peer ids) and return
-    its epoch; None if none could serve one that fits, and the worker keeps what it has.
+    """Load the stage's current state into `worker` from one of its stage's `servers`, else one of `candidates` (its
+    other stage mates' peer ids), and return its epoch; None if none could serve one that fits, and the worker keeps
+    what it has.
 
-    Candidates are tried in random order, so that workers joining together spread over their mates, each for at
-    most `timeout` seconds and all together for about `deadline` seconds at most. A candidate that refuses, fails in
+    Servers come first: they are reliable, can be dialed, and hold the state whatever the workers do. Each group is
+    tried in random order, so that workers joining together spread over their servers and mates, each peer for at
+    most `timeout` seconds and all together for about `deadline` seconds at most. A peer that refuses, fails in
     transport or sends a state that does not fit this worker is logged and skipped.
     """
-    order = [peer for peer in set(candidates) if peer != worker.worker_id]
-    random.shuffle(order)
+    first = [peer for peer in set(servers) if peer != worker.worker_id]
+    then = [peer for peer in set(candidates) - set(first) if peer != worker.worker_id]
+    random.shuffle(first)
+    random.shuffle(then)
+    order = first + then
     request = DownloadState(stage=worker.stage, start=worker.model.start, end=worker.model.end)
     give_up = time.monotonic() + deadline
     for peer in order:

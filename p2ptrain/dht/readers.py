@@ -30,10 +30,12 @@ def get_stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> list[Member
     return _per_peer(dht, stage_key(run_id, stage), Membership.from_value)
 
 
-def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int) -> list[str]:
-    """The peer ids of the peers that hold `stage`'s state: its workers (clients) and its servers, which hold it
-    whether or not they compute."""
-    return sorted({m.peer_id for m in get_stage_members(dht, run_id, stage)})
+def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int) -> tuple[list[str], list[str]]:
+    """The peer ids of the peers that hold `stage`'s state: its servers (FS and BS, which hold it whether or not
+    they compute) and, apart, its other workers (clients)."""
+    members = get_stage_members(dht, run_id, stage)
+    servers = {m.peer_id for m in members if m.role != "worker"}
+    return sorted(servers), sorted({m.peer_id for m in members} - servers)
 
 
 def get_metrics(dht: hivemind.DHT, run_id: str) -> list[Metrics]:

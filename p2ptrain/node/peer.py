@@ -330,12 +330,12 @@ class Peer:
         """Load the stage's current state into `worker` from a stage mate (`client.state_sync`); its epoch, or None
         if no mate served one."""
         try:  # a fresh read: the membership cache knows servers only, and may not have read the DHT yet
-            mates = await asyncio.wait_for(asyncio.to_thread(get_state_holders, self.dht, self.config.run_id,
-                                                             worker.stage), self.settings.rpc_timeout_s)
+            servers, mates = await asyncio.wait_for(asyncio.to_thread(get_state_holders, self.dht, self.config.run_id,
+                                                                      worker.stage), self.settings.rpc_timeout_s)
         except Exception as e:  # the DHT failed or timed out: start as the first workers of a run do
             logger.warning(f"could not read who holds stage {worker.stage}'s state: {e!r}; starting from the seed")
             return None
-        return await load_state_from_peers(worker, caller=worker.caller, candidates=mates)
+        return await load_state_from_peers(worker, caller=worker.caller, servers=servers, candidates=mates)
 
     async def _previous_epochs(self, role: str, stage: int) -> list[EpochMetrics]:
         """What this peer's previous process published of its epochs, if its record is still in the DHT (a peer
