@@ -29,6 +29,21 @@ class TestSwarm(Swarm):
         self.start(name, ["--run-id", self.run_id, "--host-maddrs", LOOPBACK, *self.recipe, *args,
                           "--initial-peers", *self.initial_peers])
 
+    def start_two_stages(self, clients: dict[str, str], *, epochs: int,
+                         client_args: dict[str, list[str]] | None = None) -> None:
+        """FS and BS of 2 stages and `clients` (name: stage, each with its `client_args`); the data source (stage 0's
+        FS) starts once every client is up, so that all are in the first epoch's averaging group."""
+        self.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
+        self.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
+        self.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+        for name, stage in clients.items():
+            self.peer(name, "--role", "client", "--stage", stage, *(client_args or {}).get(name, []))
+        deadline = time.monotonic() + 180
+        while sum(len(s["workers"]) for s in self.status()["stages"]) < len(clients):
+            assert time.monotonic() < deadline, "the clients did not come up\n" + self.logs()
+            time.sleep(1.0)
+        self.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
+
     def status_cli(self) -> dict:
         """What `python -m p2ptrain.status --json` prints, as a user would run it."""
         out = subprocess.run([sys.executable, "-m", "p2ptrain.status", "--run-id", self.run_id, "--json",

@@ -13,7 +13,7 @@ import torch
 from hivemind.compression import CompressionBase, NoCompression, Uniform8BitQuantization
 from hivemind.p2p import P2P
 
-from p2ptrain.client.averaging import StageAllReduce, missing_parts, parameter_digest
+from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts, parameter_digest
 from p2ptrain.live.probe import LinkProbe
 from p2ptrain.models import build_stage, model_config
 from p2ptrain.protocol.messages import GroupMember
@@ -24,8 +24,10 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 @contextlib.asynccontextmanager
-async def members(count: int, compression: CompressionBase) -> AsyncIterator[list[StageAllReduce]]:
-    """`count` averagers of one stage, each on its own P2P daemon, all on loopback."""
+async def members(count: int, compression: CompressionBase, *, server: bool = False
+                  ) -> AsyncIterator[list[StageAllReduce]]:
+    """`count` averagers of one stage, each on its own P2P daemon, all on loopback; with `server`, the first keeps
+    its stage's gradient deposits, as a server does."""
     p2ps: list[P2P] = []
     try:
         first = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 30)
@@ -38,8 +40,12 @@ async def members(count: int, compression: CompressionBase) -> AsyncIterator[lis
             peer_id = p2p.peer_id.to_base58()
             await LinkProbe(peer_id=peer_id).add_p2p_handlers(p2p)
             caller = Caller(p2p=p2p, peer_id=peer_id, codec="none", timeout=10.0)
+            deposits = None
+            if server and not averagers:
+                deposits = GradientDeposits(peer_id=peer_id, stage=0, numel=NUMEL, kept=4)
+                await deposits.add_p2p_handlers(p2p)
             averager = StageAllReduce(p2p=p2p, run_id="avg-test", stage=0, timeout=20.0, caller=caller,
-                                      compression=compression)
+                                      compression=compression, deposits=deposits)
             await averager.start()
             averagers.append(averager)
         yield averagers
@@ -47,6 +53,9 @@ async def members(count: int, compression: CompressionBase) -> AsyncIterator[lis
         for p2p in p2ps:
             if p2p.is_alive:  # a test may have shut one down already, as a groupmate that died
                 await p2p.shutdown()
+
+
+NUMEL = 300 * 40 + 17  # entries of one draw
 
 
 def draws(count: int) -> list[list[torch.Tensor]]:
@@ -114,6 +123,24 @@ def test_digests_tell_the_same_parameters_from_parameters_a_step_apart():
     assert digests_agree([digest])
 
 
+async def average_after_the_last_dies(averagers: list[StageAllReduce], grads: list[list[torch.Tensor]],
+                                      rows: list[int]) -> list:
+    """The round of epoch 5 of every member but the last, whose process is gone before the round starts."""
+    group = tuple(GroupMember(peer_id=a.caller.peer_id, client_mode=False, rows=r) for a, r in zip(averagers, rows))
+    await averagers[-1].p2p.shutdown()
+    return await asyncio.wait_for(asyncio.gather(*(
+        a.average(g, epoch=5, rows=r, group=group) for a, g, r in zip(averagers[:-1], grads, rows))), 60)
+
+
+def assert_averaged(results: list, grads: list[list[torch.Tensor]], rows: list[int], *, rows_lost: int) -> None:
+    """Every survivor holds the row-weighted average of `grads` and counts `rows_lost`."""
+    expected = [sum(r * g[k] for r, g in zip(rows, grads)) / sum(rows) for k in range(2)]
+    for averaged, result in results:
+        assert result.ok and result.group_size == len(results) and result.rows_lost == rows_lost
+        for tensor, want in zip(averaged, expected):
+            assert torch.allclose(tensor, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.timeout(120)
 def test_the_survivors_of_a_groupmate_that_died_average_again_among_themselves():
     """A groupmate whose process is gone fails the round for all; the others find it dead (its dial fails) and
@@ -121,15 +148,24 @@ def test_the_survivors_of_a_groupmate_that_died_average_again_among_themselves()
     async def scenario() -> None:
         async with members(3, NoCompression()) as averagers:
             grads, rows = draws(3), [4, 1, 3]
-            group = tuple(GroupMember(peer_id=a.caller.peer_id, client_mode=False, rows=r)
-                          for a, r in zip(averagers, rows))
-            await averagers[2].p2p.shutdown()  # dies before the round
-            results = await asyncio.wait_for(asyncio.gather(*(
-                a.average(g, epoch=5, rows=r, group=group) for a, g, r in zip(averagers[:2], grads, rows))), 60)
-        expected = [(rows[0] * grads[0][k] + rows[1] * grads[1][k]) / (rows[0] + rows[1]) for k in range(2)]
-        for averaged, result in results:
-            assert result.ok and result.group_size == 2 and result.rows_lost == 3
-            for tensor, want in zip(averaged, expected):
-                assert torch.allclose(tensor, want, rtol=1e-5, atol=1e-6)
+            results = await average_after_the_last_dies(averagers, grads, rows)
+        assert_averaged(results, grads[:2], rows[:2], rows_lost=3)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_a_groupmate_that_died_after_its_deposit_loses_no_rows():
+    """A worker deposits its gradients with its stage's server, then dies before the round: the survivors average
+    again, the server bringing the deposit, so the average holds every row of the group."""
+    async def scenario() -> None:
+        async with members(3, NoCompression(), server=True) as averagers:
+            server, _, dying = averagers
+            grads, rows = draws(3), [0, 4, 3]
+            grads[0] = [torch.zeros_like(grad) for grad in grads[0]]  # a server that holds the state brings no rows
+            assert await dying.deposit(server.caller.peer_id, grads[2], epoch=5, rows=3)
+            assert not await dying.deposit(server.caller.peer_id, grads[2][:1], epoch=5, rows=3)  # refused: too short
+            results = await average_after_the_last_dies(averagers, grads, rows)
+        assert_averaged(results, grads, rows, rows_lost=0)
 
     asyncio.run(scenario())

@@ -2,11 +2,12 @@
 again with the same command, and clients that join for the first time mid-run. Training goes on, no row is lost or
 counted twice, the rows a dead worker held are redone by others, and the loss falls.
 
-One moment of death is not made exact yet: during the stage's all-reduce, or after the worker was counted into the
-averaging group and before its round ended. The round fails for its group; the survivors average again among
-themselves without the dead worker's rows (they log it, and the status counts those rows as not averaged), or, if
-that fails too, skip the step and log it. An epoch may therefore lack rows at a stage only where a worker logged
-either; every other epoch must be exact.
+A worker that dies during its stage's all-reduce fails the round for its group; the survivors average again among
+themselves, and the server it deposited its gradients with brings them, so its rows are averaged all the same. One
+moment of death is not made exact yet: after the worker was counted into the averaging group and before its
+deposit landed (a few milliseconds per epoch). Then the survivors' average lacks its rows (they log it, and the
+status counts those rows as not averaged); and a round that fails with no groupmate dead is skipped and logged. An
+epoch may therefore lack rows at a stage only where a worker logged either; every other epoch must be exact.
 
 Under `--fault-policy swarm` (SWARM's way, for comparison) a kill instead drops the rows the worker held, and their
 microbatches' data comes again in a later epoch.
@@ -31,31 +32,22 @@ JOINERS = {"c0new": "0", "c1new": "1"}
 
 
 def failed_rounds(workdir: Path) -> set[tuple[int, int]]:
-    """(epoch, stage) of every all-reduce round that a worker logged as failed, in every client log of the run
-    (a killed client's log is kept under another name)."""
+    """(epoch, stage) of every all-reduce round that a worker or server logged as failed or as lacking rows, in every
+    log of the run (a killed client's log is kept under another name)."""
     found = set()
-    for log in workdir.glob("c*.log"):
+    for log in workdir.glob("*.log"):
         text = log.read_text()
         for stage, epoch in re.findall(r"stage (\d+) averaging of epoch (\d+) failed", text):
             found.add((int(epoch), int(stage)))
-        for stage, epoch in re.findall(r"stage (\d+) all-reduce of epoch (\d+): \d+ groupmate\(s\) died", text):
+        for stage, epoch in re.findall(r"stage (\d+) all-reduce of epoch (\d+): \d+ rows of groupmates that died are "
+                                       r"not in the average", text):
             found.add((int(epoch), int(stage)))
     return found
 
 
 def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int):
-    """FS and BS of 2 stages and the CLIENTS; the data source (stage 0's FS) starts once every client is up."""
     swarm = make_swarm(run_id, recipe)
-    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
-    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
-    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
-    for name, stage in CLIENTS.items():
-        swarm.peer(name, "--role", "client", "--stage", stage)
-    deadline = time.monotonic() + 180
-    while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(CLIENTS):
-        assert time.monotonic() < deadline, "the clients did not come up\n" + swarm.logs()
-        time.sleep(1.0)
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
+    swarm.start_two_stages(CLIENTS, epochs=epochs)
     return swarm
 
 
@@ -99,6 +91,7 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
         restarts += 1
     report = swarm.status_cli()
     in_round = failed_rounds(swarm.workdir)  # the known gap: logged, not hidden
+    print(f"kills {kills}; epochs exempted (logged as failed or lacking rows): {sorted(in_round)}")
 
     assert restarts >= 4 and len({epoch for _, epoch in kills}) >= 4, f"{kills}\n" + swarm.logs(["fs0", "fs1"])
     assert [e["epoch"] for e in report["epochs"]] == list(range(EPOCHS))

@@ -21,20 +21,11 @@ RECIPE = ["--model", MODEL, "--num-stages", "2", "--batch-rows", str(ROWS), "--m
 CLIENTS = {"c0a": "0", "c0b": "0", "c1a": "1", "c1b": "1"}
 
 
-def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int):
-    """FS and BS of 2 stages (holding the state, computing nothing) and 2 clients per stage; the data source starts
-    once every peer is up, so that all are in the first epoch's averaging group."""
+def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int,
+                client_args: dict[str, list[str]] | None = None):
+    """FS and BS of 2 stages (holding the state, computing nothing) and 2 clients per stage."""
     swarm = make_swarm(run_id, recipe)
-    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
-    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
-    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
-    for name, stage in CLIENTS.items():
-        swarm.peer(name, "--role", "client", "--stage", stage)
-    deadline = time.monotonic() + 180
-    while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(CLIENTS):
-        assert time.monotonic() < deadline, "the clients did not come up\n" + swarm.logs()
-        time.sleep(1.0)
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
+    swarm.start_two_stages(CLIENTS, epochs=epochs, client_args=client_args)
     return swarm
 
 
@@ -65,20 +56,22 @@ def test_every_server_replica_steps_with_its_stages_workers_and_with_one_process
     dumps = tmp_path / "steps"
     swarm = start_swarm(make_swarm, "replicas", [*RECIPE, "--dump-grads", str(dumps)], epochs=epochs)
     report = swarm.wait_finished(timeout=300)
-    deadline = time.monotonic() + 60
-    while len(list(dumps.glob("*.pt"))) < 2 * 4 * epochs:  # the last steps may land after the data source's end
-        assert time.monotonic() < deadline, f"{len(list(dumps.glob('*.pt')))} steps dumped\n" + swarm.logs()
-        time.sleep(0.5)
-
     ids = {name: re.search(r"(?:client|server) (\w+) up", (swarm.workdir / f"{name}.log").read_text()).group(1)
            for name in ("fs0", "bs0", "fs1", "bs1", *CLIENTS)}
+    # every server is in every group of its stage; a client is not where it polled too late, and then downloads
+    deadline = time.monotonic() + 60
+    while missing := [(server, epoch) for server in ("fs0", "bs0", "fs1", "bs1") for epoch in range(epochs)
+                      if not list(dumps.glob(f"stage*-{ids[server]}-epoch{epoch}.pt"))]:
+        assert time.monotonic() < deadline, f"no step of {missing}\n" + swarm.logs()  # the last may land late
+        time.sleep(0.5)
+
     reference = one_process(epochs)
     for epoch in range(epochs):
         for stage in (0, 1):
             steps = {path.name: torch.load(path) for path in dumps.glob(f"stage{stage}-*-epoch{epoch}.pt")}
             holders = {name for name, peer in ids.items() if any(f"-{peer}-" in step for step in steps)}
-            assert holders >= {f"fs{stage}", f"bs{stage}", f"c{stage}a", f"c{stage}b"}, (epoch, stage, holders)
-            client = next(step for name, step in steps.items() if f"-{ids[f'c{stage}a']}-" in name)
+            assert {f"fs{stage}", f"bs{stage}"} <= holders and holders & {f"c{stage}a", f"c{stage}b"}, holders
+            client = next(step for name, step in steps.items() if any(f"-{ids[c]}-" in name for c in CLIENTS))
             start = client["layers"][0]
             for name, step in steps.items():
                 for param, value in step["params"].items():
@@ -93,7 +86,7 @@ def test_every_server_replica_steps_with_its_stages_workers_and_with_one_process
     for epoch in report["epochs"]:
         for counts in epoch["stages"]:
             assert counts["rows_averaged"] == counts["rows_in_batch"] == ROWS * MICROBATCHES, epoch
-            assert counts["digests_agree"] and counts["digests"] >= 4 and counts["rounds_failed"] == 0, epoch
+            assert counts["digests_agree"] and counts["digests"] >= 3 and counts["rounds_failed"] == 0, epoch
     assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
 
 
@@ -101,7 +94,7 @@ def test_every_server_replica_steps_with_its_stages_workers_and_with_one_process
 def test_a_stage_whose_workers_all_die_goes_on_from_its_servers_state(make_swarm):
     """Both clients of the last stage SIGKILLed together and started again: they load the state their stage's
     servers hold, so the loss goes on from where it was, and no closed epoch lacks rows."""
-    epochs = 16
+    epochs = 12
     swarm = start_swarm(make_swarm, "allgone", RECIPE, epochs=epochs)
     closed = r"stage 1 FS: epoch (\d+) closed"
     deadline = time.monotonic() + 240
@@ -136,3 +129,34 @@ def test_a_stage_whose_workers_all_die_goes_on_from_its_servers_state(make_swarm
     # kill (up to noise), where clients that started over from the seed's weights would be back near epoch 0's
     assert after[0] < before + 0.2, (last_closed, losses)
     assert after[0] < losses[0] - 1.0, (last_closed, losses)
+
+
+@pytest.mark.timeout(420)
+def test_a_worker_killed_while_its_stage_averages_loses_no_rows(make_swarm):
+    """A stage-1 client averages slowly on purpose (`--fault slow-averaging`: a second between its deposit and its
+    round); SIGKILLed in that second, while its mates already wait in the round, it takes nothing with it: the
+    survivors average again and the server it deposited with brings its rows."""
+    epochs = 6
+    swarm = start_swarm(make_swarm, "midround", RECIPE, epochs=epochs,
+                        client_args={"c1b": ["--fault", "slow-averaging"]})
+
+    deposited = r"deposited its gradients of epoch (\d+) with"
+    deadline = time.monotonic() + 240
+    while not (found := re.findall(deposited, (swarm.workdir / "c1b.log").read_text())) or int(found[-1]) < 2:
+        assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
+        time.sleep(0.02)
+    victim_epoch = int(found[-1])
+    process = swarm.processes.pop("c1b")
+    os.killpg(process.pid, signal.SIGKILL)  # mid-round: the client and its p2p daemon, without notice
+    process.wait()
+    report = swarm.wait_finished(timeout=300)
+
+    logs = "".join((swarm.workdir / f"{name}.log").read_text() for name in ("fs1", "bs1", "c1a"))
+    assert re.search(rf"all-reduce of epoch {victim_epoch}: 1 groupmate\(s\) died .* bringing [1-9]\d* of their rows "
+                     "from their deposits", logs), logs[-4000:]
+    trained = [e for e in report["epochs"] if not e["abandoned"]]
+    assert len(trained) == epochs, report["epochs"]
+    for epoch in trained:
+        for counts in epoch["stages"]:
+            assert counts["rows_averaged"] == counts["rows_in_batch"] == ROWS * MICROBATCHES, epoch
+            assert counts["digests_agree"] is not False, epoch

@@ -12,6 +12,15 @@ member whose marker comes back with another member's entry at 0 knows that membe
 average; all at 0 is a round that averaged nothing (hivemind's 8-bit codecs fail that way on this stack,
 docs/design.md §7). Such a round counts as failed.
 
+A groupmate that dies in a round fails it for all (hivemind's runner loses the parts it reduced). The survivors
+find the dead by probing (a dead process's dial fails at once, alike for all) and average again among themselves.
+What the dead brought is not lost: before its round, every worker with rows deposits its gradients with a server of
+its stage (`GradientDeposits`, reliable and reachable), and in the round run again that server brings the deposits
+of the dead beside its own part, weighted by their rows. Each survivor reads how many rows the average holds from
+the round itself (its own weight divided by its own marker entry is the round's total weight), so `rows_lost`
+counts only what no deposit brought back (a worker that died before it deposited, or whose server died too). A
+deposit costs one more transfer of each worker's gradients per epoch, to one server.
+
 The gradients travel as float64, uncompressed, so that every member ends with the same average. hivemind's runner
 hands each member its own tensor plus (average - its tensor), rounded in the tensor's dtype: in float32 the
 members' results differ by a few ulps of their own gradients, which is large where the average cancels, and
@@ -36,15 +45,17 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
+from p2ptrain.compression import BadTensorError, check_tensor
 from p2ptrain.live.probe import dial_failure
-from p2ptrain.protocol.messages import GroupMember
+from p2ptrain.protocol.messages import GRADIENT_DEPOSITS, Ack, DepositGrads, GroupMember
 from p2ptrain.protocol.optimization import Digest
-from p2ptrain.transport import Caller
+from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
 
 # hivemind needs a positive weight; a worker without rows this epoch still takes part and gets the result
 NO_ROWS_WEIGHT = 1e-9
+REDUCER_LINGER_S = 5.0  # how long a reducer keeps a sender's stream open after its last part (`rpc_aggregate_part`)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,41 @@ class RoundResult:
     group_size: int  # workers in the all-reduce; 1 for a lone worker, 0 if the round failed
     ok: bool
     rows_lost: int = 0  # rows of groupmates that died in the round, whose gradients are not in the average
+
+
+class GradientDeposits(Service):
+    """A server's store of the gradients its stage's workers bring to each epoch's all-reduce (module doc): per
+    epoch, per worker, its rows and its mean gradient as one flat float32 vector of `numel` entries. Only the newest
+    `kept` epochs are held; a deposit is keyed by its sender, so a peer can deposit only for itself."""
+
+    service = GRADIENT_DEPOSITS
+
+    def __init__(self, *, peer_id: str, stage: int, numel: int, kept: int):
+        super().__init__(peer_id=peer_id, name=f"stage {stage} gradient deposits", codec="none")
+        self.numel, self.kept = numel, kept
+        self._held: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
+
+    def rpc_deposit_grads(self, requests: Requests, context: P2PContext) -> Responses:
+        return self.serve(requests, context, DepositGrads, self.deposit_grads)
+
+    async def deposit_grads(self, request: DepositGrads, sender: str) -> Ack:
+        try:
+            check_tensor(request.grads, shape=(self.numel,), dtype=torch.float32, what="grads")
+        except BadTensorError as e:
+            raise Refused(str(e)) from None
+        if self._held and request.epoch <= max(self._held) - self.kept:
+            raise Refused(f"epoch {request.epoch} closed long ago")
+        held = self._held.setdefault(request.epoch, {})
+        again = sender in held
+        held[sender] = (request.rows, request.grads)
+        for old in [epoch for epoch in self._held if epoch <= max(self._held) - self.kept]:
+            del self._held[old]
+        return Ack(again=again)
+
+    def of(self, epoch: int, peers: set[str]) -> list[tuple[int, torch.Tensor]]:
+        """The (rows, flat gradients) that `peers` deposited for `epoch`, where they did."""
+        held = self._held.get(epoch, {})
+        return [held[peer] for peer in sorted(peers) if peer in held]
 
 
 def missing_parts(marker: torch.Tensor, group: tuple[GroupMember, ...], me: str) -> list[str]:
@@ -80,8 +126,11 @@ class StageAllReduce(ServicerBase):
 
     def __init__(self, *, p2p: P2P | None, run_id: str, stage: int, timeout: float, caller: Caller,
                  probe_every_s: float = 1.0, probe_timeout_s: float = 2.0,
-                 compression: CompressionBase = NoCompression()):
+                 compression: CompressionBase = NoCompression(), deposits: GradientDeposits | None = None):
         self.p2p, self.timeout, self.caller, self.compression = p2p, timeout, caller, compression
+        self.deposits = deposits  # a server's: it brings the deposits of groupmates that died (module doc)
+        # deposits travel uncompressed whatever the run's codec: they stand in for a worker's exact gradients
+        self._depositor = Caller(p2p=p2p, peer_id=caller.peer_id, codec="none", timeout=timeout)
         self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
         self.stage, self.prefix = stage, f"{run_id}_stage{stage}_allreduce"
         self._runners: dict[bytes, asyncio.Future] = {}
@@ -106,49 +155,87 @@ class StageAllReduce(ServicerBase):
             return
         async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+        # hivemind's handler ends its stream right after the last averaged part, and p2pd resets a stream that one
+        # side closes, dropping what the other side's daemon had not yet handed on: under load the sender lost that
+        # part ("... of the averaged values did not come back") while this reducer's own round had succeeded. The
+        # sender closes the stream once it has read everything; until then this end stays open
+        await asyncio.sleep(REDUCER_LINGER_S)
+
+    async def deposit(self, server: str, grads: list[torch.Tensor], *, epoch: int, rows: int) -> bool:
+        """Hand this worker's gradients of `epoch` to `server` before its round (module doc); False if it failed."""
+        flat = torch.cat([grad.detach().reshape(-1).float() for grad in grads])
+        try:
+            await self._depositor.call(server, GRADIENT_DEPOSITS, DepositGrads(epoch=epoch, rows=rows, grads=flat))
+        except Exception as e:  # the round goes on; only a death of this worker in it would now lose its rows
+            logger.warning(f"stage {self.stage}: depositing the gradients of epoch {epoch} with {server} failed: "
+                           f"{e!r}")
+            return False
+        return True
 
     async def average(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...]
                       ) -> tuple[list[torch.Tensor], RoundResult]:
         """Average `grads` with the group; on failure the local gradients come back, and the result says so.
 
-        A groupmate that dies in the round fails it for all (hivemind's runner loses the parts it reduced). The
-        survivors each find the dead by probing every groupmate (a dead process's dial fails at once, alike for all),
-        and average again among themselves, under a group id of the survivors' ids; the dead members' rows are then
-        missing from the average (`rows_lost`; none for a server that only holds the state)."""
-        members, lost = group, 0
+        A groupmate that dies in the round fails it for all; the survivors average again among themselves under a
+        group id of their ids, a server bringing the deposits of the dead (module doc). `rows_lost`: the rows of the
+        group that the average does not hold."""
+        members, mine, weight, dead = group, grads, rows, set()
+        expected = sum(member.rows for member in group)
         while len(members) > 1:
-            averaged, ok = await self._round(grads, epoch=epoch, rows=rows, group=members)
-            if ok:
+            averaged, total = await self._round(mine, epoch=epoch, weight=weight, group=members)
+            if total is not None:
+                lost = max(0, expected - round(total))
+                if lost:
+                    logger.warning(f"stage {self.stage} all-reduce of epoch {epoch}: {lost} rows of groupmates that "
+                                   "died are not in the average (no deposit of theirs reached a server)")
                 return averaged, RoundResult(group_size=len(members), ok=True, rows_lost=lost)
             me = self.caller.peer_id
+            others = [m for m in members if m.peer_id != me]
             failures = await asyncio.gather(*(dial_failure(self.caller, m.peer_id, timeout=self.probe_timeout_s)
-                                              for m in members if m.peer_id != me))
-            dead = {m.peer_id for m, failure in zip([m for m in members if m.peer_id != me], failures)
-                    if failure is not None}
-            if not dead:
+                                              for m in others))
+            died = {m.peer_id for m, failure in zip(others, failures) if failure is not None}
+            if not died:
                 return grads, RoundResult(group_size=0, ok=False)
-            members = tuple(m for m in members if m.peer_id not in dead)
-            lost += sum(m.rows for m in group if m.peer_id in dead)
-            logger.warning(f"stage {self.stage} all-reduce of epoch {epoch}: {len(dead)} groupmate(s) died "
-                           f"({', '.join(sorted(dead))}); averaging again among the {len(members)} alive")
-        return grads, RoundResult(group_size=1, ok=True, rows_lost=lost)
+            dead |= died
+            members = tuple(m for m in members if m.peer_id not in died)
+            mine, weight = self._with_deposits(grads, rows=rows, epoch=epoch, dead=dead)
+            logger.warning(f"stage {self.stage} all-reduce of epoch {epoch}: {len(died)} groupmate(s) died "
+                           f"({', '.join(sorted(died))}); averaging again among the {len(members)} alive"
+                           + (f", bringing {weight - rows} of their rows from their deposits" if weight > rows else ""))
+        lost = max(0, expected - weight)
+        return mine, RoundResult(group_size=1, ok=True, rows_lost=lost)
 
-    async def _round(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...]
-                     ) -> tuple[list[torch.Tensor], bool]:
-        """One all-reduce among `group`: the averaged gradients and True, or the local ones and False."""
+    def _with_deposits(self, grads: list[torch.Tensor], *, rows: int, epoch: int, dead: set[str]
+                       ) -> tuple[list[torch.Tensor], int]:
+        """This member's part and rows once it brings the deposits of `dead` (none unless it holds some): the
+        row-weighted mean of its own gradients and theirs."""
+        deposited = self.deposits.of(epoch, dead) if self.deposits is not None else []
+        if not deposited:
+            return grads, rows
+        total = rows + sum(count for count, _ in deposited)
+        flat = sum((count * flat.double() for count, flat in deposited),
+                   start=rows * torch.cat([grad.detach().reshape(-1).double() for grad in grads])) / total
+        parts = flat.split([grad.numel() for grad in grads])
+        return [part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total
+
+    async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...]
+                     ) -> tuple[list[torch.Tensor], float | None]:
+        """One all-reduce among `group`, this member's part weighing `weight` rows: the averaged gradients and the
+        round's total weight (in rows), or the local gradients and None if it failed."""
         members = ",".join(m.peer_id for m in group)
         group_id = hashlib.sha256(f"{self.prefix}:{epoch}:{members}".encode()).digest()
         me = self.caller.peer_id
         marker = torch.tensor([1.0 if member.peer_id == me else 0.0 for member in group])
         tensors = [grad.detach().double() for grad in grads] + [marker.double()]
+        own = float(weight) if weight else NO_ROWS_WEIGHT
         modes = [AveragingMode.CLIENT if m.client_mode else AveragingMode.NODE for m in group]
         if AveragingMode.NODE not in modes:  # hivemind asserts; a round nobody can reduce fails like any other
             logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers failed: every member dials out "
                            "only (client mode), none can reduce")
-            return grads, False
+            return grads, None
         runner = AllReduceRunner(
             p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
-            weight=float(rows) if rows else NO_ROWS_WEIGHT,
+            weight=own,
             ordered_peer_ids=[PeerID.from_base58(m.peer_id) for m in group],
             peer_fractions=tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes), modes=modes,
             compression=self.compression,
@@ -181,7 +268,7 @@ class StageAllReduce(ServicerBase):
         except Exception as e:
             logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers failed: {e!r}")
             runner.finalize(cancel=True)
-            return grads, False
+            return grads, None
         finally:
             for task in (rounds, watch):
                 task.cancel()
@@ -192,7 +279,9 @@ class StageAllReduce(ServicerBase):
             # (it once broke an ast.parse in the same thread)
             self._finishing.add(task := asyncio.create_task(self._finish(runner, updates)))
             task.add_done_callback(self._finishing.discard)
-        return [tensor.float() for tensor in tensors[:-1]], True
+        # entry `me` of the averaged marker is this member's weight over the round's total
+        total = own / tensors[-1][[member.peer_id for member in group].index(me)].item()
+        return [tensor.float() for tensor in tensors[:-1]], total
 
     async def _finish(self, runner: AllReduceRunner, updates: AsyncIterator[torch.Tensor]) -> None:
         """Let a round's runner end as hivemind ends it (after its last update it finalizes and awaits its tasks),

@@ -216,8 +216,6 @@ class StageStateServer(Service):
                           f"[{request.start}, {request.end}) of stage {request.stage}")
         if worker.client_mode:
             raise Refused("a client-mode worker does not serve its state")
-        if not (worker.master_epoch or worker.loaded_state):
-            raise Refused("this worker holds only the seed's weights: it has not stepped since it started")
         stale = Refused("its last averaging round failed: its parameters may stand apart from the stage's")
         if worker.stale:  # checked before waiting too: its update in flight may be a reload from the asker
             raise stale
@@ -229,6 +227,12 @@ class StageStateServer(Service):
             await worker.updated()
             if worker.stale:
                 raise stale
+        if not await worker.reached(request.at_least, timeout=worker.settings.averaging_timeout_s):
+            raise Refused(f"this peer's state is of epoch {worker.master_epoch}, behind the asker's "
+                          f"{request.at_least}")
+        # checked after the wait: a peer whose first step is in flight has only the seed's weights until it lands
+        if not (worker.master_epoch or worker.loaded_state):
+            raise Refused("this worker holds only the seed's weights: it has not stepped since it started")
         # serializing the snapshot may take its time in a thread while the worker trains on
         epoch, model_state, optimizer_state = worker.snapshot()
         blob = await asyncio.to_thread(encode_state, model_state, optimizer_state)
@@ -254,7 +258,7 @@ async def load_state_from_peers(worker: Worker, *, caller: Caller, candidates: I
     random.shuffle(first)
     random.shuffle(then)
     order = first + then
-    request = DownloadState(stage=worker.stage, start=worker.model.start, end=worker.model.end)
+    request = DownloadState(stage=worker.stage, start=worker.model.start, end=worker.model.end, at_least=worker.epoch)
     give_up = time.monotonic() + deadline
     for peer in order:
         remaining = give_up - time.monotonic()

@@ -111,6 +111,7 @@ class Worker:
         self.loaded_state = False  # it holds a mate's state, not the seed's, even before its first step
         # the epoch the master copy's parameters are current for: the one after its last step, or the loaded state's
         self.master_epoch = 0
+        self._master_moved = asyncio.Event()  # set, and replaced, whenever master_epoch changes (`reached`)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master_params = [p for p in self.master.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
@@ -171,7 +172,8 @@ class Worker:
         settled any update in flight first (`settle`), which would step over them."""
         self.master.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
-        self.loaded_state, self.master_epoch = True, epoch
+        self.loaded_state = True
+        self._set_master_epoch(epoch)
         if self._update is None:  # not loaded by the update in flight, whose parameters the model takes at `settle`
             self._take_master()
             if epoch > self.epoch:  # never backwards: the stage may have closed the epoch a lagging mate served
@@ -190,6 +192,23 @@ class Worker:
         """Until the update in flight (DPU) has stepped the master copy; the model keeps its parameters."""
         if self._update is not None:
             await asyncio.shield(self._update)
+
+    async def reached(self, epoch: int, *, timeout: float) -> bool:
+        """Whether the master copy is current for `epoch` or later, waiting up to `timeout` for a step in flight to
+        land (a peer asked for a state or an evaluation of an epoch its round is still averaging)."""
+        deadline = time.monotonic() + timeout
+        while self.master_epoch < epoch:
+            moved = self._master_moved
+            try:
+                await asyncio.wait_for(moved.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                return False
+        return True
+
+    def _set_master_epoch(self, epoch: int) -> None:
+        self.master_epoch = epoch
+        self._master_moved.set()
+        self._master_moved = asyncio.Event()
 
     async def settle(self) -> None:
         """Wait for the update in flight (DPU) and let the model take its parameters."""
@@ -410,9 +429,13 @@ class Worker:
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                 group: tuple[GroupMember, ...], seconds: float) -> None:
         logger.info(f"worker {self.worker_id}: averaging epoch {epoch} in a group of {len(group)}")
-        if self.fault == "slow-averaging":
-            await asyncio.sleep(SLOW_AVERAGING_S)
         try:
+            server = self._depository(group) if rows else None
+            # so that its rows survive this worker dying in the round (`client.averaging`)
+            if server is not None and await self.averager.deposit(server, grads, epoch=epoch, rows=rows):
+                logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} with {server}")
+            if self.fault == "slow-averaging":
+                await asyncio.sleep(SLOW_AVERAGING_S)
             averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
         finally:
             self._averaging_with = frozenset()
@@ -443,6 +466,13 @@ class Worker:
         if self.after_step is not None:
             await self.after_step(self)
 
+    def _depository(self, group: tuple[GroupMember, ...]) -> str | None:
+        """The server of this stage, other than this peer, in `group` that keeps this worker's deposit: its first
+        FS, else its first BS; None if the group has none."""
+        members = {member.peer_id for member in group}
+        fs_list, bs_list = self.servers()
+        return next((peer for peer in (*fs_list, *bs_list) if peer in members and peer != self.worker_id), None)
+
     def _apply(self, averaged: list[torch.Tensor], *, epoch: int, lr: float, norm: float | None) -> None:
         """Step the master copy on the stage's averaged gradients, clipped by the global norm."""
         scale = clip_coefficient(norm, self.config.clip_norm) if norm is not None else 1.0
@@ -452,7 +482,7 @@ class Worker:
         for param_group in self.optimizer.param_groups:
             param_group["lr"] = lr
         self.optimizer.step()
-        self.master_epoch = epoch + 1
+        self._set_master_epoch(epoch + 1)
         if self.dump_dir is not None:
             self._dump_step(epoch)
         self.optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
-from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.averaging import GradientDeposits, StageAllReduce
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig, RuntimeConfig
@@ -262,10 +262,15 @@ class Peer:
         config, placement = self.config, self.placement
         start, end = placement.layers
         model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
+        deposits = None
+        if self.options.role == "server":  # it keeps its stage's workers' gradients while they average
+            deposits = GradientDeposits(peer_id=self.peer_id, stage=placement.stage, kept=self.settings.closures_kept,
+                                        numel=sum(p.numel() for p in model.parameters() if p.requires_grad))
+            await deposits.add_p2p_handlers(self._p2p)
         averager = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage,
                                   timeout=self.settings.averaging_timeout_s, caller=caller,
                                   probe_every_s=self.settings.probe_silent_s,
-                                  probe_timeout_s=self.settings.liveness_timeout_s)
+                                  probe_timeout_s=self.settings.liveness_timeout_s, deposits=deposits)
         await averager.start()
         holds_only = not self.options.does_compute
         # what live planning measured was one block; tasks are sized by the speed on the whole stage

@@ -48,6 +48,7 @@ BACKWARD_SERVER = "BackwardServer"
 LINK_PROBE = "LinkProbe"
 STAGE_STATE = "StageState"  # a worker's parameters and optimizer state, for a stage mate that joins
 STAGE_EVAL = "StageEval"  # a server's forward pass on held-out data, stage after stage (evaluation)
+GRADIENT_DEPOSITS = "GradientDeposits"  # a server keeps each worker's gradients of an epoch while its stage averages
 
 
 class MessageError(ValueError):
@@ -496,6 +497,20 @@ class ReportNorm(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DepositGrads(Request):
+    """A worker hands a server of its stage the gradients it brings to `epoch`'s all-reduce (its mean gradient over
+    its `rows`, all of the stage's trainable parameters flattened into one float32 vector) before the round starts,
+    so that if it dies in the round the server brings them in its place (`client.averaging`)."""
+
+    method: ClassVar[str] = "rpc_deposit_grads"
+    reply: ClassVar[type[Message]] = Ack
+
+    epoch: Epoch
+    rows: RowCount
+    grads: Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvalLoss(Message):
     """The summed token loss of held-out rows and how many tokens it sums over."""
 
@@ -555,6 +570,9 @@ class DownloadState(Request):
     stage: Stage
     start: Layer
     end: Layer
+    # the epoch the asker computes next: a state from before it would leave the asker a step behind its mates, so
+    # a peer whose step of it is still in flight answers once the step lands, and one further behind refuses
+    at_least: Epoch = 0
 
     def check(self, path: str) -> None:
         if self.start >= self.end:

@@ -9,9 +9,7 @@ forward runs in the event loop, where the optimizer steps too, so it never sees 
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,8 +24,6 @@ if TYPE_CHECKING:
     from p2ptrain.client.worker import Worker
 
 logger = logging.getLogger(__name__)
-
-WAIT_POLL_S = 0.05  # how often a server waiting for its step of the wanted epoch looks again
 
 
 class StageEvaluator(Service):
@@ -75,8 +71,5 @@ class StageEvaluator(Service):
         raise Refused(f"no server of stage {worker.stage + 1} evaluated the rows")
 
     async def _wait_for(self, epoch: int) -> None:
-        deadline = time.monotonic() + self.worker.settings.averaging_timeout_s
-        while self.worker.master_epoch < epoch:
-            if time.monotonic() > deadline:
-                raise Refused(f"this server's parameters are of epoch {self.worker.master_epoch}, not yet {epoch}")
-            await asyncio.sleep(WAIT_POLL_S)
+        if not await self.worker.reached(epoch, timeout=self.worker.settings.averaging_timeout_s):
+            raise Refused(f"this server's parameters are of epoch {self.worker.master_epoch}, not yet {epoch}")
