@@ -227,7 +227,10 @@ class StageStateServer(Service):
             await worker.updated()
             if worker.stale:
                 raise stale
-        if not await worker.reached(request.at_least, timeout=worker.settings.averaging_timeout_s):
+        # only a step under way will bring it to the asker's epoch: a peer that is itself behind (left out of a
+        # group, catching up) refuses at once, or two such servers asking each other would wait on each other
+        behind = worker.master_epoch < request.at_least and worker.stepping != request.at_least - 1
+        if behind or not await worker.reached(request.at_least, timeout=worker.settings.averaging_timeout_s):
             raise Refused(f"this peer's state is of epoch {worker.master_epoch}, behind the asker's "
                           f"{request.at_least}")
         # checked after the wait: a peer whose first step is in flight has only the seed's weights until it lands

@@ -112,6 +112,7 @@ class Worker:
         # the epoch the master copy's parameters are current for: the one after its last step, or the loaded state's
         self.master_epoch = 0
         self._master_moved = asyncio.Event()  # set, and replaced, whenever master_epoch changes (`reached`)
+        self._stepping: int | None = None  # the epoch this worker is averaging and stepping, while it does
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master_params = [p for p in self.master.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
@@ -192,6 +193,11 @@ class Worker:
         """Until the update in flight (DPU) has stepped the master copy; the model keeps its parameters."""
         if self._update is not None:
             await asyncio.shield(self._update)
+
+    @property
+    def stepping(self) -> int | None:
+        """The epoch this worker is averaging and stepping now, if it is."""
+        return self._stepping
 
     async def reached(self, epoch: int, *, timeout: float) -> bool:
         """Whether the master copy is current for `epoch` or later, waiting up to `timeout` for a step in flight to
@@ -429,6 +435,14 @@ class Worker:
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                 group: tuple[GroupMember, ...], seconds: float) -> None:
         logger.info(f"worker {self.worker_id}: averaging epoch {epoch} in a group of {len(group)}")
+        self._stepping = epoch
+        try:
+            await self._average_and_step_now(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
+        finally:
+            self._stepping = None
+
+    async def _average_and_step_now(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
+                                    group: tuple[GroupMember, ...], seconds: float) -> None:
         try:
             server = self._depository(group) if rows else None
             # so that its rows survive this worker dying in the round (`client.averaging`)
