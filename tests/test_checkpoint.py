@@ -251,8 +251,11 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         first = min(resumed)
         assert first == resume, f"the swarm resumed at epoch {first}, its checkpoints are of epoch {resume}"
         last_before = [losses[e] for e in sorted(losses) if e < resume][-2:]
-        # within noise of the loss before the kill, far below an untrained model's (about ln 256 = 5.5)
-        assert abs(resumed[first] - sum(last_before) / len(last_before)) < 0.25, (resumed, losses)
+        # no higher than the last losses seen before the kill (up to noise), and far below an untrained model's (about
+        # ln 256 = 5.5). Not within noise both ways: the status read before the kill lags the swarm by several epochs
+        # (metrics are published every few seconds, epochs take half a second), and the loss still falls by about 0.1
+        # an epoch here, so the resumed one is often lower than the last one seen by more than the noise
+        assert resumed[first] < sum(last_before) / len(last_before) + 0.25, (resumed, losses)
         assert resumed[first] < losses[min(losses)] - 0.5
 
         command = with_flag(with_flag(swarm.commands["fs1"], "--checkpoint-dir", str(damaged)),

@@ -83,6 +83,12 @@ def test_every_server_replica_steps_with_its_stages_workers_and_with_one_process
                 # whose gradient cancels to about 0 by ±lr whatever its sign, so a few weights differ by rounding
                 error = relative_error(value, reference[epoch][global_name])
                 assert error < 1e-3, f"stage {stage}: {param} differs from one process by {error:.1e} (epoch {epoch})"
+    # a peer publishes its last step's digest with its next metrics, seconds after the data source has finished
+    deadline = time.monotonic() + 60
+    while any(counts["digests"] < 3 for epoch in report["epochs"] for counts in epoch["stages"]):
+        assert time.monotonic() < deadline, report["epochs"]
+        time.sleep(1.0)
+        report = swarm.status()
     for epoch in report["epochs"]:
         for counts in epoch["stages"]:
             assert counts["rows_averaged"] == counts["rows_in_batch"] == ROWS * MICROBATCHES, epoch
