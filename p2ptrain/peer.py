@@ -226,6 +226,7 @@ def _layers(parser: argparse.ArgumentParser, args: argparse.Namespace, config: R
 
 
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the event loop logs its tasks on it (`_log_tasks`)
     command = parse_args(argv)
     logging.basicConfig(level=command.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
@@ -245,7 +246,27 @@ async def _run(peer: Peer) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, _log_tasks)
     await peer.run(stop)
+
+
+def _log_tasks() -> None:
+    """On SIGUSR1, log what each of this peer's asyncio tasks awaits (the chain of coroutines down to the awaited
+    object): a peer that stands still with an idle event loop shows nothing in a thread dump."""
+    lines = []
+    for task in asyncio.all_tasks():
+        chain, awaited = [], task.get_coro()
+        while awaited is not None and len(chain) < 20:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None) \
+                or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                chain.append(type(awaited).__name__)
+                break
+            chain.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None) \
+                or getattr(awaited, "gi_yieldfrom", None)
+        lines.append(f"  {task.get_name()}: " + " > ".join(chain))
+    logging.getLogger(__name__).warning(f"{len(lines)} asyncio tasks (SIGUSR1):\n" + "\n".join(sorted(lines)))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -68,12 +70,35 @@ class TestSwarm(Swarm):
             if report["finished"] and report["epoch"] + 1 >= (report["epochs_planned"] or 0):
                 return self.status_cli()
             time.sleep(1.0)
-        raise AssertionError(f"the swarm did not finish in {timeout} s; last status {report}\n" + self.logs())
+        raise AssertionError(f"the swarm did not finish in {timeout} s; last status {report}\n" + self.logs()
+                             + "\nwhere the peers stand:\n" + self.stacks())
 
     def stop(self, grace_s: float = 15.0) -> None:
         if self._dht is not None:
             self._dht.shutdown()
         super().stop(grace_s)
+
+    def stacks(self, lines: int = 25) -> str:
+        """Where each live peer stands, for a swarm that stands still: its main thread and any busy one (py-spy), and
+        what its asyncio tasks await (logged on SIGUSR1). The end of a failure message, where the CI shows it."""
+        live = {name: process for name, process in self.processes.items() if process.poll() is None}
+        for process in live.values():
+            process.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        dumps = []
+        for name, process in live.items():
+            try:
+                out = subprocess.run(["py-spy", "dump", "--pid", str(process.pid)], capture_output=True, text=True,
+                                     timeout=30)
+                threads = [block.splitlines()[:lines] for block in re.split(r"\n(?=Thread )", out.stdout or out.stderr)]
+                text = "\n".join("\n".join(block) for block in threads
+                                 if block and ("MainThread" in block[0] or "(active" in block[0]))
+            except (OSError, subprocess.TimeoutExpired) as e:
+                text = f"py-spy failed: {e!r}"
+            log = (self.workdir / f"{name}.log").read_text()
+            tasks = log[log.rfind("asyncio tasks (SIGUSR1)"):].splitlines()[1:lines + 1] if "(SIGUSR1)" in log else []
+            dumps.append(f"--- {name} (pid {process.pid})\n{text}\n" + "\n".join(tasks))
+        return "\n".join(dumps)
 
     def logs(self, names: list[str] | None = None, tail: int = 3000) -> str:
         names = names or list(self.processes)

@@ -3,11 +3,10 @@ again with the same command, and clients that join for the first time mid-run. T
 counted twice, the rows a dead worker held are redone by others, and the loss falls.
 
 A worker that dies during its stage's all-reduce fails the round for its group; the survivors average again among
-themselves, and the server it deposited its gradients with brings them, so its rows are averaged all the same. One
-moment of death is not made exact yet: after the worker was counted into the averaging group and before its
-deposit landed (a few milliseconds per epoch). Then the survivors' average lacks its rows (they log it, and the
-status counts those rows as not averaged); and a round that fails with no groupmate dead is skipped and logged. An
-epoch may therefore lack rows at a stage only where a worker logged either; every other epoch must be exact.
+themselves, and the FS it deposited its gradients with (before the FS counted it ready) brings them, so its rows are
+averaged all the same; one that dies before its deposit landed is gone before the closure, and its rows are redone.
+A round that fails with no groupmate dead is skipped and logged (its peers reload a mate's state): an epoch may lack
+rows at a stage only where a worker logged that; every other epoch must be exact.
 
 Under `--fault-policy swarm` (SWARM's way, for comparison) a kill instead drops the rows the worker held, and their
 microbatches' data comes again in a later epoch.
@@ -32,15 +31,11 @@ JOINERS = {"c0new": "0", "c1new": "1"}
 
 
 def failed_rounds(workdir: Path) -> set[tuple[int, int]]:
-    """(epoch, stage) of every all-reduce round that a worker or server logged as failed or as lacking rows, in every
-    log of the run (a killed client's log is kept under another name)."""
+    """(epoch, stage) of every all-reduce round that a worker or server logged as failed, in every log of the run (a
+    killed client's log is kept under another name)."""
     found = set()
     for log in workdir.glob("*.log"):
-        text = log.read_text()
-        for stage, epoch in re.findall(r"stage (\d+) averaging of epoch (\d+) failed", text):
-            found.add((int(epoch), int(stage)))
-        for stage, epoch in re.findall(r"stage (\d+) all-reduce of epoch (\d+): \d+ rows of groupmates that died are "
-                                       r"not in the average", text):
+        for stage, epoch in re.findall(r"stage (\d+) averaging of epoch (\d+) failed", log.read_text()):
             found.add((int(epoch), int(stage)))
     return found
 
@@ -61,7 +56,8 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
     deadline = time.monotonic() + 480
     report = swarm.status()
     while not (report["finished"] and report["epoch"] + 1 >= EPOCHS):
-        assert time.monotonic() < deadline, f"the swarm did not finish; last status {report}\n" + swarm.logs()
+        assert time.monotonic() < deadline, (f"the swarm did not finish; last status {report}\n" + swarm.logs()
+                                             + "\nwhere the peers stand:\n" + swarm.stacks())
         time.sleep(rng.uniform(0.5, 2.5))
         report = swarm.status()
         if report["epoch"] + 1 >= EPOCHS - 3:
@@ -90,8 +86,8 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
         swarm.peer(victim, "--role", "client", "--stage", CLIENTS[victim])  # the same command again
         restarts += 1
     report = swarm.status_cli()
-    in_round = failed_rounds(swarm.workdir)  # the known gap: logged, not hidden
-    print(f"kills {kills}; epochs exempted (logged as failed or lacking rows): {sorted(in_round)}")
+    in_round = failed_rounds(swarm.workdir)
+    print(f"kills {kills}; epochs exempted (rounds logged as failed): {sorted(in_round)}")
 
     assert restarts >= 4 and len({epoch for _, epoch in kills}) >= 4, f"{kills}\n" + swarm.logs(["fs0", "fs1"])
     assert [e["epoch"] for e in report["epochs"]] == list(range(EPOCHS))

@@ -31,6 +31,7 @@ from p2ptrain.protocol.messages import (
     ReportTask,
     TakeTask,
     TaskOffer,
+    TaskReply,
 )
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Kind
@@ -99,6 +100,12 @@ async def take(fs: FrontalServer, worker: str, epoch: int) -> TaskOffer:
     return reply.task
 
 
+async def deposited(fs: FrontalServer, worker: str, epoch: int, rows: int = ROWS) -> TaskReply:
+    """`worker` polls with its gradients of `rows` rows of `epoch` deposited: only then may the FS count it ready
+    to average."""
+    return await fs.take_task(TakeTask(worker=worker, compute=1.0, epoch=epoch, deposited=rows), worker)
+
+
 def grads(task: TaskOffer, worker: str) -> PushInputGrads:
     return PushInputGrads(task=task.task, worker=worker, epoch=task.epoch, microbatch=task.microbatch, rows=task.rows,
                           issuer="fs")
@@ -115,7 +122,10 @@ def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_
         await feed(fs, 0)
         task = await take(fs, "w1", 0)
         assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
-        assert fs.state.closed_epoch == 0  # all rows back: the epoch closed
+        reply = await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
+        assert reply.deposit_to == "fs" and fs.state.closed_epoch == -1  # all rows back: w1 deposits first
+        await deposited(fs, "w1", 0)
+        assert fs.state.closed_epoch == 0
         assert await fs.push_input_grads(grads(task, "w1"), "w1") == Ack(again=True)
         with pytest.raises(Refused, match="not held"):  # someone else's copy of the same rows never counts
             await fs.push_input_grads(grads(task, "w2"), "w2")
@@ -128,6 +138,7 @@ def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_
         task = await take(fs, "w1", 1)
         fs.state.workers.pop("w1")
         assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await deposited(fs, "w1", 1)
         assert members(fs.state.closures[1]) == ["w1"]
 
     asyncio.run(scenario())
@@ -145,6 +156,7 @@ def test_a_worker_polling_from_two_epochs_back_is_left_out_of_the_group_and_hold
             task = await take(fs, "w1", epoch)
             assert (await fs.take_task(holder, "w2")).task is None
             assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+            await deposited(fs, "w1", epoch)
             assert fs.state.closed_epoch == epoch - 1  # a holder seen before the rows were all back polls again first
             await fs.take_task(holder, "w2")
             assert fs.state.closed_epoch == epoch
@@ -152,11 +164,13 @@ def test_a_worker_polling_from_two_epochs_back_is_left_out_of_the_group_and_hold
         await feed(fs, 2)
         task = await take(fs, "w1", 2)
         assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await deposited(fs, "w1", 2)
         await fs.take_task(holder, "w2")
         assert fs.state.closed_epoch == 2 and members(fs.state.closures[2]) == ["w1"]
         await feed(fs, 3)
         task = await take(fs, "w1", 3)
         assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await deposited(fs, "w1", 3)
         await fs.take_task(dataclasses.replace(holder, epoch=3), "w2")  # caught up: in the group again
         assert members(fs.state.closures[3]) == ["w1", "w2"]
 
@@ -217,6 +231,7 @@ def test_a_state_saved_mid_epoch_restores_into_a_new_server_that_finishes_the_ep
         assert restored_fs.state.pool.get(task.task) == fs.state.pool.get(task.task)  # still leased to w1
         assert await handled(await restored_fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         assert await handled(await restored_bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
+        await deposited(restored_fs, "w1", 0)
         assert restored_fs.state.closed_epoch == restored_bs.state.closed_epoch == 0
         assert members(restored_fs.state.closures[0]) == ["w1"]
 
@@ -270,12 +285,41 @@ def test_rows_of_a_worker_that_vanished_before_its_stage_averaged_are_redone_by_
         assert await handled(await fs.push_input_grads(grads(redo, "w1"), "w1")) == Ack()
         with pytest.raises(Refused, match="duplicate"):  # w2 had delivered the loss of those rows already
             await bs.push_outputs(loss(redo, "w1"), "w1")
-        assert await poll(fs, "w1", 0) is None
+        assert (await deposited(fs, "w1", 0, ROWS // 2)).task is None  # its deposit before the redo: too few rows
+        assert fs.state.closed_epoch == -1
+        assert (await deposited(fs, "w1", 0)).task is None
         assert fs.state.closed_epoch == 0
         assert members(fs.state.closures[0]) == ["w1"]
         stats = fs.epoch_stats(0)
         assert (stats.rows_grouped, stats.rows_recomputed, stats.workers_lost) == (ROWS, ROWS // 2, 1)
         assert fs.state.pool.redone[0] == 1
+
+    asyncio.run(scenario())
+
+
+def test_an_fs_counts_a_worker_ready_to_average_only_once_its_gradients_are_deposited():
+    """Every row back, the FS names the server to deposit with; a worker holding rows is ready only once its poll
+    says its deposit covers them all, and one that polls but never deposits is counted gone after the averaging
+    timeout, its rows redone by another (who then deposits again, for its rows and the redone ones)."""
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock)
+        first, second = await both_results(fs, bs, clock)
+        assert (await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")).deposit_to == "fs"
+        assert (await deposited(fs, "w1", 0, len(first.rows))).deposit_to == "fs"
+        assert (await poll(fs, "w2", 0)) is None and fs.state.closed_epoch == -1  # w2 polls, not deposited
+        clock.now += fs.settings.averaging_timeout_s - 1.0
+        await deposited(fs, "w1", 0, len(first.rows))
+        assert await poll(fs, "w2", 0) is None and fs.state.closed_epoch == -1  # still waiting for w2's deposit
+        clock.now += 1.0
+        redo = (await deposited(fs, "w1", 0, len(first.rows))).task
+        assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
+        assert await poll(fs, "w2", 0) is None  # out of the epoch now
+        await handled(await fs.push_input_grads(grads(redo, "w1"), "w1"))
+        assert (await deposited(fs, "w1", 0, len(first.rows))).deposit_to == "fs" and fs.state.closed_epoch == -1
+        await deposited(fs, "w1", 0)
+        assert fs.state.closed_epoch == 0 and members(fs.state.closures[0]) == ["w1"]
+        assert fs.epoch_stats(0).rows_grouped == ROWS and fs.epoch_stats(0).workers_lost == 1
 
     asyncio.run(scenario())
 
@@ -292,7 +336,7 @@ def test_a_worker_judged_gone_that_was_alive_after_all_stays_out_of_the_epoch_it
         with pytest.raises(Refused, match="judged gone"):  # ...and its result, pushed again, no longer counts
             await fs.push_input_grads(grads(second, "w2"), "w2")
         await handled(await fs.push_input_grads(grads(redo, "w1"), "w1"))
-        assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == 0
+        assert (await deposited(fs, "w1", 0)).task is None and fs.state.closed_epoch == 0
         assert members(fs.state.closures[0]) == ["w1"]  # w2 polled, yet is out
         assert fs.epoch_stats(0).rows_grouped == ROWS
 
@@ -311,7 +355,7 @@ def test_under_the_swarm_policy_a_vanished_workers_rows_are_dropped_and_named_fo
         await handled(await fs.push_input_grads(grads(first, "w1"), "w1"))
         await bs.push_outputs(loss(first, "w1"), "w1")
         clock.now += fs.settings.worker_lost_s
-        assert await poll(fs, "w1", 0) is None  # no redo: the epoch closes without w2's rows
+        assert (await deposited(fs, "w1", 0, ROWS // 2)).task is None  # no redo: it closes without w2's rows
         assert fs.state.closed_epoch == 0 and fs.state.pool.redone.get(0, 0) == 0
         assert members(fs.state.closures[0]) == ["w1"]
         stats = fs.epoch_stats(0)
@@ -408,6 +452,8 @@ def test_an_fs_closes_an_epoch_only_once_the_data_source_committed_it():
         assert (await fs.ask_epoch(AskEpoch(epoch=0), "fs")).complete
         with pytest.raises(Refused, match="not the data source"):  # a worker cannot end epochs
             await fs.end_epoch(end(0, abandoned=False), "w1")
+        await deposited(fs, "w1", 0)
+        assert fs.state.closed_epoch == -1
         assert await fs.end_epoch(end(0, abandoned=False), "fs") == Ack()
         assert fs.state.closed_epoch == 0 and not fs.state.closures[0].abandoned
         with pytest.raises(Refused, match="cannot be abandoned"):  # a stage may have stepped on it
@@ -439,6 +485,7 @@ def test_an_abandoned_epoch_is_dropped_by_every_server_and_its_workers_drop_it_a
         await feed(fs, 1)
         task = await take(fs, "w1", 1)
         assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await deposited(fs, "w1", 1)
         assert fs.state.closed_epoch == 1 and not fs.state.closures[1].abandoned
 
     asyncio.run(scenario())
@@ -461,7 +508,7 @@ def test_a_restarted_server_takes_the_swarms_epoch_and_an_abandon_waits_for_the_
         assert fs.state.closed_epoch == 5 and fs.ended(7)  # 6 must close first, with its group
         clock.now += 1.0
         await fs.end_epoch(end(6, abandoned=False), "fs")
-        await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=6), "w1")
+        await deposited(fs, "w1", 6)
         assert fs.state.closed_epoch == 7
         assert members(fs.state.closures[6]) == ["w1"]
         assert fs.state.closures[7].abandoned

@@ -139,16 +139,17 @@ def test_a_stage_whose_workers_all_die_goes_on_from_its_servers_state(make_swarm
 
 @pytest.mark.timeout(420)
 def test_a_worker_killed_while_its_stage_averages_loses_no_rows(make_swarm):
-    """A stage-1 client averages slowly on purpose (`--fault slow-averaging`: a second between its deposit and its
-    round); SIGKILLed in that second, while its mates already wait in the round, it takes nothing with it: the
-    survivors average again and the server it deposited with brings its rows."""
+    """A stage-1 client averages slowly on purpose (`--fault slow-averaging`: a second between the epoch's closure
+    and its round); SIGKILLed in that second, while its mates already wait in the round, it takes nothing with it:
+    it deposited its gradients before the stage counted it ready, so the survivors average again and the server it
+    deposited with brings its rows."""
     epochs = 6
     swarm = start_swarm(make_swarm, "midround", RECIPE, epochs=epochs,
                         client_args={"c1b": ["--fault", "slow-averaging"]})
 
-    deposited = r"deposited its gradients of epoch (\d+) with"
+    averaging = r"averaging epoch (\d+) \([1-9]\d* rows\) in a group of"
     deadline = time.monotonic() + 240
-    while not (found := re.findall(deposited, (swarm.workdir / "c1b.log").read_text())) or int(found[-1]) < 2:
+    while not (found := re.findall(averaging, (swarm.workdir / "c1b.log").read_text())) or int(found[-1]) < 2:
         assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
         time.sleep(0.02)
     victim_epoch = int(found[-1])

@@ -14,12 +14,14 @@ docs/design.md §7). Such a round counts as failed.
 
 A groupmate that dies in a round fails it for all (hivemind's runner loses the parts it reduced). The survivors
 find the dead by probing (a dead process's dial fails at once, alike for all) and average again among themselves.
-What the dead brought is not lost: before its round, every worker with rows deposits its gradients with a server of
-its stage (`GradientDeposits`, reliable and reachable), and in the round run again that server brings the deposits
-of the dead beside its own part, weighted by their rows. Each survivor reads how many rows the average holds from
-the round itself (its own weight divided by its own marker entry is the round's total weight), so `rows_lost`
-counts only what no deposit brought back (a worker that died before it deposited, or whose server died too). A
-deposit costs one more transfer of each worker's gradients per epoch, to one server.
+What the dead brought is not lost: once every row of an epoch is back, every worker holding some deposits its
+gradients with the stage's first FS (`GradientDeposits`, reliable and reachable, in every round), and the FS counts
+a worker ready to average only after its deposit (`FrontalServer.close_ready`): a worker that dies before is gone
+before the closure and its rows are redone by others. In the round run again that server brings the deposits of the
+dead beside its own part, weighted by their rows. Each survivor reads how many rows the average holds from the round
+itself (its own weight divided by its own marker entry is the round's total weight), so `rows_lost` counts only
+what no deposit brought back (the FS holding them died too). A deposit costs one more transfer of each worker's
+gradients per epoch, to one server, before the round.
 
 The gradients travel as float64, uncompressed, so that every member ends with the same average. hivemind's runner
 hands each member its own tensor plus (average - its tensor), rounded in the tensor's dtype: in float32 the
@@ -162,11 +164,12 @@ class StageAllReduce(ServicerBase):
         await asyncio.sleep(REDUCER_LINGER_S)
 
     async def deposit(self, server: str, grads: list[torch.Tensor], *, epoch: int, rows: int) -> bool:
-        """Hand this worker's gradients of `epoch` to `server` before its round (module doc); False if it failed."""
+        """Hand this worker's gradients of `epoch` to `server` before the stage counts it ready to average (module
+        doc); False if it failed (it asks again at its next poll)."""
         flat = torch.cat([grad.detach().reshape(-1).float() for grad in grads])
         try:
             await self._depositor.call(server, GRADIENT_DEPOSITS, DepositGrads(epoch=epoch, rows=rows, grads=flat))
-        except Exception as e:  # the round goes on; only a death of this worker in it would now lose its rows
+        except Exception as e:
             logger.warning(f"stage {self.stage}: depositing the gradients of epoch {epoch} with {server} failed: "
                            f"{e!r}")
             return False

@@ -113,6 +113,7 @@ class Worker:
         self.master_epoch = 0
         self._master_moved = asyncio.Event()  # set, and replaced, whenever master_epoch changes (`reached`)
         self._stepping: int | None = None  # the epoch this worker is averaging and stepping, while it does
+        self._deposited: tuple[int, int] = (-1, 0)  # the epoch and rows of the gradients it last deposited
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master_params = [p for p in self.master.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
@@ -235,8 +236,9 @@ class Worker:
         With no task, also returns each FS's reply (its last closed epoch and its recent closures), None where
         an FS could not be reached.
         """
+        current = self._deposited == (self.epoch, self.rows_accumulated)
         poll = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode,
-                        holds_state=self.holds_only)
+                        holds_state=self.holds_only, deposited=self.rows_accumulated if current else 0)
         for bs in bs_list if not self.holds_only else ():
             reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=self.settings.bs_poll_wait_s))
             if reply is not None and reply.task is not None:
@@ -270,6 +272,22 @@ class Worker:
             self._advance(self.epoch + 1)
         elif verdict.group is not None:
             await self._step(verdict.group)
+        else:
+            await self._deposit(polls)
+
+    async def _deposit(self, polls: dict[str, TaskReply | None]) -> None:
+        """Every row of its epoch is back at an FS, which asks the workers that hold some to deposit their gradients
+        with the stage's first FS (`TaskReply.deposit_to`) before they count as ready to average: then this worker
+        dying in the round loses none of its rows (`client.averaging`). Again whenever a redo added rows since."""
+        server = next((reply.deposit_to for reply in polls.values() if reply is not None and reply.deposit_to), None)
+        rows, epoch = self.rows_accumulated, self.epoch
+        if server is None or not rows or self._deposited == (epoch, rows):
+            return
+        tokens = rows * self.config.seq_len
+        grads = [accumulated / tokens for accumulated in self.accumulated]  # what `_step` hands to the round
+        if await self.averager.deposit(server, grads, epoch=epoch, rows=rows):
+            self._deposited = (epoch, rows)
+            logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} ({rows} rows) with {server}")
 
     async def _ask(self, server: str, service: str, request: TakeTask) -> TaskReply | None:
         reply = await self._call(server, service, request)
@@ -434,7 +452,7 @@ class Worker:
 
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                 group: tuple[GroupMember, ...], seconds: float) -> None:
-        logger.info(f"worker {self.worker_id}: averaging epoch {epoch} in a group of {len(group)}")
+        logger.info(f"worker {self.worker_id}: averaging epoch {epoch} ({rows} rows) in a group of {len(group)}")
         self._stepping = epoch
         try:
             await self._average_and_step_now(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
@@ -444,10 +462,6 @@ class Worker:
     async def _average_and_step_now(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                     group: tuple[GroupMember, ...], seconds: float) -> None:
         try:
-            server = self._depository(group) if rows else None
-            # so that its rows survive this worker dying in the round (`client.averaging`)
-            if server is not None and await self.averager.deposit(server, grads, epoch=epoch, rows=rows):
-                logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} with {server}")
             if self.fault == "slow-averaging":
                 await asyncio.sleep(SLOW_AVERAGING_S)
             averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
@@ -479,13 +493,6 @@ class Worker:
             digest=parameter_digest(self.master_params), lr=lr, grad_norm=norm, rows_lost=result.rows_lost))
         if self.after_step is not None:
             await self.after_step(self)
-
-    def _depository(self, group: tuple[GroupMember, ...]) -> str | None:
-        """The server of this stage, other than this peer, in `group` that keeps this worker's deposit: its first
-        FS, else its first BS; None if the group has none."""
-        members = {member.peer_id for member in group}
-        fs_list, bs_list = self.servers()
-        return next((peer for peer in (*fs_list, *bs_list) if peer in members and peer != self.worker_id), None)
 
     def _apply(self, averaged: list[torch.Tensor], *, epoch: int, lr: float, norm: float | None) -> None:
         """Step the master copy on the stage's averaged gradients, clipped by the global norm."""

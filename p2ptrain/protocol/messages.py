@@ -247,11 +247,14 @@ class PushRows(Request):
 @dataclass(frozen=True, kw_only=True)
 class TaskReply(Message):
     """A task and its tensors (inputs and labels of a forward task, output gradients of a backward one), or none;
-    an FS also tells its last closed epoch and, with no task, its recent closures (`protocol.closure.judge`)."""
+    an FS also tells its last closed epoch and, with no task, its recent closures (`protocol.closure.judge`).
+    `deposit_to`: every row of the worker's epoch is back at this FS, which counts a worker holding some of them
+    ready to average only once its gradients are deposited with this server of the stage (`DepositGrads`)."""
 
     task: TaskOffer | None = None
     closed_epoch: ClosedEpoch
     closures: tuple[Closure, ...] = ()
+    deposit_to: PeerId | None = None
     inputs: Tensor | None = None
     labels: Tensor | None = None
     grad: Tensor | None = None
@@ -285,6 +288,9 @@ class TakeTask(Request):
     # a reliable server that holds the stage's state (the paper's parameter server): it averages with the stage's
     # workers and steps alike, but takes no tasks; its polls only keep it in the averaging group
     holds_state: bool = False
+    # the rows of `epoch` that the gradients this worker deposited cover, as they stand (0: none deposited, or it
+    # computed more rows since)
+    deposited: Annotated[int, Between(0, MAX_ROWS)] = 0
 
 
 @dataclass(frozen=True, kw_only=True)

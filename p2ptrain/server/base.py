@@ -95,9 +95,10 @@ class StageServer(Service, Generic[S]):
         record = self._worker(request.worker, request.epoch)
         record.compute, record.epoch, record.last_seen = request.compute, request.epoch, self.clock()
         record.client_mode, record.holds_state = request.client_mode, request.holds_state
+        record.deposited = request.deposited
         self.tick()
         task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s)
-        return self.no_task() if task is None else self.offer(task)
+        return self.no_task(epoch=request.epoch) if task is None else self.offer(task)
 
     def offer(self, task: Task) -> TaskReply:
         raise NotImplementedError
@@ -105,7 +106,8 @@ class StageServer(Service, Generic[S]):
     def tick(self) -> None:
         """What a role does on each task poll, besides handing out work."""
 
-    def no_task(self) -> TaskReply:
+    def no_task(self, *, epoch: int) -> TaskReply:
+        """The reply to a poll of a worker in `epoch` that found no task."""
         return TaskReply(closed_epoch=self.state.closed_epoch)
 
     def new_task_id(self, epoch: int, microbatch: int, letter: str) -> str:
@@ -142,7 +144,8 @@ class StageServer(Service, Generic[S]):
         """A worker that hands in a result is alive, even if it has not polled this server lately (it may have
         taken all its work from another server of the stage)."""
         record = self._worker(worker, epoch)
-        record.last_seen, record.client_mode = self.clock(), client_mode
+        record.last_seen = record.last_result = self.clock()
+        record.client_mode = client_mode
 
     def excluded(self, record: WorkerRecord) -> bool:
         """A worker that gets no work here: banned for now for refused results, or gone by its own word."""

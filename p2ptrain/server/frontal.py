@@ -135,9 +135,18 @@ class FrontalServer(StageServer[FrontalState]):
     def may_work(self, worker: str, epoch: int) -> bool:
         return worker not in self.state.lost.get(epoch, ())  # judged gone: its rows went to others
 
-    def no_task(self) -> TaskReply:
+    def no_task(self, *, epoch: int) -> TaskReply:
         closures = tuple(self.state.closures[epoch] for epoch in sorted(self.state.closures))
-        return TaskReply(closed_epoch=self.state.closed_epoch, closures=closures)
+        return TaskReply(closed_epoch=self.state.closed_epoch, closures=closures, deposit_to=self._depository(epoch))
+
+    def _depository(self, epoch: int) -> str | None:
+        """Once every row of the open `epoch` is back here, the server its workers deposit their gradients with
+        before it counts them ready to average (`close_ready`): the stage's first FS, which closes the epoch for all
+        and, being in every round, brings the deposits of groupmates that die in it (`client.averaging`)."""
+        if epoch != self.state.closed_epoch + 1 or not self.has_all_rows(epoch) or self.ended(epoch):
+            return None
+        layout = next((mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch), None)
+        return layout.stages[self.stage].fs[0] if layout is not None else None
 
     # -- the global gradient norm (the data source) -----------------------------------------------------------------
 
@@ -268,8 +277,9 @@ class FrontalServer(StageServer[FrontalState]):
     def close_ready(self) -> None:
         """Close every epoch whose rows are all back and which the data source committed (`EndEpoch`: so no
         stage steps on an epoch that a server fault may still abandon), once each worker heard from lately (some hold
-        its parameter gradients) is known to be alive (it polled since the rows were all back) or gone (`gone`: silent for
-        `worker_lost_s`, or not reachable by a probe; left, or banned);
+        its parameter gradients) is known to be alive (it polled since the rows were all back, and one that holds rows
+        deposited their gradients) or gone (`gone`: silent for `worker_lost_s`, or not reachable by a probe; left, or
+        banned; or no deposit within `averaging_timeout_s`);
         the rows of the gone ones are redone by others first, so every row reaches the average exactly once
         (docs/design.md §5). The averaging group is every worker that polled since, from this epoch or the one before, and is
         not excluded."""
@@ -303,16 +313,28 @@ class FrontalServer(StageServer[FrontalState]):
             # further behind (it joined, or restarted and lost what it held) catches up by loading a mate's state and
             # would never take part in this round: in the group it would hold every member until the timeout
             ready = {w for w in fresh if state.workers[w].epoch >= epoch - 1}
+            rows: dict[str, int] = {}
+            for result in state.results.get(epoch, ()):
+                rows[result.worker] = rows.get(result.worker, 0) + len(result.rows)
             lost = contributors - ready
+            if not lost:
+                # a contributor is ready only once its gradients are deposited (`_depository`): a worker that then
+                # dies in the round loses nothing; one that dies before is gone before the closure, its rows redone
+                undeposited = {w for w in contributors
+                               if state.workers[w].epoch != epoch or state.workers[w].deposited < rows[w]}
+                lost = {w for w in undeposited if self.clock() - max(done, state.workers[w].last_result)
+                        >= settings.averaging_timeout_s}
+                if undeposited - lost:
+                    return
+                for worker in lost:
+                    logger.warning(f"{self.name}: worker {worker} deposited no gradients of epoch {epoch} within "
+                                   f"{settings.averaging_timeout_s:.0f} s of its last result; counting it gone")
             if lost and self.config.fault_policy == "swarm":
                 self._drop(epoch, lost)
                 continue
             if lost:
                 self._redo(epoch, lost)
                 return
-            rows: dict[str, int] = {}
-            for result in state.results.get(epoch, ()):
-                rows[result.worker] = rows.get(result.worker, 0) + len(result.rows)
             state.closures[epoch] = Closure(
                 epoch=epoch, fs=layout.stages[self.stage].fs,
                 # servers that hold the state can be dialed: they reduce a share, so a group of survivors, or of

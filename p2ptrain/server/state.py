@@ -44,6 +44,8 @@ class WorkerRecord:
     probed: float = 0.0  # when this server last probed it, silent while it held work
     unreachable: float = 0.0  # when a probe last failed to reach its process: gone, unless heard from since
     holds_state: bool = False  # a server that holds the stage's state: in the averaging group, never given tasks
+    deposited: int = 0  # rows of its epoch its deposited gradients cover, by its last poll (`TakeTask.deposited`)
+    last_result: float = 0.0  # when a result of it was last accepted here
 
 
 @dataclass
