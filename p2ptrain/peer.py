@@ -48,7 +48,7 @@ NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
               "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay", "checkpoint_dir": "--checkpoint-dir",
               "checkpoint_every": "--checkpoint-every", "eval_data": "--eval-data", "eval_every": "--eval-every",
-              "eval_rows": "--eval-rows"}
+              "eval_rows": "--eval-rows", "keep_state": "--keep-state"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stage", type=int, help="pipeline stage of this server or client, from 0")
     parser.add_argument("--server-role", choices=("fs", "bs"), help="frontal or backward server (servers only)")
     parser.add_argument("--compute", action="store_true", help="a server that also computes its stage's layers")
+    parser.add_argument("--keep-state", action="store_true",
+                        help="a BS that holds its stage's parameters and optimizer state, as every FS does: it "
+                             "averages and steps with the workers, serves the state to joiners and saves it with "
+                             "--checkpoint-dir")
     parser.add_argument("--layers", help="layers START:END of this stage (default: an even split)")
     live = parser.add_argument_group("live planning (a server or client started without --stage)")
     live.add_argument("--stage-choice", choices=STAGE_CHOICES, default=None,
@@ -161,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
         parser.error("--planner-key is for a server or client started without --stage")
     if args.role == "server" and not planned and args.server_role is None:
         parser.error("--role server needs --server-role fs or --server-role bs")
+    if args.role != "server" and args.keep_state:
+        parser.error("--keep-state is for a server (a BS; an FS always holds its stage's state)")
     if args.role != "server" and (args.server_role or args.compute):
         parser.error("--server-role and --compute are for --role server only")
     for flag, folder in (("--dump-grads", args.dump_grads), ("--checkpoint-dir", args.checkpoint_dir)):
@@ -196,7 +202,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
             announce_maddrs=tuple(args.announce_maddrs) if args.announce_maddrs is not None else None,
             identity_path=args.identity_path, client_mode=args.client_mode, maddrs_file=args.maddrs_file)
         options = NodeOptions(
-            role=args.role, placement=placement, computes=args.compute, network=network, planning=planning,
+            role=args.role, placement=placement, computes=args.compute, keep_state=args.keep_state, network=network, planning=planning,
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,

@@ -32,12 +32,13 @@ class TestSwarm(Swarm):
                           "--initial-peers", *self.initial_peers])
 
     def start_two_stages(self, clients: dict[str, str], *, epochs: int,
-                         client_args: dict[str, list[str]] | None = None) -> None:
-        """FS and BS of 2 stages and `clients` (name: stage, each with its `client_args`); the data source (stage 0's
-        FS) starts once every client is up, so that all are in the first epoch's averaging group."""
-        self.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
+                         client_args: dict[str, list[str]] | None = None, bs_args: tuple[str, ...] = ()) -> None:
+        """FS and BS of 2 stages (the BS with `bs_args`) and `clients` (name: stage, each with its `client_args`); the
+        data source (stage 0's FS) starts once every client is up, so that all are in the first epoch's averaging
+        group."""
+        self.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs", *bs_args)
         self.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
-        self.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+        self.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs", *bs_args)
         for name, stage in clients.items():
             self.peer(name, "--role", "client", "--stage", stage, *(client_args or {}).get(name, []))
         deadline = time.monotonic() + 180

@@ -75,6 +75,7 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
             continue
         victim = rng.choice(up)
         process = swarm.processes[victim]
+        time.sleep(rng.uniform(0.0, 1.0))  # anywhere in an epoch (about 2 s), not only just after the status moved
         if len(kills) % 3 == 2:  # now and then a client that stops on SIGTERM, telling its servers it leaves
             process.terminate()
             process.wait(timeout=60)

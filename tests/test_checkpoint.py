@@ -177,6 +177,7 @@ class RestartableSwarm(Swarm):
                   *initial]
         for name, stage, role in SERVERS:
             self.commands.setdefault(name, [*common, "--role", "server", "--stage", stage, "--server-role", role,
+                                            *(["--keep-state"] if role == "bs" else []),
                                             "--identity-path", str(self.workdir / f"{name}.key"),
                                             "--checkpoint-dir", str(self.workdir / "ckpt" / name),
                                             "--checkpoint-every", "2"])

@@ -34,8 +34,9 @@ async def train_one_epoch() -> dict[str, Peer]:
             layers = CONFIG.stage_layers(stage)
             for role in ("fs", "bs", None):
                 placement = Placement(stage=stage, server_role=role, layers=layers, num_stages=CONFIG.num_stages)
+                # stage 0's BS holds the state as its FS does; stage 1's, as by default, does not
                 options = NodeOptions(role="server" if role else "client", placement=placement, network=network,
-                                      epochs=1)
+                                      epochs=1, keep_state=role == "bs" and stage == 0)
                 peers[f"{role or 'client'}{stage}"] = Peer(config=CONFIG, options=options)
         await asyncio.gather(*(peer.start() for name, peer in peers.items() if name != "boot"))
         trained = asyncio.create_task(epoch_done(peers))
@@ -57,7 +58,8 @@ def test_two_stages_of_peers_built_in_python_train_one_epoch():
     for stage in range(CONFIG.num_stages):
         [record] = peers[f"client{stage}"].worker.history
         assert (record.epoch, record.rows, record.averaged) == (0, CONFIG.rows_per_epoch, True)
-        for role in ("fs", "bs"):  # the servers hold the stage's state: they stepped with the client, on no rows
+        assert (peers[f"bs{stage}"].worker is None) == (stage == 1)
+        for role in ("fs", "bs") if stage == 0 else ("fs",):  # those holding the state stepped too, on no rows
             worker = peers[f"{role}{stage}"].worker
             if worker.history:
                 [record] = worker.history

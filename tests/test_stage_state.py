@@ -1,5 +1,6 @@
-"""The stage's state lives on its servers (docs/design.md §6): every FS and BS holds the stage's parameters and
-optimizer state, averages with the workers and steps as they do, so that after every epoch it holds what they hold;
+"""The stage's state lives on its servers (docs/design.md §6): every FS, and a BS given `--keep-state`, holds the
+stage's parameters and optimizer state, averages with the workers and steps as they do, so that after every epoch it
+holds what they hold;
 and a stage whose workers all die at once goes on from the servers' state, not from the seed's."""
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ CLIENTS = {"c0a": "0", "c0b": "0", "c1a": "1", "c1b": "1"}
 
 
 def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int,
-                client_args: dict[str, list[str]] | None = None):
-    """FS and BS of 2 stages (holding the state, computing nothing) and 2 clients per stage."""
+                client_args: dict[str, list[str]] | None = None, bs_args: tuple[str, ...] = ()):
+    """FS and BS of 2 stages (computing nothing; the FS hold the state, the BS with `--keep-state` too) and 2
+    clients per stage."""
     swarm = make_swarm(run_id, recipe)
-    swarm.start_two_stages(CLIENTS, epochs=epochs, client_args=client_args)
+    swarm.start_two_stages(CLIENTS, epochs=epochs, client_args=client_args, bs_args=bs_args)
     return swarm
 
 
@@ -54,7 +56,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_every_server_replica_steps_with_its_stages_workers_and_with_one_process(make_swarm, tmp_path):
     epochs = 4
     dumps = tmp_path / "steps"
-    swarm = start_swarm(make_swarm, "replicas", [*RECIPE, "--dump-grads", str(dumps)], epochs=epochs)
+    swarm = start_swarm(make_swarm, "replicas", [*RECIPE, "--dump-grads", str(dumps)], epochs=epochs,
+                        bs_args=("--keep-state",))
     report = swarm.wait_finished(timeout=300)
     ids = {name: re.search(r"(?:client|server) (\w+) up", (swarm.workdir / f"{name}.log").read_text()).group(1)
            for name in ("fs0", "bs0", "fs1", "bs1", *CLIENTS)}

@@ -31,11 +31,11 @@ def get_stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> list[Member
 
 
 def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int) -> tuple[list[str], list[str]]:
-    """The peer ids of the peers that hold `stage`'s state: its servers (FS and BS, which hold it whether or not
-    they compute) and, apart, its other workers (clients)."""
+    """The peer ids of the peers that hold `stage`'s state: its servers that do (every FS, a BS given --keep-state or
+    that computes) and, apart, its workers (clients)."""
     members = get_stage_members(dht, run_id, stage)
-    servers = {m.peer_id for m in members if m.role != "worker"}
-    return sorted(servers), sorted({m.peer_id for m in members} - servers)
+    servers = {m.peer_id for m in members if m.role != "worker" and m.holds_state}
+    return sorted(servers), sorted({m.peer_id for m in members if m.role == "worker"} - servers)
 
 
 def get_metrics(dht: hivemind.DHT, run_id: str) -> list[Metrics]:

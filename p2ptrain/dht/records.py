@@ -54,6 +54,7 @@ class MembershipModel(_Strict):
     role: StageRole
     compute: _NonNegFloat
     load: _NonNegFloat
+    holds_state: pydantic.StrictBool = False
 
 
 class EpochMetricsModel(_Strict):
@@ -179,6 +180,7 @@ class Membership(_Record):
     role: StageRole
     compute: float  # FLOP/s the FS uses to size this worker's tasks
     load: float = 0.0  # fraction of the peer's time busy, for rebalancing
+    holds_state: bool = False  # a server that holds the stage's state (and serves it); every worker does
 
     def __post_init__(self) -> None:
         self.compute, self.load = float(self.compute), float(self.load)

@@ -57,6 +57,9 @@ class NodeOptions:
     # else joins by probing the servers of every stage (`stage_choice`)
     placement: Placement | None = None
     computes: bool = False  # a server that also computes its stage's layers (clients always do)
+    # a BS that holds its stage's parameters and optimizer state as an FS always does (`holds_state`); a BS that
+    # computes holds them anyway
+    keep_state: bool = False
     network: NetworkOptions = field(default_factory=NetworkOptions)
     planning: PlanningOptions | None = None
     planner: PlannerOptions | None = None
@@ -99,6 +102,13 @@ class NodeOptions:
         if self.checkpoint_dir is not None and self.role != "server":
             raise ConfigError("checkpoint_dir", self.checkpoint_dir, "servers hold the stage's state; a "
                                                                      f"{self.role} saves none")
+        if self.keep_state and self.role != "server":
+            raise ConfigError("keep_state", self.keep_state, "a BS is told to hold the stage's state; a "
+                                                             f"{self.role} does not")
+        if self.checkpoint_dir is not None and self.placement is not None and not self.holds_state(
+                self.placement.server_role):
+            raise ConfigError("checkpoint_dir", self.checkpoint_dir, "a BS holds no state to save unless started "
+                                                                     "with --keep-state")
         for name in ("epochs", "max_in_flight", "threads", "checkpoint_every", "eval_every", "eval_rows"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be at least 1")
@@ -115,3 +125,8 @@ class NodeOptions:
     @property
     def does_compute(self) -> bool:
         return self.role == "client" or self.computes
+
+    def holds_state(self, server_role: str | None) -> bool:
+        """Whether this peer holds its stage's parameters and optimizer state in the role it took: a worker, an FS,
+        or a BS that computes or was told to keep the state."""
+        return self.does_compute or server_role == "fs" or (server_role == "bs" and self.keep_state)

@@ -232,11 +232,17 @@ class Peer:
             kind = FrontalServer if role == "fs" else BackwardServer
             self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller)
             await self.server.add_p2p_handlers(self._p2p)
-        if options.does_compute or role is not None:  # a server holds the stage's state even if it computes nothing
+        if options.holds_state(role):  # an FS (and a BS told to) holds the stage's state even if it computes nothing
             self.worker = await self._make_worker(caller, membership)  # a bad checkpoint stops it here, unannounced
+            if self.server is not None and not options.does_compute:
+                self.server.expect_replica(self.peer_id)
+        elif options.checkpoint_dir is not None:  # placed by the plan as a BS
+            logger.warning(f"BS {self.peer_id}: holds no state to save in {options.checkpoint_dir} (start it with "
+                           "--keep-state for that)")
         if role is not None:
             self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role=role,
-                                                             compute=float(options.compute_power or 0.0)))
+                                                             compute=float(options.compute_power or 0.0),
+                                                             holds_state=self.worker is not None))
         if self.worker is not None:
             if options.role == "client":
                 self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role="worker",
