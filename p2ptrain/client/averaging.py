@@ -87,6 +87,10 @@ class GradientDeposits(Service):
             check_tensor(request.grads, shape=(self.numel,), dtype=torch.float32, what="grads")
         except BadTensorError as e:
             raise Refused(str(e)) from None
+        return self.hold(request, sender)
+
+    def hold(self, request: DepositGrads, sender: str) -> Ack:
+        """Keep `sender`'s deposit (its newest for the epoch); a server that also computes holds its own here."""
         if self._held and request.epoch <= max(self._held) - self.kept:
             raise Refused(f"epoch {request.epoch} closed long ago")
         held = self._held.setdefault(request.epoch, {})
@@ -167,8 +171,12 @@ class StageAllReduce(ServicerBase):
         """Hand this worker's gradients of `epoch` to `server` before the stage counts it ready to average (module
         doc); False if it failed (it asks again at its next poll)."""
         flat = torch.cat([grad.detach().reshape(-1).float() for grad in grads])
+        request = DepositGrads(epoch=epoch, rows=rows, grads=flat)
         try:
-            await self._depositor.call(server, GRADIENT_DEPOSITS, DepositGrads(epoch=epoch, rows=rows, grads=flat))
+            if server == self.caller.peer_id and self.deposits is not None:  # an FS that computes: no call to itself
+                self.deposits.hold(request, server)
+            else:
+                await self._depositor.call(server, GRADIENT_DEPOSITS, request)
         except Exception as e:
             logger.warning(f"stage {self.stage}: depositing the gradients of epoch {epoch} with {server} failed: "
                            f"{e!r}")
