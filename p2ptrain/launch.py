@@ -91,8 +91,9 @@ class Swarm:
             process.wait()
 
 
-def peer_commands(plan: dict, common: list[str]) -> dict[str, list[str]]:
-    """One `p2ptrain.peer` command line per device the plan places; the plan's layer ranges go along."""
+def peer_commands(plan: dict, common: list[str], *, client_mode: bool = False) -> dict[str, list[str]]:
+    """One `p2ptrain.peer` command line per device the plan places; the plan's layer ranges go along. With
+    `client_mode`, the volunteers (clients) dial out only, as behind NAT."""
     commands = {}
     num_stages = len(plan["stages"])
     for stage, entry in enumerate(plan["stages"]):
@@ -103,7 +104,7 @@ def peer_commands(plan: dict, common: list[str]) -> dict[str, list[str]]:
         for device in entry["bs"]:
             commands[device] = [*base, "--role", "server", "--server-role", "bs"]
         for device in entry["clients"]:
-            commands[device] = [*base, "--role", "client"]
+            commands[device] = [*base, "--role", "client", *(["--client-mode"] if client_mode else [])]
     return commands
 
 
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run-id", type=run_id, default="p2ptrain-local")
     parser.add_argument("--workdir", type=Path, help="where the peers' logs go (default: a temporary directory)")
     parser.add_argument("--timeout", type=positive, default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--client-mode-volunteers", action="store_true",
+                        help="the volunteers (clients) run with --client-mode, dialing out only as behind NAT; the "
+                             "servers, reachable, reduce their stages' averaging rounds")
     add_optimization_flags(parser)
     return parser
 
@@ -165,13 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     interrupted = False
     try:
         initial = swarm.start_bootstrap(args.run_id)
-        for device, command in peer_commands(plan, common).items():
+        for device, command in peer_commands(plan, common, client_mode=args.client_mode_volunteers).items():
             swarm.start(device, [*command, "--initial-peers", *initial])
         print(f"swarm of {len(swarm.processes)} processes, logs in {workdir}", file=sys.stderr)
         for stage, entry in enumerate(plan["stages"]):
             start, end = entry["layers"]
             print(f"  stage {stage} layers [{start}, {end}): FS {entry['fs']} BS {entry['bs']} "
-                  f"clients {entry['clients']}", file=sys.stderr)
+                  f"clients {entry['clients']}" + (" (client mode)" if args.client_mode_volunteers else ""),
+                  file=sys.stderr)
         report = watch(swarm, args, initial)
     except KeyboardInterrupt:
         interrupted = True

@@ -3,8 +3,10 @@
 JSON fields (stable; later tools and outside checks read them):
   run_id                 the swarm's DHT prefix
   peers                  [{peer_id, role, stage, server_role}] every peer with a live record
-  stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], state, rounds_failed,
-                           digests_agree, digests_disagreed}]; state is what the
+  stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], client_mode_workers,
+                           state, rounds_failed, digests_agree, digests_disagreed}]; client_mode_workers: how many
+                           of its workers dial out only (`--client-mode`, behind NAT: they reduce nothing, the
+                           stage's servers do); state is what the
                            stage does now: "waiting for FS" or "waiting for BS" (it has none: the swarm waits
                            for one to come back), else its FS's view: "training", "waiting for workers" (none
                            polled lately) or "workers banned" (every recent one is banned for refused results);
@@ -79,10 +81,11 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
         fs = sorted(m.peer_id for m in members if m.role == "fs")
         bs = sorted(m.peer_id for m in members if m.role == "bs")
         views = [m.condition for m in metrics if m.stage == stage and m.role == "fs" and m.condition]
+        workers = [m for m in metrics
+                   if m.stage == stage and (m.role == "worker" or (m.worker_epochs and not m.holds_state))]
         stages.append({
-            "stage": stage, "fs": fs, "bs": bs,
-            "workers": sorted(m.peer_id for m in metrics
-                              if m.stage == stage and (m.role == "worker" or (m.worker_epochs and not m.holds_state))),
+            "stage": stage, "fs": fs, "bs": bs, "workers": sorted(m.peer_id for m in workers),
+            "client_mode_workers": sum(m.client_mode for m in workers),
             "state": "waiting for FS" if not fs else "waiting for BS" if not bs else _worst(views),
         })
     epochs = _epochs(metrics, num_stages)
@@ -194,7 +197,9 @@ def render(report: dict) -> str:
     for stage in report["stages"]:
         lines.append(f"  stage {stage['stage']}: FS {', '.join(p[-8:] for p in stage['fs']) or '-'}"
                      f" | BS {', '.join(p[-8:] for p in stage['bs']) or '-'}"
-                     f" | workers {', '.join(p[-8:] for p in stage['workers']) or '-'} | {stage['state']}"
+                     f" | workers {', '.join(p[-8:] for p in stage['workers']) or '-'}"
+                     + (f" ({stage['client_mode_workers']} in client mode)" if stage["client_mode_workers"] else "")
+                     + f" | {stage['state']}"
                      + {True: " | parameters agree", False: " | PARAMETERS DIFFER", None: ""}[stage["digests_agree"]]
                      + (f" | {stage['rounds_failed']} rounds failed" if stage["rounds_failed"] else ""))
     lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))

@@ -53,8 +53,8 @@ def global_name(name: str, start: int) -> str:
 
 def check_dumps(dump_dir, expected_workers: dict[int, int], *, lr: float, clip_norm: float = 0.0,
                 same_params: bool = False) -> None:
-    """Every worker's dump of epoch 0: its averaged gradient against one process's; the parameters it stepped to
-    against those of its stage mates, and with `same_params` against one process's.
+    """Every worker's dump of epoch 0 (the run's first global batch): its averaged gradient against one process's;
+    the parameters it stepped to against those of its stage mates, and with `same_params` against one process's.
 
     One process's parameters are only comparable where the summation order matches (a worker per stage): AdamW's
     first step moves each weight by about ±lr whatever its gradient's size, so a gradient entry that cancels to
@@ -63,7 +63,7 @@ def check_dumps(dump_dir, expected_workers: dict[int, int], *, lr: float, clip_n
     seen: dict[int, int] = {}
     covered = set()
     stepped: dict[int, dict[str, torch.Tensor]] = {}
-    for path in sorted(dump_dir.glob("*.pt")):
+    for path in sorted(dump_dir.glob("*-epoch0.pt")):
         dump = torch.load(path)
         start = dump["layers"][0]
         seen[dump["stage"]] = seen.get(dump["stage"], 0) + 1

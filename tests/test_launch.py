@@ -27,13 +27,16 @@ def kill_leftovers(run_id: str) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_main_job_trains_with_falling_loss_and_stops_every_process(tmp_path):
+@pytest.mark.parametrize("volunteers", [[], ["--client-mode-volunteers"]], ids=["reachable", "behind NAT"])
+def test_main_job_trains_with_falling_loss_and_stops_every_process(tmp_path, volunteers):
     run_id = "launch-test"
     result = subprocess.run(
-        [sys.executable, "-m", "p2ptrain.launch", "--epochs", "6", "--run-id", run_id, "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "p2ptrain.launch", "--epochs", "6", "--run-id", run_id, "--workdir", str(tmp_path),
+         *volunteers],
         capture_output=True, text=True, timeout=360,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert ("(client mode)" in result.stderr) == bool(volunteers), result.stderr[-3000:]
     assert "training" in result.stderr and "loss=" in result.stderr  # the progress bar
     match = re.search(r"trained (\d+) epochs: loss ([\d.]+) -> ([\d.]+)", result.stdout)
     assert match, result.stdout

@@ -65,6 +65,11 @@ class RoundResult:
     group_size: int  # workers in the all-reduce; 1 for a lone worker, 0 if the round failed
     ok: bool
     rows_lost: int = 0  # rows of groupmates that died in the round, whose gradients are not in the average
+    reason: str = ""  # why it failed
+
+
+class RoundFailed(Exception):
+    """One all-reduce round did not average; the text says why."""
 
 
 class GradientDeposits(Service):
@@ -193,8 +198,11 @@ class StageAllReduce(ServicerBase):
         members, mine, weight, dead = group, grads, rows, set()
         expected = sum(member.rows for member in group)
         while len(members) > 1:
-            averaged, total = await self._round(mine, epoch=epoch, weight=weight, group=members)
-            if total is not None:
+            try:
+                averaged, total = await self._round(mine, epoch=epoch, weight=weight, group=members)
+            except RoundFailed as e:
+                failure = str(e)
+            else:
                 lost = max(0, expected - round(total))
                 if lost:
                     logger.warning(f"stage {self.stage} all-reduce of epoch {epoch}: {lost} rows of groupmates that "
@@ -206,7 +214,7 @@ class StageAllReduce(ServicerBase):
                                               for m in others))
             died = {m.peer_id for m, failure in zip(others, failures) if failure is not None}
             if not died:
-                return grads, RoundResult(group_size=0, ok=False)
+                return grads, RoundResult(group_size=0, ok=False, reason=failure)
             dead |= died
             members = tuple(m for m in members if m.peer_id not in died)
             mine, weight = self._with_deposits(grads, rows=rows, epoch=epoch, dead=dead)
@@ -230,9 +238,9 @@ class StageAllReduce(ServicerBase):
         return [part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total
 
     async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...]
-                     ) -> tuple[list[torch.Tensor], float | None]:
+                     ) -> tuple[list[torch.Tensor], float]:
         """One all-reduce among `group`, this member's part weighing `weight` rows: the averaged gradients and the
-        round's total weight (in rows), or the local gradients and None if it failed."""
+        round's total weight (in rows); RoundFailed if it did not average."""
         members = ",".join(m.peer_id for m in group)
         group_id = hashlib.sha256(f"{self.prefix}:{epoch}:{members}".encode()).digest()
         me = self.caller.peer_id
@@ -241,9 +249,9 @@ class StageAllReduce(ServicerBase):
         own = float(weight) if weight else NO_ROWS_WEIGHT
         modes = [AveragingMode.CLIENT if m.client_mode else AveragingMode.NODE for m in group]
         if AveragingMode.NODE not in modes:  # hivemind asserts; a round nobody can reduce fails like any other
-            logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers failed: every member dials out "
-                           "only (client mode), none can reduce")
-            return grads, None
+            logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers not started: every member dials "
+                           "out only (client mode), none can reduce")
+            raise RoundFailed("every member dials out only (client mode), none can reduce")
         runner = AllReduceRunner(
             p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
             weight=own,
@@ -279,7 +287,7 @@ class StageAllReduce(ServicerBase):
         except Exception as e:
             logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers failed: {e!r}")
             runner.finalize(cancel=True)
-            return grads, None
+            raise RoundFailed(repr(e)) from None
         finally:
             for task in (rounds, watch):
                 task.cancel()

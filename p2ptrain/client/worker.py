@@ -52,6 +52,7 @@ from p2ptrain.transport import Caller, Refused
 logger = logging.getLogger(__name__)
 
 SLOW_AVERAGING_S = 1.0  # how much longer each round takes with the fault "slow-averaging" (`NodeOptions.fault`)
+FAILED_AVERAGING_EPOCH = 3  # the epoch whose round fails with the fault "failed-averaging"
 
 
 @dataclass
@@ -464,14 +465,19 @@ class Worker:
         try:
             if self.fault == "slow-averaging":
                 await asyncio.sleep(SLOW_AVERAGING_S)
+            if self.fault == "failed-averaging" and epoch == FAILED_AVERAGING_EPOCH:
+                raise RuntimeError(f"fault failed-averaging: the round of epoch {epoch} fails here on purpose")
             averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
+        except Exception as e:  # whatever went wrong, no averaging failure ends the worker: a failed round
+            averaged, result = grads, RoundResult(group_size=0, ok=False, reason=repr(e))
         finally:
             self._averaging_with = frozenset()
         if _failed(result, group):
             # a step on its own gradients would leave this peer's parameters apart from its mates' for good: it skips
             # the step and takes a mate's state after its next round instead
-            logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed; not "
-                         "stepping, reloading the stage's state from a mate after the next round")
+            logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed "
+                         f"({result.reason}); not stepping, reloading the stage's state from a mate after the next "
+                         "round")
             self._stale = True
             self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len,
                                             averaged=False, seconds=seconds, digest=parameter_digest(self.master_params),

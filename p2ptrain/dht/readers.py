@@ -31,11 +31,12 @@ def get_stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> list[Member
 
 
 def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int) -> tuple[list[str], list[str]]:
-    """The peer ids of the peers that hold `stage`'s state: its servers that do (every FS, a BS given --keep-state or
-    that computes) and, apart, its workers (clients)."""
+    """The peer ids of the peers that hold `stage`'s state and can be dialed for it: its servers that hold it (every
+    FS, a BS given --keep-state or that computes) and, apart, its workers (clients) not in client mode."""
     members = get_stage_members(dht, run_id, stage)
     servers = {m.peer_id for m in members if m.role != "worker" and m.holds_state}
-    return sorted(servers), sorted({m.peer_id for m in members if m.role == "worker"} - servers)
+    workers = {m.peer_id for m in members if m.role == "worker" and not m.client_mode}
+    return sorted(servers), sorted(workers - servers)
 
 
 def get_metrics(dht: hivemind.DHT, run_id: str) -> list[Metrics]:

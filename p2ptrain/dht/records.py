@@ -55,6 +55,7 @@ class MembershipModel(_Strict):
     compute: _NonNegFloat
     load: _NonNegFloat
     holds_state: pydantic.StrictBool = False
+    client_mode: pydantic.StrictBool = False
 
 
 class EpochMetricsModel(_Strict):
@@ -94,6 +95,7 @@ class MetricsModel(_Strict):
     finished: pydantic.StrictBool
     condition: pydantic.constr(strict=True, max_length=64) = ""
     holds_state: pydantic.StrictBool = False
+    client_mode: pydantic.StrictBool = False
     per_epoch: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     worker_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     source_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
@@ -181,6 +183,7 @@ class Membership(_Record):
     compute: float  # FLOP/s the FS uses to size this worker's tasks
     load: float = 0.0  # fraction of the peer's time busy, for rebalancing
     holds_state: bool = False  # a server that holds the stage's state (and serves it); every worker does
+    client_mode: bool = False  # a worker that dials out only: nobody can download its state
 
     def __post_init__(self) -> None:
         self.compute, self.load = float(self.compute), float(self.load)
@@ -237,6 +240,7 @@ class Metrics(_Record):
     finished: bool = False  # the data source fed all its epochs and they closed
     condition: str = ""  # a server's view of its stage (`StageServer.condition`)
     holds_state: bool = False  # a server that computes nothing: its worker_epochs are its steps as a state holder
+    client_mode: bool = False  # a worker that dials out only (behind NAT): it reduces no part of its stage's rounds
     per_epoch: list[EpochMetrics] = field(default_factory=list)  # at most MAX_EPOCHS_KEPT, oldest first
     worker_epochs: list[EpochMetrics] = field(default_factory=list)  # a server that also computes
     source_epochs: list[EpochMetrics] = field(default_factory=list)  # the data source: tokens and wall time

@@ -78,6 +78,7 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
         worker_epochs=worker_epochs(worker) if server is not None and worker is not None else [],
         source_epochs=source, condition=server.condition() if server is not None else "",
         holds_state=worker is not None and worker.holds_only,
+        client_mode=worker is not None and worker.client_mode,
     )
 
 

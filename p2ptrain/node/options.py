@@ -15,9 +15,10 @@ from p2ptrain.protocol.layout import PeerRole, Placement
 if TYPE_CHECKING:
     from hivemind.dht.crypto import RSASignatureValidator
 
-# how a worker misbehaves on purpose, for tests: corrupts its results, or averages slowly ("slow-averaging": each
-# round takes SLOW_AVERAGING_S longer, as over a slow link)
-FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan", "slow-averaging")
+# how a worker misbehaves on purpose, for tests: corrupts its results, averages slowly ("slow-averaging": each
+# round takes SLOW_AVERAGING_S longer, as over a slow link), or fails one round ("failed-averaging": its round of
+# epoch FAILED_AVERAGING_EPOCH raises before it starts)
+FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan", "slow-averaging", "failed-averaging")
 
 
 @dataclass(frozen=True, kw_only=True)

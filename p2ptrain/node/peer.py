@@ -246,7 +246,8 @@ class Peer:
         if self.worker is not None:
             if options.role == "client":
                 self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role="worker",
-                                                                 compute=self.worker.compute))
+                                                                 compute=self.worker.compute,
+                                                                 client_mode=options.network.client_mode))
             self._spawn(self.worker.run(self._stopping))
         if isinstance(self.server, FrontalServer) and stage == 0:
             source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed)

@@ -504,9 +504,10 @@ class ReportNorm(Request):
 
 @dataclass(frozen=True, kw_only=True)
 class DepositGrads(Request):
-    """A worker hands a server of its stage the gradients it brings to `epoch`'s all-reduce (its mean gradient over
-    its `rows`, all of the stage's trainable parameters flattened into one float32 vector) before the round starts,
-    so that if it dies in the round the server brings them in its place (`client.averaging`)."""
+    """A worker hands its stage's first FS the gradients it brings to `epoch`'s all-reduce (its mean gradient over
+    its `rows`, all of the stage's trainable parameters flattened into one float32 vector) once every row of the
+    epoch is back, before the FS counts it ready to average, so that if it dies in the round the server brings them
+    in its place (`client.averaging`)."""
 
     method: ClassVar[str] = "rpc_deposit_grads"
     reply: ClassVar[type[Message]] = Ack

@@ -329,6 +329,8 @@ class FrontalServer(StageServer[FrontalState]):
                 for worker in lost:
                     logger.warning(f"{self.name}: worker {worker} deposited no gradients of epoch {epoch} within "
                                    f"{settings.averaging_timeout_s:.0f} s of its last result; counting it gone")
+            if not lost and len(ready) > 1 and all(state.workers[w].client_mode for w in ready):
+                return  # nobody in the group could reduce: the servers' replicas, reachable, are in every group
             if lost and self.config.fault_policy == "swarm":
                 self._drop(epoch, lost)
                 continue
