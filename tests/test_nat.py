@@ -41,7 +41,9 @@ def test_a_swarm_whose_clients_all_dial_out_only_trains_as_one_process(make_swar
     assert [e["epoch"] for e in report["epochs"] if not e["abandoned"]] == list(range(epochs))
     exact(report)
     assert [stage["client_mode_workers"] for stage in report["stages"]] == [2, 2], report["stages"]
-    check_dumps(dumps, {0: 2, 1: 2}, lr=RunConfig().lr)  # the first batch's gradients are one process's (1e-5)
+    # the first batch's gradients are one process's (1e-5), and so are the parameters stepped on them, but for the
+    # few entries whose gradient cancels to rounding (`check_dumps`)
+    check_dumps(dumps, {0: 2, 1: 2}, lr=RunConfig().lr, same_params=True, rounding_floor=1e-4)
     losses = [e["loss"] for e in report["epochs"]]
     assert losses[-1] < losses[0], losses
     assert swarm.failed() == []
