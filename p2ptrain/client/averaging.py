@@ -111,6 +111,11 @@ class GradientDeposits(Service):
         return [held[peer] for peer in sorted(peers) if peer in held]
 
 
+def flatten(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A stage's gradients as one flat vector in `dtype`, in parameter order (how deposits hold them)."""
+    return torch.cat([grad.detach().reshape(-1).to(dtype) for grad in grads])
+
+
 def missing_parts(marker: torch.Tensor, group: tuple[GroupMember, ...], me: str) -> list[str]:
     """The members whose part did not reach the average, read from this member's averaged marker (module doc)."""
     return [member.peer_id for member, share in zip(group, marker.tolist())
@@ -175,8 +180,7 @@ class StageAllReduce(ServicerBase):
     async def deposit(self, server: str, grads: list[torch.Tensor], *, epoch: int, rows: int) -> bool:
         """Hand this worker's gradients of `epoch` to `server` before the stage counts it ready to average (module
         doc); False if it failed (it asks again at its next poll)."""
-        flat = torch.cat([grad.detach().reshape(-1).float() for grad in grads])
-        request = DepositGrads(epoch=epoch, rows=rows, grads=flat)
+        request = DepositGrads(epoch=epoch, rows=rows, grads=flatten(grads, torch.float32))
         try:
             if server == self.caller.peer_id and self.deposits is not None:  # an FS that computes: no call to itself
                 self.deposits.hold(request, server)
@@ -233,7 +237,7 @@ class StageAllReduce(ServicerBase):
             return grads, rows
         total = rows + sum(count for count, _ in deposited)
         flat = sum((count * flat.double() for count, flat in deposited),
-                   start=rows * torch.cat([grad.detach().reshape(-1).double() for grad in grads])) / total
+                   start=rows * flatten(grads, torch.float64)) / total
         parts = flat.split([grad.numel() for grad in grads])
         return [part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total
 

@@ -284,9 +284,7 @@ class Worker:
         rows, epoch = self.rows_accumulated, self.epoch
         if server is None or not rows or self._deposited == (epoch, rows):
             return
-        tokens = rows * self.config.seq_len
-        grads = [accumulated / tokens for accumulated in self.accumulated]  # what `_step` hands to the round
-        if await self.averager.deposit(server, grads, epoch=epoch, rows=rows):
+        if await self.averager.deposit(server, self._mean_gradients(), epoch=epoch, rows=rows):
             self._deposited = (epoch, rows)
             logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} ({rows} rows) with {server}")
 
@@ -437,9 +435,7 @@ class Worker:
             if self.download_state is not None:  # the stage stepped without this worker: take its parameters
                 await self.download_state(self)
             return
-        tokens = rows * self.config.seq_len
-        # each worker hands in its own mean gradient, weighted by its rows: the average is the batch mean
-        grads = [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
+        grads = self._mean_gradients()
         seconds = time.monotonic() - self._epoch_started
         self._epoch_started = time.monotonic()
         self._advance(epoch + 1)
@@ -450,6 +446,12 @@ class Worker:
         else:
             await update
             self._take_master()
+
+    def _mean_gradients(self) -> list[torch.Tensor]:
+        """What this worker hands in for its epoch (to the round, and deposited before it): its mean gradient per
+        token, which the round weights by its rows, so that the average is the batch mean."""
+        tokens = self.rows_accumulated * self.config.seq_len
+        return [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
 
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                 group: tuple[GroupMember, ...], seconds: float) -> None:

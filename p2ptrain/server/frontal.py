@@ -14,6 +14,7 @@ import torch
 from hivemind.p2p import P2PContext
 
 from p2ptrain.compression import BadTensorError, check_tensor
+from p2ptrain.protocol.layout import Layout
 from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
@@ -145,8 +146,12 @@ class FrontalServer(StageServer[FrontalState]):
         and, being in every round, brings the deposits of groupmates that die in it (`client.averaging`)."""
         if epoch != self.state.closed_epoch + 1 or not self.has_all_rows(epoch) or self.ended(epoch):
             return None
-        layout = next((mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch), None)
+        layout = self._layout_of(epoch)
         return layout.stages[self.stage].fs[0] if layout is not None else None
+
+    def _layout_of(self, epoch: int) -> Layout | None:
+        """The layout `epoch`'s rows came with, while this FS holds some."""
+        return next((mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch), None)
 
     # -- the global gradient norm (the data source) -----------------------------------------------------------------
 
@@ -296,7 +301,7 @@ class FrontalServer(StageServer[FrontalState]):
             if any(work.task.epoch == epoch for work in state.redo.values()):
                 return
             done = self.epoch_stats(epoch).completed
-            layout = next(mb.layout for key, mb in state.microbatches.items() if key[0] == epoch)
+            layout = self._layout_of(epoch)
             judged_gone = state.lost.get(epoch, set())
             fresh = {w for w, record in state.workers.items()
                      if record.last_seen >= done and not self.excluded(record) and w not in judged_gone}
