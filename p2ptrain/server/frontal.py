@@ -365,6 +365,8 @@ class FrontalServer(StageServer[FrontalState]):
         self.state.batch = max(self.state.batch, batch)
         if self.ended(epoch):
             return Ack(again=True)
+        if epoch not in self.state.committed:  # tells, if this FS dies before it closes the epoch, what it never reports
+            logger.info(f"{self.name}: epoch {epoch} committed")
         self.state.committed.add(epoch)
         self.close_ready()
         return Ack()
