@@ -34,12 +34,12 @@ from typing import Any
 import torch
 from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info, peer_name
 
-from p2ptrain.client.state_sync import decode_state
 from p2ptrain.config import RunConfig
 from p2ptrain.data import TextSource
 from p2ptrain.models import build_stage
 from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
 from p2ptrain.state.checkpoint import MANIFEST
+from p2ptrain.state.codec import decode_state
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"

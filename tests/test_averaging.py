@@ -13,11 +13,12 @@ import torch
 from hivemind.compression import CompressionBase, NoCompression, Uniform8BitQuantization
 from hivemind.p2p import P2P
 
-from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts, parameter_digest
+from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts
 from p2ptrain.live.probe import LinkProbe
 from p2ptrain.models import build_stage, model_config
 from p2ptrain.protocol.messages import GroupMember
 from p2ptrain.protocol.optimization import digests_agree
+from p2ptrain.state.params import parameter_digest
 from p2ptrain.transport import Caller
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

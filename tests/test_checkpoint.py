@@ -54,7 +54,7 @@ def stepped_worker() -> Worker:
 
 
 def save(worker: Worker, folder: Path, *, config: RunConfig = CONFIG, epoch: int | None = None) -> Path:
-    current, model_state, optimizer_state = worker.snapshot()
+    current, model_state, optimizer_state = worker.master.snapshot()
     epoch = current if epoch is None else epoch
     return save_checkpoint(folder, config=config, stage=0, layers=CONFIG.stage_layers(0), role="fs", epoch=epoch,
                            batch=0, model_state=model_state, optimizer_state=optimizer_state)
@@ -62,7 +62,7 @@ def save(worker: Worker, folder: Path, *, config: RunConfig = CONFIG, epoch: int
 
 def load(folder: Path, worker: Worker, *, config: RunConfig = CONFIG, stage: int = 0):
     return load_checkpoint(folder, config=config, stage=stage, layers=config.stage_layers(stage),
-                           model=worker.master, optimizer=worker.optimizer)
+                           params=worker.master)
 
 
 def test_a_checkpoint_round_trips_bit_equal(tmp_path):
@@ -73,9 +73,9 @@ def test_a_checkpoint_round_trips_bit_equal(tmp_path):
     checkpoint, model_state, optimizer_state = load(tmp_path, fresh)
     assert (checkpoint.epoch, checkpoint.batch) == (1, 0)
     fresh.load_state(model_state=model_state, optimizer_state=optimizer_state, epoch=checkpoint.epoch)
-    for (name, a), b in zip(worker.master.state_dict().items(), fresh.model.state_dict().values()):
+    for (name, a), b in zip(worker.master.module.state_dict().items(), fresh.model.state_dict().values()):
         assert torch.equal(a, b), name
-    assert fresh.epoch == fresh.master_epoch == 1
+    assert fresh.epoch == fresh.master.epoch == 1
     assert [p.name for p in tmp_path.iterdir()] != [] and not list(tmp_path.glob("*.tmp"))
 
 
@@ -100,10 +100,10 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage, says)
     else:
         tensors.unlink()
     fresh = make_worker()
-    before = [p.clone() for p in fresh.master.parameters()]
+    before = [p.clone() for p in fresh.master.module.parameters()]
     with pytest.raises(CheckpointError, match=says):
         load(tmp_path, fresh)
-    assert all(torch.equal(a, b) for a, b in zip(before, fresh.master.parameters()))  # nothing loaded
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.master.module.parameters()))  # nothing loaded
 
 
 def test_a_checkpoint_of_another_run_recipe_or_stage_is_refused_naming_what_differs(tmp_path):

@@ -8,7 +8,6 @@ import pytest
 
 from p2ptrain import NetworkOptions, NodeOptions, Peer, Placement, RunConfig
 from p2ptrain.cli import LOOPBACK
-from p2ptrain.client.averaging import parameter_digest
 
 CONFIG = RunConfig(run_id="in-process", num_stages=2, rows_per_microbatch=4, microbatches=2, seq_len=32)
 
@@ -16,7 +15,7 @@ CONFIG = RunConfig(run_id="in-process", num_stages=2, rows_per_microbatch=4, mic
 def current(peer: Peer) -> bool:
     """The peer's stage state is of epoch 1: it stepped epoch 0, or (a server still starting when the epoch closed,
     left out of its group) loaded the state of a stage mate that did."""
-    return bool(peer.worker.history) or peer.worker.master_epoch >= 1
+    return bool(peer.worker.history) or peer.worker.master.epoch >= 1
 
 
 async def epoch_done(peers: dict[str, Peer]) -> None:
@@ -64,7 +63,7 @@ def test_two_stages_of_peers_built_in_python_train_one_epoch():
             if worker.history:
                 [record] = worker.history
                 assert (record.epoch, record.rows, record.averaged) == (0, 0, True)
-            assert parameter_digest(worker.master_params) == peers[f"client{stage}"].worker.history[0].digest
+            assert worker.master.digest() == peers[f"client{stage}"].worker.history[0].digest
         assert peers[f"fs{stage}"].server.state.closed_epoch == peers[f"bs{stage}"].server.state.closed_epoch == 0
     stats = peers["bs1"].server.epoch_stats(0)
     assert stats.rows == CONFIG.rows_per_epoch and stats.tokens == CONFIG.tokens_per_epoch

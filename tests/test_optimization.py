@@ -67,8 +67,8 @@ def test_the_recipe_refuses_optimization_settings_that_cannot_work(fields, field
 
 def test_lamb_steps_and_its_state_travels_to_a_stage_mate():
     """bitsandbytes' LAMB keeps its statistics in a nested map; the state download carries them whole."""
-    from p2ptrain.client.state_sync import decode_state, encode_state
     from p2ptrain.models import build_stage, model_config
+    from p2ptrain.state.codec import decode_state, encode_state
 
     model = build_stage(model_config("llama-tiny"), start=0, end=2, seed=0)
     optimizer = model.configure_optimizer(name="lamb", lr=1e-3, weight_decay=0.01)

@@ -11,13 +11,7 @@ import torch
 from hivemind.p2p import P2P
 
 from p2ptrain.client.averaging import StageAllReduce
-from p2ptrain.client.state_sync import (
-    StageStateServer,
-    StateMismatch,
-    decode_state,
-    encode_state,
-    load_state_from_peers,
-)
+from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
 from p2ptrain.compression import CHUNK_BYTES
 from p2ptrain.config import RunConfig, RuntimeConfig
@@ -30,6 +24,7 @@ from p2ptrain.protocol.messages import (
     MessageError,
     StageStateReply,
 )
+from p2ptrain.state.codec import StateMismatch, encode_state
 from p2ptrain.transport import Caller, Refused, Service
 
 CONFIG = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
@@ -70,7 +65,7 @@ def assert_same_state(a: Worker, b: Worker) -> None:
     assert model_a.keys() == model_b.keys()
     for name in model_a:
         assert model_a[name].dtype == model_b[name].dtype and torch.equal(model_a[name], model_b[name]), name
-    optim_a, optim_b = a.optimizer.state_dict(), b.optimizer.state_dict()
+    optim_a, optim_b = a.master.optimizer.state_dict(), b.master.optimizer.state_dict()
     assert optim_a["param_groups"] == optim_b["param_groups"]
     assert optim_a["state"].keys() == optim_b["state"].keys() and optim_a["state"]
     for index, entries in optim_a["state"].items():
@@ -104,7 +99,7 @@ def test_a_joining_worker_loads_a_mates_state_bit_equal_and_trains_on_in_lockste
         assert mate.epoch == 3
         joiner = serving(make_worker("joiner", local=local), local)
         assert await load_state_from_peers(joiner, caller=joiner.caller, candidates=["mate", "joiner"]) == 3
-        assert joiner.epoch == 3 and joiner.loaded_state
+        assert joiner.epoch == 3 and joiner.master.loaded
         assert_same_state(mate, joiner)
         # the optimizer state is whole (moments and step counts): the same gradients keep both bit-equal
         await step(mate, seed=10)
@@ -161,13 +156,13 @@ def test_a_state_that_does_not_fit_is_refused_and_the_worker_keeps_its_own():
         reply = await joiner.caller.call("narrow", STAGE_STATE, DownloadState(stage=0, start=0, end=2))
         with pytest.raises(StateMismatch, match=r"model entry 'embed.weight' is torch.float32 \[256, 32\], this stage's "
                                                 r"is torch.float32 \[256, 64\]"):
-            decode_state(reply.blob, joiner.master, joiner.optimizer)
+            joiner.master.decode(reply.blob)
         with pytest.raises(StateMismatch, match="the state does not decode"):
-            decode_state(torch.arange(100, dtype=torch.uint8), joiner.master, joiner.optimizer)
+            joiner.master.decode(torch.arange(100, dtype=torch.uint8))
 
         assert await load_state_from_peers(joiner, caller=joiner.caller,
                                            candidates=["stage1", "narrow", "nobody"]) is None
-        assert joiner.epoch == 0 and not joiner.loaded_state and not joiner.optimizer.state
+        assert joiner.epoch == 0 and not joiner.master.loaded and not joiner.master.optimizer.state
         assert all(torch.equal(tensor, seed_weights[name]) for name, tensor in joiner.model.state_dict().items())
 
     asyncio.run(scenario())
@@ -176,13 +171,13 @@ def test_a_state_that_does_not_fit_is_refused_and_the_worker_keeps_its_own():
 def test_the_optimizer_state_is_checked_against_the_local_parameters():
     mate, joiner = make_worker("mate", local={}), make_worker("joiner", local={})
     asyncio.run(step(mate, seed=0))
-    state = mate.optimizer.state_dict()
+    state = mate.master.optimizer.state_dict()
     exp_avg = state["state"][0]["exp_avg"]
     state["state"][0] = {**state["state"][0], "exp_avg": exp_avg.reshape(-1)[:-1].clone()}
     blob = encode_state({name: t.clone() for name, t in mate.model.state_dict().items()}, state)
     with pytest.raises(StateMismatch, match=r"optimizer entry 'optimizer/0/exp_avg' is torch.float32 \[16383\], its "
                                             r"parameter is torch.float32 \[256, 64\]"):
-        decode_state(blob, joiner.master, joiner.optimizer)
+        joiner.master.decode(blob)
 
 
 @pytest.mark.timeout(60)

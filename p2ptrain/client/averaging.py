@@ -50,7 +50,6 @@ from hivemind.utils.asyncio import achain, as_aiter
 from p2ptrain.compression import BadTensorError, check_tensor
 from p2ptrain.live.probe import dial_failure
 from p2ptrain.protocol.messages import GRADIENT_DEPOSITS, Ack, DepositGrads, GroupMember
-from p2ptrain.protocol.optimization import Digest
 from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
@@ -120,17 +119,6 @@ def missing_parts(marker: torch.Tensor, group: tuple[GroupMember, ...], me: str)
     """The members whose part did not reach the average, read from this member's averaged marker (module doc)."""
     return [member.peer_id for member, share in zip(group, marker.tolist())
             if member.peer_id != me and not share > 0]
-
-
-def parameter_digest(params: list[torch.Tensor]) -> Digest:
-    """A short digest of a stage's parameters, to compare across its workers (`protocol.optimization`)."""
-    total, squares, weighted = 0.0, 0.0, 0.0
-    with torch.no_grad():
-        for position, param in enumerate(params, start=1):
-            values = param.detach().double()
-            part = values.sum().item()
-            total, squares, weighted = total + part, squares + values.square().sum().item(), weighted + position * part
-    return (float(sum(p.numel() for p in params)), float(len(params)), total, squares, weighted)
 
 
 class StageAllReduce(ServicerBase):

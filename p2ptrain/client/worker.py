@@ -14,7 +14,6 @@ epoch: one epoch of staleness, and no stall at the boundary. Without, the worker
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import logging
 import math
@@ -25,7 +24,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from p2ptrain.client.averaging import RoundResult, StageAllReduce, parameter_digest
+from p2ptrain.client.averaging import RoundResult, StageAllReduce
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.closure import judge
@@ -44,9 +43,10 @@ from p2ptrain.protocol.messages import (
     TaskOffer,
     TaskReply,
 )
-from p2ptrain.protocol.optimization import Digest, LRSchedule, clip_coefficient
+from p2ptrain.protocol.optimization import Digest, clip_coefficient
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Kind
+from p2ptrain.state.params import StageParams
 from p2ptrain.transport import Caller, Refused
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class EpochRecord:
     tokens: int
     averaged: bool  # the step used the stage's average
     seconds: float
-    digest: Digest = ()  # of the master parameters after the step (`parameter_digest`)
+    digest: Digest = ()  # of the master parameters after the step (`StageParams.digest`)
     round_failed: bool = False  # the all-reduce of a group of several failed or averaged nothing
     lr: float = 0.0
     grad_norm: float | None = None  # the global norm the step clipped by (with clip_norm set)
@@ -79,7 +79,7 @@ class ForwardState:
 class Worker:
     """The task loop of one worker of one stage.
 
-    Owns its stage model, optimizer and the gradients it accumulated this epoch (counted only once a server accepted
+    Owns its stage model, its master copy (`state.params.StageParams`: parameters, optimizer, schedule) and the gradients it accumulated this epoch (counted only once a server accepted
     the result they belong to), and the forward activations it keeps for its own backward tasks. It reaches servers
     only through its caller (pulling tasks, pushing results) and the stage's other workers only through the
     all-reduce in `averager`.
@@ -95,11 +95,7 @@ class Worker:
     ):
         self.worker_id, self.stage, self.config, self.settings = worker_id, stage, config, settings
         self.model, self.averager, self.caller, self.norm_keeper = model, averager, caller, norm_keeper
-        self.master = copy.deepcopy(model)
-        self.optimizer = self.master.configure_optimizer(name=config.optimizer, lr=config.lr,
-                                                         weight_decay=config.weight_decay)
-        self.schedule = LRSchedule(lr=config.lr, warmup_epochs=config.warmup_epochs,
-                                   decay_epochs=config.decay_epochs, min_lr=config.min_lr)
+        self.master = StageParams(model=model, config=config)
         self._update: asyncio.Task | None = None  # the averaging and step of the last closed epoch, with DPU
         self._averaging_with: frozenset[str] = frozenset()  # the group of the all-reduce under way
         self._stale = False  # a round failed and this worker did not step: it reloads the stage's state
@@ -109,14 +105,9 @@ class Worker:
         # workers (with no rows of its own) and steps alike, serves its state and saves it (`after_step`)
         self.holds_only, self.after_step = holds_only, after_step
         self.download_state = download_state  # loads the stage's state from a mate before the first task
-        self.loaded_state = False  # it holds a mate's state, not the seed's, even before its first step
-        # the epoch the master copy's parameters are current for: the one after its last step, or the loaded state's
-        self.master_epoch = 0
-        self._master_moved = asyncio.Event()  # set, and replaced, whenever master_epoch changes (`reached`)
         self._stepping: int | None = None  # the epoch this worker is averaging and stepping, while it does
         self._deposited: tuple[int, int] = (-1, 0)  # the epoch and rows of the gradients it last deposited
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.master_params = [p for p in self.master.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
         self.rows_accumulated = 0
         self.epoch = 0
@@ -145,7 +136,7 @@ class Worker:
         # a worker that joins a running stage must not compute on seed weights; one restored from a checkpoint need
         # not download, and a server that only holds the state computes nothing: it polls at once, so that it is in
         # the first epoch's group, and downloads the state only if it finds the stage further on (catch-up)
-        if self.download_state is not None and not (self.loaded_state or self.holds_only):
+        if self.download_state is not None and not (self.master.loaded or self.holds_only):
             await self.download_state(self)
         while not stop.is_set():
             fs_list, bs_list = self.servers()
@@ -171,14 +162,12 @@ class Worker:
                                 *((bs, BACKWARD_SERVER) for bs in bs_list)]))
 
     def load_state(self, *, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], epoch: int) -> None:
-        """Take a stage mate's parameters and optimizer state, current for `epoch` (`client.state_sync`); the caller
-        settled any update in flight first (`settle`), which would step over them."""
-        self.master.load_state_dict(model_state)
-        self.optimizer.load_state_dict(optimizer_state)
-        self.loaded_state = True
-        self._set_master_epoch(epoch)
+        """Take a stage mate's or a checkpoint's parameters and optimizer state, current for `epoch`
+        (`client.state_sync`, `state.checkpoint`); the caller settled any update in flight first (`settle`), which
+        would step over them."""
+        self.master.load(model_state=model_state, optimizer_state=optimizer_state, epoch=epoch)
         if self._update is None:  # not loaded by the update in flight, whose parameters the model takes at `settle`
-            self._take_master()
+            self.master.copy_to(self.model)
             if epoch > self.epoch:  # never backwards: the stage may have closed the epoch a lagging mate served
                 self._advance(epoch)
 
@@ -201,34 +190,12 @@ class Worker:
         """The epoch this worker is averaging and stepping now, if it is."""
         return self._stepping
 
-    async def reached(self, epoch: int, *, timeout: float) -> bool:
-        """Whether the master copy is current for `epoch` or later, waiting up to `timeout` for a step in flight to
-        land (a peer asked for a state or an evaluation of an epoch its round is still averaging)."""
-        deadline = time.monotonic() + timeout
-        while self.master_epoch < epoch:
-            moved = self._master_moved
-            try:
-                await asyncio.wait_for(moved.wait(), deadline - time.monotonic())
-            except TimeoutError:
-                return False
-        return True
-
-    def _set_master_epoch(self, epoch: int) -> None:
-        self.master_epoch = epoch
-        self._master_moved.set()
-        self._master_moved = asyncio.Event()
-
     async def settle(self) -> None:
         """Wait for the update in flight (DPU) and let the model take its parameters."""
         update, self._update = self._update, None
         if update is not None:
             await update
-            self._take_master()
-
-    def _take_master(self) -> None:
-        with torch.no_grad():
-            for param, master in zip(self.model.parameters(), self.master.parameters()):
-                param.copy_(master)
+            self.master.copy_to(self.model)
 
     async def _take(self, fs_list: list[str], bs_list: list[str]
                     ) -> tuple[TaskReply | None, dict[str, TaskReply | None]]:
@@ -445,7 +412,7 @@ class Worker:
             self._update = asyncio.create_task(update)
         else:
             await update
-            self._take_master()
+            self.master.copy_to(self.model)
 
     def _mean_gradients(self) -> list[torch.Tensor]:
         """What this worker hands in for its epoch (to the round, and deposited before it): its mean gradient per
@@ -482,39 +449,33 @@ class Worker:
                          "round")
             self._stale = True
             self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len,
-                                            averaged=False, seconds=seconds, digest=parameter_digest(self.master_params),
-                                            round_failed=True, lr=self.schedule.at(epoch)))
+                                            averaged=False, seconds=seconds, digest=self.master.digest(),
+                                            round_failed=True, lr=self.master.schedule.at(epoch)))
             return
-        lr, norm = self.schedule.at(epoch), None
+        lr, norm = self.master.schedule.at(epoch), None
         if self._stale and await self._reload():
             logger.info(f"worker {self.worker_id}: stage {self.stage} took a mate's state after epoch {epoch} in "
                         "place of its own step (its previous round failed)")
         else:
             self._stale = False
             norm = await self._global_norm(averaged, epoch) if self.config.clip_norm else None
-            self._apply(averaged, epoch=epoch, lr=lr, norm=norm)
+            self._apply(averaged, epoch=epoch, norm=norm)
             logger.info(f"worker {self.worker_id}: stage {self.stage} stepped epoch {epoch} ({rows} rows, averaged in "
                         f"a group of {result.group_size}, lr {lr:.3g}"
                         + (f", global gradient norm {norm:.4g}" if norm is not None else "") + ")")
         self.history.append(EpochRecord(
             epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=result.ok, seconds=seconds,
-            digest=parameter_digest(self.master_params), lr=lr, grad_norm=norm, rows_lost=result.rows_lost))
+            digest=self.master.digest(), lr=lr, grad_norm=norm, rows_lost=result.rows_lost))
         if self.after_step is not None:
             await self.after_step(self)
 
-    def _apply(self, averaged: list[torch.Tensor], *, epoch: int, lr: float, norm: float | None) -> None:
+    def _apply(self, averaged: list[torch.Tensor], *, epoch: int, norm: float | None) -> None:
         """Step the master copy on the stage's averaged gradients, clipped by the global norm."""
         scale = clip_coefficient(norm, self.config.clip_norm) if norm is not None else 1.0
-        with torch.no_grad():
-            for param, grad in zip(self.master_params, averaged):
-                param.grad = grad * scale if scale < 1.0 else grad
-        for param_group in self.optimizer.param_groups:
-            param_group["lr"] = lr
-        self.optimizer.step()
-        self._set_master_epoch(epoch + 1)
+        grads = [grad * scale for grad in averaged] if scale < 1.0 else averaged
+        self.master.step(grads, epoch=epoch)
         if self.dump_dir is not None:
-            self._dump_step(epoch)
-        self.optimizer.zero_grad(set_to_none=True)
+            self._dump_step(epoch, grads)
 
     async def _reload(self) -> bool:
         """After a failed round this worker skipped its step; once a round succeeds again it takes a mate's state,
@@ -525,19 +486,6 @@ class Worker:
             return False
         self._stale = False
         return True
-
-    def snapshot(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]]:
-        """The epoch the master copy is current for, and copies of its parameters and of the optimizer state, taken
-        together with no await in between: the optimizer steps in this event loop, so they are of one step."""
-        epoch = self.master_epoch
-        model_state = {name: tensor.detach().clone() for name, tensor in self.master.state_dict().items()}
-        optimizer_state = self.optimizer.state_dict()
-        optimizer_state["state"] = {index: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
-                                            for name, value in entries.items()}
-                                    for index, entries in optimizer_state["state"].items()}
-        return epoch, model_state, optimizer_state
-
-
 
     async def _global_norm(self, averaged: list[torch.Tensor], epoch: int) -> float:
         """The norm of the whole model's averaged gradient: this stage's part goes to the data source, which
@@ -565,11 +513,12 @@ class Worker:
         self.epoch, self.epoch_fs = epoch, ()
         self.cache.clear()
 
-    def _dump_step(self, epoch: int) -> None:
+    def _dump_step(self, epoch: int, applied: list[torch.Tensor]) -> None:
         """Save the gradients the optimizer applied (the stage's average, clipped) and the parameters it stepped
         to, for the tests that compare them with one process."""
-        named = list(self.master.named_parameters())
-        grads = {name: p.grad.detach().clone() for name, p in named if p.grad is not None}
+        named = list(self.master.module.named_parameters())
+        trainable = [name for name, p in named if p.requires_grad]
+        grads = {name: grad.detach().clone() for name, grad in zip(trainable, applied)}
         params = {name: p.detach().clone() for name, p in named}
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"stage": self.stage, "layers": [self.model.start, self.model.end], "grads": grads,

@@ -314,7 +314,7 @@ class Peer:
         anything of it is loaded."""
         placement = self.placement
         loaded = load_checkpoint(self.options.checkpoint_dir, config=self.config, stage=placement.stage,
-                                 layers=placement.layers, model=worker.master, optimizer=worker.optimizer)
+                                 layers=placement.layers, params=worker.master)
         if loaded is None:
             return
         checkpoint, model_state, optimizer_state = loaded
@@ -324,13 +324,13 @@ class Peer:
                     f"from {checkpoint.path}")
 
     async def _after_step(self, worker: Worker) -> None:
-        if worker.master_epoch % self.options.checkpoint_every == 0:
+        if worker.master.epoch % self.options.checkpoint_every == 0:
             await self._save_checkpoint(worker)
 
     async def _save_checkpoint(self, worker: Worker) -> None:
-        """Save the worker's state, taken at once (`Worker.snapshot`), written in a thread."""
+        """Save the worker's state, taken at once (`StageParams.snapshot`), written in a thread."""
         async with self._saving:
-            epoch, model_state, optimizer_state = worker.snapshot()
+            epoch, model_state, optimizer_state = worker.master.snapshot()
             placement = self.placement
             path = await asyncio.to_thread(
                 save_checkpoint, self.options.checkpoint_dir, config=self.config, stage=placement.stage,

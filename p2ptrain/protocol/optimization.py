@@ -75,7 +75,7 @@ Digest = tuple[float, ...]
 
 
 def digests_agree(digests: Sequence[Digest], *, tolerance: float = DIGEST_TOLERANCE) -> bool:
-    """Whether `digests` (from `client.averaging.parameter_digest`) are of the same parameters, up to the rounding
+    """Whether `digests` (from `state.params.parameter_digest`) are of the same parameters, up to the rounding
     one all-reduce leaves (`DIGEST_TOLERANCE`). Each part is compared at its own scale: the sum at the parameters'
     norm √s (rounding differences have random signs and add up like a random walk, as do the differences a missed
     step leaves, which are larger by orders of magnitude), the sum of squares at s, the position-weighted sum at √s

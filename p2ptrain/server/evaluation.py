@@ -42,7 +42,7 @@ class StageEvaluator(Service):
 
     async def eval_forward(self, request: EvalForward, sender: str) -> EvalLoss:
         worker, config = self.worker, self.worker.config
-        model = worker.master
+        model = worker.master.module
         if request.stage != worker.stage:
             raise Refused(f"this server holds stage {worker.stage}, not {request.stage}")
         rows = request.labels.shape[0] if isinstance(request.labels, torch.Tensor) and request.labels.dim() else 0
@@ -71,5 +71,6 @@ class StageEvaluator(Service):
         raise Refused(f"no server of stage {worker.stage + 1} evaluated the rows")
 
     async def _wait_for(self, epoch: int) -> None:
-        if not await self.worker.reached(epoch, timeout=self.worker.settings.averaging_timeout_s):
-            raise Refused(f"this server's parameters are of epoch {self.worker.master_epoch}, not yet {epoch}")
+        master = self.worker.master
+        if not await master.reached(epoch, timeout=self.worker.settings.averaging_timeout_s):
+            raise Refused(f"this server's parameters are of epoch {master.epoch}, not yet {epoch}")

@@ -2,7 +2,7 @@
 and the data position, in a folder of its own (`--checkpoint-dir`).
 
 A checkpoint of epoch E is two files: ``state-E.safetensors``, the tensors exactly as a stage mate downloads them
-(`client.state_sync`'s blob: ``model/<name>`` and ``optimizer/<index>/<name>``, the optimizer's other entries in
+(`state.codec`'s blob: ``model/<name>`` and ``optimizer/<index>/<name>``, the optimizer's other entries in
 the safetensors metadata), and ``manifest-E.json``, which names that file and says what it holds:
 
     {"format": 1, "run_id": ..., "recipe": {model, num_stages, seq_len, rows_per_microbatch, microbatches, seed,
@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from p2ptrain.client.state_sync import StateMismatch, decode_state, encode_state
 from p2ptrain.config import RunConfig
+from p2ptrain.state.codec import StateMismatch, encode_state
+from p2ptrain.state.params import StageParams
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def recipe_of(config: RunConfig) -> dict[str, Any]:
 def save_checkpoint(folder: Path, *, config: RunConfig, stage: int, layers: tuple[int, int], role: str, epoch: int,
                     batch: int, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any]) -> Path:
     """Write a checkpoint into `folder` atomically (module doc) and remove those older than the newest `KEPT`; the
-    manifest's path. The states must be copies no one steps meanwhile (`Worker.snapshot`)."""
+    manifest's path. The states must be copies no one steps meanwhile (`StageParams.snapshot`)."""
     folder.mkdir(parents=True, exist_ok=True)
     data = encode_state(model_state, optimizer_state).numpy().tobytes()
     name = f"state-{epoch}.safetensors"
@@ -100,17 +101,15 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(directory)
 
 
-def load_checkpoint(folder: Path, *, config: RunConfig, stage: int, layers: tuple[int, int],
-                    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+def load_checkpoint(folder: Path, *, config: RunConfig, stage: int, layers: tuple[int, int], params: StageParams
                     ) -> tuple[Checkpoint, dict[str, torch.Tensor], dict[str, Any]] | None:
     """The newest valid checkpoint in `folder`, checked against this run, stage and layers, with its model and
-    optimizer state (checked against `model` and `optimizer`, which it does not touch); None if the folder holds
-    none. Raises the newest checkpoint's `CheckpointError` if none is valid."""
+    optimizer state (checked against `params`, which it does not touch); None if the folder holds none. Raises the newest checkpoint's `CheckpointError` if none is valid."""
     found = manifests(folder) if folder.is_dir() else []
     refused: list[CheckpointError] = []
     for _, path in found:
         try:
-            loaded = _load(path, config=config, stage=stage, layers=layers, model=model, optimizer=optimizer)
+            loaded = _load(path, config=config, stage=stage, layers=layers, params=params)
         except CheckpointError as e:
             logger.error(f"checkpoint refused: {e}")
             refused.append(e)
@@ -123,8 +122,8 @@ def load_checkpoint(folder: Path, *, config: RunConfig, stage: int, layers: tupl
     return None
 
 
-def _load(path: Path, *, config: RunConfig, stage: int, layers: tuple[int, int], model: torch.nn.Module,
-          optimizer: torch.optim.Optimizer) -> tuple[Checkpoint, dict[str, torch.Tensor], dict[str, Any]]:
+def _load(path: Path, *, config: RunConfig, stage: int, layers: tuple[int, int], params: StageParams
+          ) -> tuple[Checkpoint, dict[str, torch.Tensor], dict[str, Any]]:
     try:
         manifest = json.loads(path.read_text())
         epoch, batch, tensors = int(manifest["epoch"]), int(manifest["batch"]), str(manifest["tensors"])
@@ -153,8 +152,7 @@ def _load(path: Path, *, config: RunConfig, stage: int, layers: tuple[int, int],
     if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"{tensor_path}: its SHA-256 differs from the manifest's (corrupt)")
     try:
-        model_state, optimizer_state = decode_state(torch.frombuffer(bytearray(data), dtype=torch.uint8), model,
-                                                    optimizer)
+        model_state, optimizer_state = params.decode(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     except StateMismatch as e:
         raise CheckpointError(f"{tensor_path}: {e}") from None
     return Checkpoint(epoch=epoch, batch=batch, path=path), model_state, optimizer_state

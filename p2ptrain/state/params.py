@@ -1,0 +1,125 @@
+"""`StageParams`: a stage's trainable state, one piece of code wherever it is held.
+
+A stage's state is its master copy of the stage's layers (the parameters its optimizer steps), the optimizer's state
+and the learning-rate schedule, and the epoch they are current for: the one after their last step. Every worker
+holds one beside the model it computes with, and so does every server that keeps the stage's state (every FS, and a
+BS given `--keep-state`): its replica is a worker that takes no tasks (`client.worker`), so it averages and steps
+exactly as the workers do. What goes in and out of a `StageParams` goes through it alone: a step on the stage's
+averaged gradients, a snapshot taken in one piece, the state encoded for a stage mate or a checkpoint
+(`state.codec`), a downloaded or saved state checked and loaded, and the digest that shows the stage's copies agree.
+
+The optimizer steps synchronously in the event loop, and a snapshot is taken there too, with no await in between:
+so a snapshot never holds half a step, and no lock is needed beside the loop itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import torch
+
+from p2ptrain.config import RunConfig
+from p2ptrain.models.base import StageModel
+from p2ptrain.protocol.optimization import Digest, LRSchedule
+from p2ptrain.state.codec import OptimizerState, decode_state, encode_state
+
+
+class StageParams:
+    """The master copy of one stage, its optimizer and schedule, and the epoch they are current for.
+
+    Built from the model the holder computes with (a deep copy: the model takes the master's parameters only at an
+    epoch boundary, `copy_to`), configured by the run's recipe, so that every holder of the stage starts alike.
+    """
+
+    def __init__(self, *, model: StageModel, config: RunConfig):
+        self.module = copy.deepcopy(model)
+        self.optimizer = self.module.configure_optimizer(name=config.optimizer, lr=config.lr,
+                                                         weight_decay=config.weight_decay)
+        self.schedule = LRSchedule(lr=config.lr, warmup_epochs=config.warmup_epochs,
+                                   decay_epochs=config.decay_epochs, min_lr=config.min_lr)
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.epoch = 0
+        self.loaded = False  # it holds a mate's or a checkpoint's state, not the seed's, even before its first step
+        self._moved = asyncio.Event()  # set, and replaced, whenever `epoch` changes (`reached`)
+
+    @property
+    def holds_seed(self) -> bool:
+        """It holds only the seed's weights: it has neither stepped nor loaded a state since it was built."""
+        return not (self.epoch or self.loaded)
+
+    def step(self, grads: list[torch.Tensor], *, epoch: int) -> float:
+        """Step on the stage's gradients of `epoch` (averaged, and scaled by any clipping), at the schedule's
+        learning rate of that epoch, which it returns; the state is then current for `epoch + 1`."""
+        lr = self.schedule.at(epoch)
+        for param, grad in zip(self.trainable, grads):
+            param.grad = grad
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._set_epoch(epoch + 1)
+        return lr
+
+    def load(self, *, model_state: dict[str, torch.Tensor], optimizer_state: OptimizerState, epoch: int) -> None:
+        """Take a state current for `epoch`, already checked against this stage (`decode`)."""
+        self.module.load_state_dict(model_state)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.loaded = True
+        self._set_epoch(epoch)
+
+    def decode(self, blob: object) -> tuple[dict[str, torch.Tensor], OptimizerState]:
+        """The model and optimizer state of an encoded blob, checked against this stage before anything is loaded;
+        `state.codec.StateMismatch` names the first entry that does not fit."""
+        return decode_state(blob, self.module, self.optimizer)
+
+    def snapshot(self) -> tuple[int, dict[str, torch.Tensor], OptimizerState]:
+        """The epoch, and copies of the parameters and of the optimizer state, taken together with no await in
+        between (module doc)."""
+        model_state = {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+        optimizer_state = self.optimizer.state_dict()
+        optimizer_state["state"] = {index: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+                                            for name, value in entries.items()}
+                                    for index, entries in optimizer_state["state"].items()}
+        return self.epoch, model_state, optimizer_state
+
+    async def encoded(self) -> tuple[int, torch.Tensor]:
+        """A snapshot's epoch and its blob (`state.codec`), encoded in a thread while the holder trains on."""
+        epoch, model_state, optimizer_state = self.snapshot()
+        return epoch, await asyncio.to_thread(encode_state, model_state, optimizer_state)
+
+    def digest(self) -> Digest:
+        return parameter_digest(self.trainable)
+
+    def copy_to(self, model: torch.nn.Module) -> None:
+        """Give `model` (the one its holder computes with) the master's parameters."""
+        with torch.no_grad():
+            for param, master in zip(model.parameters(), self.module.parameters()):
+                param.copy_(master)
+
+    async def reached(self, epoch: int, *, timeout: float) -> bool:
+        """Whether the state is current for `epoch` or later, waiting up to `timeout` for a step in flight to land."""
+        deadline = time.monotonic() + timeout
+        while self.epoch < epoch:
+            try:
+                await asyncio.wait_for(self._moved.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                return False
+        return True
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+
+def parameter_digest(params: list[torch.Tensor]) -> Digest:
+    """A short digest of a stage's parameters, to compare across its holders (`protocol.optimization`)."""
+    total, squares, weighted = 0.0, 0.0, 0.0
+    with torch.no_grad():
+        for position, param in enumerate(params, start=1):
+            values = param.detach().double()
+            part = values.sum().item()
+            total, squares, weighted = total + part, squares + values.square().sum().item(), weighted + position * part
+    return (float(sum(p.numel() for p in params)), float(len(params)), total, squares, weighted)
+
