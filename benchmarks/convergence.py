@@ -1,30 +1,34 @@
 """Convergence benchmark: does the swarm train as one process does, on real text?
 
-    python benchmarks/convergence.py [--quick] [--model llama-small] [--epochs 160] [--batch-rows 4]
-                                     [--microbatches 4] [--seq-len 64] [--eval-every 20] [--runs one,dpu,nodpu,int8]
+    python benchmarks/convergence.py [--quick] [--model llama-small] [--epochs 240] [--batch-rows 4]
+                                     [--microbatches 4] [--seq-len 64] [--eval-every 40] [--clients 2]
+                                     [--churn 0.25] [--runs one,swarm,int8,churn]
 
-Four runs, one after the other on the same cores, with the same seed, model, global batch, optimizer (AdamW,
-nanoGPT weight-decay groups), learning-rate schedule (linear warm-up, cosine decay to --min-lr keyed on the
-epoch) and global-norm clipping, on `../shared/data/wikitext-2/valid.txt` (byte-level tokens):
+Runs, one after the other on the same cores, with the same seed, model, global batch, optimizer (AdamW, nanoGPT
+weight-decay groups), learning-rate schedule (linear warm-up, cosine decay to --min-lr at the last epoch, keyed on
+the epoch), global-norm clipping and number of steps, on `../shared/data/wikitext-2/valid.txt` (byte-level tokens):
 
-- one: one process, the whole model, one step per global batch (summed loss / tokens), as `p2ptrain.protocol.
-  optimization` and `StageModel.configure_optimizer` say every worker steps;
-- dpu, nodpu, int8: a real 2-stage swarm (`harness.LocalSwarm`: a bootstrap peer, an FS, a BS and a client per
-  stage, each a `python -m p2ptrain.peer` process on 127.0.0.1) with delayed parameter updates on, off, and on
-  with int8 activations and gradients on the wire.
+- one: one process, the whole model, one step per global batch (summed loss / tokens), as
+  `p2ptrain.protocol.optimization` and `StageModel.configure_optimizer` say every worker steps;
+- swarm: a real 2-stage swarm (`harness.LocalSwarm`: a bootstrap peer, an FS, a BS and --clients clients per stage,
+  each a `python -m p2ptrain.peer` process on 127.0.0.1);
+- int8: the same swarm with int8 activations and gradients on the wire (`--compression int8`);
+- churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
+  batch (`harness.Chaos`, the faults benchmark's model);
+- dpu (on request): the same swarm with delayed parameter updates.
 
-Train loss: per epoch, the last stage's mean token loss (the swarm's status; the one process's own). Held-out loss:
-the mean token loss on fixed windows of `test.txt`, every --eval-every epochs, of the parameters after that many
-steps. For the swarm it is computed here from the stage servers' checkpoints (`--checkpoint-dir`, saved every
---eval-every epochs by the servers that hold each stage's state): the stages' modules are loaded from them and run
-in sequence, so the figure is of the swarm's own parameters. Writes benchmarks/results/convergence.md, .json and
-.png (train and held-out loss against epochs and against wall time), or the same in --out DIR.
+Train loss: per epoch, the mean token loss of the global batch (the swarm's status; the one process's own).
+Held-out loss: the mean token loss on the first --eval-rows windows of `test.txt` (`TextSource.held_out`), after
+every --eval-every steps; the swarm computes it itself, forward only through its stages' servers (`--eval-data`),
+and reports it in its status as `eval_loss`. Writes benchmarks/results/convergence.md, .json and .png (train and
+held-out loss against steps and against wall time), or the same in --out DIR.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import random
 import statistics
 import tempfile
 import time
@@ -32,18 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info, peer_name
+from harness import ROOT, Chaos, LocalSwarm, command_line, fmt, log, machine_info
 
 from p2ptrain.config import RunConfig
 from p2ptrain.data import TextSource
 from p2ptrain.models import build_stage
 from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
-from p2ptrain.state.checkpoint import MANIFEST
-from p2ptrain.state.codec import decode_state
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-RUNS = ("one", "dpu", "nodpu", "int8")
+RUNS = ("one", "swarm", "int8", "churn", "dpu")
+DEFAULT_RUNS = ("one", "swarm", "int8", "churn")
 
 
 def held_out(stages: list[torch.nn.Module], windows: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -89,62 +92,68 @@ def one_process(config: RunConfig, epochs: int, eval_every: int, windows: list) 
     return {"train": train, "evals": evals, "seconds": time.monotonic() - started}
 
 
-def read_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, dict] | None:
-    """The epoch and model state of a server's newest checkpoint, or None if there is none yet or it was being
-    replaced while read (the next poll reads the new one)."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        blob = torch.frombuffer(bytearray((folder / manifest["tensors"]).read_bytes()), dtype=torch.uint8)
-    except (OSError, ValueError, KeyError):
-        return None
-    model_state, _ = decode_state(blob, model, optimizer)
-    return manifest["epoch"], model_state
-
-
-def swarm_run(config: RunConfig, epochs: int, eval_every: int, windows: list, workdir: Path,
-              timeout_s: float) -> dict[str, Any]:
-    stages = [build_stage(config.model_config, start=start, end=end, seed=config.seed)
-              for start, end in (config.stage_layers(k) for k in range(config.num_stages))]
-    optimizers = [s.configure_optimizer(name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
-                  for s in stages]
-    folders = [workdir / "ckpt" / f"stage{k}" for k in range(config.num_stages)]
+def swarm_run(config: RunConfig, *, args: argparse.Namespace, churn: float, workdir: Path) -> dict[str, Any]:
+    """A 2-stage swarm of real processes (module doc) trained for `args.epochs` epochs, its clients vanishing and
+    coming back at disconnection rate `churn` (`harness.Chaos`); its train loss per epoch, its held-out loss
+    (`eval_loss`, computed by the swarm itself through its stages' servers) and its row accounting, from its
+    status."""
     workdir.mkdir(parents=True)
-    evals: list[dict] = []
-    with LocalSwarm(workdir, config, epochs=epochs) as swarm:
+    with LocalSwarm(workdir, config, epochs=args.epochs) as swarm:
         swarm.start_bootstrap()
-        for k in range(config.num_stages):
-            swarm._start(peer_name(k, "fs"), "server", ["--stage", str(k), "--server-role", "fs", "--checkpoint-dir",
-                                                        str(folders[k]), "--checkpoint-every", str(eval_every)])
-            swarm.start_server(k, "bs")
-            swarm.start_client(k)
+        for stage in range(config.num_stages):
+            swarm.start_server(stage, "bs")
+        swarm.start_server(1, "fs")
+        clients = {f"s{stage}-client{i}": stage for stage in range(config.num_stages) for i in range(args.clients)}
+        for name, stage in clients.items():
+            swarm.start_client(stage, name=name)
         swarm.connect()
-        started = time.monotonic()
-        deadline = started + timeout_s
-        report, done = None, False
-        while time.monotonic() < deadline and not done:
-            failed = swarm.failed()
-            if failed:
-                raise RuntimeError(f"peers {failed} exited with an error; logs in {workdir}")
-            read = [read_checkpoint(folder, stage, optimizer)
-                    for folder, stage, optimizer in zip(folders, stages, optimizers)]
-            if all(r is not None for r in read) and len({r[0] for r in read}) == 1:
-                epoch = read[0][0]
-                if epoch and (not evals or evals[-1]["epoch"] < epoch):
-                    for stage, (_, state) in zip(stages, read):
-                        stage.load_state_dict(state)
-                    evals.append({"epoch": epoch, "loss": held_out(stages, windows),
-                                  "at_s": time.monotonic() - started})
-                    log(f"  swarm: held-out loss after {epoch} epochs {evals[-1]['loss']:.4f}")
-            report = swarm.status()
-            done = report["finished"] and report["epoch"] + 1 >= epochs and evals and evals[-1]["epoch"] >= epochs
+        deadline = time.monotonic() + 180
+        while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(clients):
+            if time.monotonic() > deadline or swarm.failed():
+                raise RuntimeError(f"the clients did not come up; see {workdir}")
             time.sleep(1.0)
+        # the data source starts once every client is up, so that the first epochs have all their workers
+        swarm.start_server(0, "fs", extra=["--eval-data", str(args.data_dir / "test.txt"), "--eval-every",
+                                           str(args.eval_every), "--eval-rows", str(args.eval_rows)])
+        chaos = Chaos(swarm=swarm, clients=clients, rate=churn, extra=[], rng=random.Random(args.seed))
+        started = time.monotonic()
+        deadline = started + args.timeout
+        seen, last_close, report, done = -1, started, None, False
+        try:
+            while not done:
+                failed = swarm.failed()
+                if failed:
+                    raise RuntimeError(f"peers {failed} exited with an error; logs in {workdir}")
+                report = swarm.status()
+                now = time.monotonic()
+                if report["epoch"] > seen:
+                    closed = report["epoch"] - seen
+                    for _ in range(closed):  # a draw per global batch, however many closed since the last look
+                        chaos.epoch_closed((now - last_close) / closed)
+                    seen, last_close = report["epoch"], now
+                    log(f"  {config.run_id}: epoch {seen} closed at {now - started:.0f} s, loss {report['loss']}, "
+                        f"held-out {report['eval_loss']}, {chaos.kills} kills")
+                final = [e for e in report["epochs"] if e["epoch"] == args.epochs - 1]
+                done = report["finished"] and bool(final) and final[0]["eval_loss"] is not None
+                if not done and now > deadline:
+                    log(f"  {config.run_id}: deadline of {args.timeout:.0f} s reached at epoch {seen}")
+                    break
+                time.sleep(1.0)
+        finally:
+            chaos.stop()
         seconds = time.monotonic() - started
-    epochs_seen = [e for e in (report or {}).get("epochs", []) if e["loss"] is not None and not e["abandoned"]]
-    at, train = 0.0, []
-    for e in epochs_seen:
+    epochs = [e for e in (report or {}).get("epochs", []) if e["loss"] is not None and not e["abandoned"]]
+    train, evals, at = [], [], 0.0
+    for e in epochs:
         at += e["seconds"] or 0.0
         train.append({"epoch": e["epoch"], "loss": e["loss"], "at_s": at})
-    return {"train": train, "evals": evals, "seconds": seconds, "finished": done}
+        if e["eval_loss"] is not None:
+            evals.append({"epoch": e["epoch"] + 1, "loss": e["eval_loss"], "at_s": at})
+    stages = [s for e in (report or {}).get("epochs", []) for s in e["stages"]]
+    return {"train": train, "evals": evals, "seconds": seconds, "finished": done, "kills": chaos.kills,
+            "epochs_exact": sum(all(s["rows_averaged"] == s["rows_in_batch"] for s in e["stages"]) for e in epochs),
+            "rows_recomputed": sum(s["rows_recomputed"] for s in stages),
+            "rounds_failed": sum(s["rounds_failed"] for s in stages)}
 
 
 def summarize(name: str, run: dict, epochs: int) -> dict[str, Any]:
@@ -154,7 +163,9 @@ def summarize(name: str, run: dict, epochs: int) -> dict[str, Any]:
     return {"run": name, "epochs": len(run["train"]),
             "final_train_loss": statistics.mean(tail) if tail else None,
             "final_eval_loss": final["loss"] if final and final["epoch"] >= epochs else None,
-            "s_per_epoch": statistics.median(steady) if steady else None}
+            "s_per_epoch": statistics.median(steady) if steady else None,
+            "kills": run.get("kills"), "epochs_exact": run.get("epochs_exact"),
+            "rows_recomputed": run.get("rows_recomputed"), "rounds_failed": run.get("rounds_failed")}
 
 
 def plot(runs: dict[str, dict], path: Path) -> None:
@@ -181,7 +192,7 @@ def plot(runs: dict[str, dict], path: Path) -> None:
 
 def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespace, rows: list[dict]) -> str:
     reference = next((r for r in rows if r["run"] == "one"), None)
-    lines = [f"# Convergence: swarm against one process\n\nCommand: `{command}`\n",
+    lines = [f"# Convergence: the swarm against one process, on real text\n\nCommand: `{command}`\n",
              f"Date: {info['date']}; machine: nproc {info['nproc']}, {info['cpu']}, Python {info['python']}, torch "
              f"{info['torch']}, hivemind {info['hivemind']}; commit {info.get('commit', '?')}; every process 1 torch "
              f"thread; load average at start {info['load_start']}.\n",
@@ -189,24 +200,33 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
              f"{config.seq_len} tokens ({config.microbatches} microbatches), {args.epochs} epochs (steps), AdamW lr "
              f"{config.lr} (warm-up {config.warmup_epochs}, cosine to {config.min_lr} at {config.decay_epochs}), "
              f"weight decay {config.weight_decay}, clip {config.clip_norm}, seed {config.seed}; train on "
-             f"`wikitext-2/valid.txt`, held-out on {args.eval_windows} fixed windows of `wikitext-2/test.txt`.\n",
+             f"`wikitext-2/valid.txt`, held-out on the first {args.eval_rows} windows of `wikitext-2/test.txt`. "
+             f"Swarms: {args.clients} clients per stage; churn at disconnection rate {args.churn} per global batch.\n",
              "| run | epochs | final train loss (mean of last 5) | final held-out loss | held-out / one process | "
-             "s per epoch (median) |", "|---|---|---|---|---|---|"]
+             "s per epoch (median) | kills | epochs with every row averaged | rows recomputed | rounds failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         ratio = (row["final_eval_loss"] / reference["final_eval_loss"]
                  if reference and reference["final_eval_loss"] and row["final_eval_loss"] else None)
         lines.append(f"| {row['run']} | {row['epochs']} | {fmt(row['final_train_loss'], '.4f')} | "
-                     f"{fmt(row['final_eval_loss'], '.4f')} | {fmt(ratio, '.4f')} | {fmt(row['s_per_epoch'])} |")
-    lines.append("\nPlot: `convergence.png`. Runs: one = one process; dpu / nodpu = the swarm with delayed parameter "
-                 "updates on / off; int8 = the swarm with DPU and int8 activations and gradients.")
+                     f"{fmt(row['final_eval_loss'], '.4f')} | {fmt(ratio, '.4f')} | {fmt(row['s_per_epoch'])} | "
+                     f"{_count(row['kills'])} | {_count(row['epochs_exact'])} | {_count(row['rows_recomputed'])} | "
+                     f"{_count(row['rounds_failed'])} |")
+    lines.append("\nPlot: `convergence.png`. Runs: one = one process; swarm = the swarm; int8 = the swarm with int8 "
+                 "activations and gradients; churn = the swarm with clients SIGKILLed and restarted; dpu = the swarm "
+                 "with delayed parameter updates.")
     return "\n".join(lines) + "\n"
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short smoke run: llama-tiny, 20 epochs")
     parser.add_argument("--model", default="llama-small")
-    parser.add_argument("--epochs", type=int, default=160)
+    parser.add_argument("--epochs", type=int, default=240)
     parser.add_argument("--batch-rows", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -215,13 +235,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-lr", type=float, default=3e-4)
     parser.add_argument("--clip-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=20)
-    parser.add_argument("--eval-windows", type=int, default=64)
-    parser.add_argument("--runs", default=",".join(RUNS), help="which of one,dpu,nodpu,int8")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm run at most")
+    parser.add_argument("--eval-every", type=int, default=40)
+    parser.add_argument("--eval-rows", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=2, help="clients per stage in the swarms")
+    parser.add_argument("--churn", type=float, default=0.25, help="the churn run's disconnection rate")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"which of {','.join(RUNS)}")
+    parser.add_argument("--data-dir", type=Path, default=DATA, help="holds valid.txt (train) and test.txt (held out)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per swarm run at most")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--workdir", type=Path, help="keep the peers' logs and checkpoints here (default: a "
-                                                     "temporary folder, removed at the end)")
+    parser.add_argument("--workdir", type=Path, help="keep the peers' logs here (default: a temporary folder, "
+                                                     "removed at the end)")
     return parser
 
 
@@ -240,9 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     base = RunConfig(run_id="convergence", model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
                      microbatches=args.microbatches, seq_len=args.seq_len, seed=args.seed, lr=args.lr,
                      warmup_epochs=args.warmup_epochs, decay_epochs=args.epochs, min_lr=args.min_lr,
-                     clip_norm=args.clip_norm, data=str(DATA / "valid.txt"))
-    held = TextSource(path=str(DATA / "test.txt"), seq_len=args.seq_len, seed=args.seed + 1)
-    windows = [held.microbatch(0, i, 8) for i in range(math.ceil(args.eval_windows / 8))]
+                     clip_norm=args.clip_norm, data=str(args.data_dir / "valid.txt"))
+    # the windows the swarm's data source evaluates on (`--eval-data`), built the way it builds them
+    windows = TextSource(path=str(args.data_dir / "test.txt"), seq_len=args.seq_len, seed=args.seed).held_out(
+        rows=args.eval_rows, per_call=args.batch_rows)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="convergence-") as tmp:
         tmp = args.workdir or tmp
@@ -251,17 +275,18 @@ def main(argv: list[str] | None = None) -> None:
             if name == "one":
                 results[name] = one_process(base, args.epochs, args.eval_every, windows)
                 continue
-            config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}", "dpu": name != "nodpu",
+            config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}", "dpu": name == "dpu",
                                   "compression": "int8" if name == "int8" else "none"})
-            results[name] = swarm_run(config, args.epochs, args.eval_every, windows, Path(tmp) / name, args.timeout)
+            results[name] = swarm_run(config, args=args, churn=args.churn if name == "churn" else 0.0,
+                                      workdir=Path(tmp) / name)
     rows = [summarize(name, run, args.epochs) for name, run in results.items()]
     info = machine_info()
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(command, info, base, args, rows)
     (args.out / "convergence.md").write_text(text)
     (args.out / "convergence.json").write_text(json.dumps(
-        {"command": command, "machine": info, "config": {k: v for k, v in vars(base).items()}, "summary": rows,
-         "runs": results}, indent=1))
+        {"command": command, "machine": info, "config": dict(vars(base)), "summary": rows, "runs": results},
+        indent=1))
     plot(results, args.out / "convergence.png")
     print(text)
 

@@ -30,13 +30,12 @@ import json
 import random
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import matplotlib
-from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info
+from harness import ROOT, Chaos, LocalSwarm, command_line, fmt, log, machine_info
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -44,47 +43,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 from p2ptrain.config import FAULT_POLICIES, RunConfig
 
 RESULTS = ROOT / "benchmarks" / "results"
-RETURN_WAIT_S = 300.0
-
-
-class Chaos:
-    """Kills and restarts the unreliable clients of `swarm` at `rate` per global batch, until stopped."""
-
-    def __init__(self, *, swarm: LocalSwarm, clients: dict[str, int], rate: float, extra: list[str],
-                 rng: random.Random):
-        self.swarm, self.clients, self.rate, self.extra, self.rng = swarm, clients, rate, extra, rng
-        self.kills = 0
-        self.returns: list[float] = []  # seconds from each kill until the client is up again (what it costs)
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-
-    def epoch_closed(self, epoch_s: float) -> None:
-        """An epoch closed after `epoch_s` seconds: schedule this batch's disconnections."""
-        for name, stage in self.clients.items():
-            if self.rng.random() < self.rate:
-                threading.Timer(self.rng.uniform(0.0, epoch_s), self._bounce, (name, stage)).start()
-
-    def _bounce(self, name: str, stage: int) -> None:
-        with self._lock:
-            # a client still coming back from its last disconnection is not there to vanish
-            if self._stop.is_set() or " up: " not in self.swarm.log_path(name).read_text(errors="replace"):
-                return
-            self.swarm.kill(name)
-            killed = time.monotonic()
-            self.swarm.start_client(stage, name=name, extra=self.extra)
-            self.kills += 1
-        threading.Thread(target=self._time_return, args=(name, killed), daemon=True).start()
-
-    def _time_return(self, name: str, killed: float) -> None:
-        while not self._stop.is_set() and time.monotonic() - killed < RETURN_WAIT_S:
-            if " up: " in self.swarm.log_path(name).read_text(errors="replace"):
-                self.returns.append(time.monotonic() - killed)
-                return
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stop.set()
 
 
 def run_case(args: argparse.Namespace, policy: str, rate: float, workdir: Path) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""What every swarm benchmark needs: a local swarm of real peer processes, its status read through the DHT, the CPU
-time of every process on the machine from /proc, and the small helpers of a report.
+"""What every swarm benchmark needs: a local swarm of real peer processes, its status read through the DHT, clients
+that vanish and come back (`Chaos`), the CPU time of every process on the machine from /proc, and the small helpers
+of a report.
 
     from harness import LocalSwarm, Sampler, consumer_cores, cpu_window, log
 
@@ -12,6 +13,7 @@ import contextlib
 import datetime as dt
 import os
 import platform
+import random
 import shlex
 import signal
 import subprocess
@@ -41,6 +43,7 @@ OWN = "benchmark"  # the owner of this process and its children (its status read
 CHILD_KINDS = ("dht", "p2pd", "averager", "other")  # what classify calls the processes a peer starts
 
 _T0 = time.monotonic()
+RETURN_WAIT_S = 300.0  # how long `Chaos` times a killed client's return at most
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,10 +309,10 @@ class LocalSwarm:
         self.roles["bootstrap"] = "bootstrap"
         return self._swarm.start_bootstrap(self.config.run_id, timeout=timeout)
 
-    def start_server(self, stage: int, server_role: str) -> str:
-        """Start the FS or BS (`server_role`) of `stage`; returns its name."""
+    def start_server(self, stage: int, server_role: str, extra: Iterable[str] = ()) -> str:
+        """Start the FS or BS (`server_role`) of `stage`, with node flags `extra`; returns its name."""
         return self._start(peer_name(stage, server_role), "server",
-                           ["--stage", str(stage), "--server-role", server_role])
+                           ["--stage", str(stage), "--server-role", server_role, *extra])
 
     def start_client(self, stage: int, name: str | None = None, extra: Iterable[str] = ()) -> str:
         """Start a client (a worker) of `stage` under `name` (default: the stage's one client); returns its name.
@@ -384,3 +387,48 @@ class LocalSwarm:
             self._dht.shutdown()
             self._dht = None
         self._swarm.stop()
+
+
+class Chaos:
+    """Kills and restarts the unreliable clients of `swarm` at `rate` per global batch, until stopped.
+
+    The rate is the paper's disconnection rate (§4.2): the share of the unreliable clients that vanish during a global
+    batch and return in the next. Each time an epoch closes (`epoch_closed`), every client is picked with that
+    probability and SIGKILLed (with its p2p daemon) at a uniformly random moment within the last epoch's duration,
+    unless it is still coming back from its last disconnection, then started again with the same command at once."""
+
+    def __init__(self, *, swarm: LocalSwarm, clients: dict[str, int], rate: float, extra: list[str],
+                 rng: random.Random):
+        self.swarm, self.clients, self.rate, self.extra, self.rng = swarm, clients, rate, extra, rng
+        self.kills = 0
+        self.returns: list[float] = []  # seconds from each kill until the client is up again (what it costs)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def epoch_closed(self, epoch_s: float) -> None:
+        """An epoch closed after `epoch_s` seconds: schedule this batch's disconnections."""
+        for name, stage in self.clients.items():
+            if self.rng.random() < self.rate:
+                threading.Timer(self.rng.uniform(0.0, epoch_s), self._bounce, (name, stage)).start()
+
+    def _bounce(self, name: str, stage: int) -> None:
+        with self._lock:
+            # a client still coming back from its last disconnection is not there to vanish
+            if self._stop.is_set() or " up: " not in self.swarm.log_path(name).read_text(errors="replace"):
+                return
+            self.swarm.kill(name)
+            killed = time.monotonic()
+            self.swarm.start_client(stage, name=name, extra=self.extra)
+            self.kills += 1
+        threading.Thread(target=self._time_return, args=(name, killed), daemon=True).start()
+
+    def _time_return(self, name: str, killed: float) -> None:
+        while not self._stop.is_set() and time.monotonic() - killed < RETURN_WAIT_S:
+            if " up: " in self.swarm.log_path(name).read_text(errors="replace"):
+                self.returns.append(time.monotonic() - killed)
+                return
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop.set()

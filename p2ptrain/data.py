@@ -72,6 +72,12 @@ class TextSource:
         windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def held_out(self, *, rows: int, per_call: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A fixed held-out set: the first `rows` windows this source draws, in (input_ids, labels) pieces of at most
+        `per_call` rows; the same for everyone who builds it from the same text, length and seed."""
+        sizes = [min(per_call, rows - start) for start in range(0, rows, per_call)]
+        return [self.microbatch(0, index, size) for index, size in enumerate(sizes)]
+
 
 # The generated world. Words are plain English; the mix of fixed facts and free sentences is what matters.
 _NAMES = (

@@ -4,14 +4,16 @@ JSON fields (stable; later tools and outside checks read them):
   run_id                 the swarm's DHT prefix
   peers                  [{peer_id, role, stage, server_role}] every peer with a live record
   stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], client_mode_workers,
-                           state, rounds_failed, digests_agree, digests_disagreed}]; client_mode_workers: how many
+                           state, rounds_failed, steps_unclipped, digests_agree, digests_disagreed}];
+                           client_mode_workers: how many
                            of its workers dial out only (`--client-mode`, behind NAT: they reduce nothing, the
                            stage's servers do); state is what the
                            stage does now: "waiting for FS" or "waiting for BS" (it has none: the swarm waits
                            for one to come back), else its FS's view: "training", "waiting for workers" (none
                            polled lately) or "workers banned" (every recent one is banned for refused results);
                            rounds_failed: all-reduce rounds of the epochs below that failed or averaged nothing
-                           (one per worker that says so); digests_agree: whether the workers' parameter digests
+                           (one per worker that says so); steps_unclipped: steps of the epochs below that were not
+                           clipped (--clip-norm) because no global norm came in time; digests_agree: whether the workers' parameter digests
                            of the newest epoch that two or more published agree (null: none such yet);
                            digests_disagreed: epochs below whose digests did not agree
   epoch                  the last global batch that closed at every stage (-1: none yet)
@@ -25,8 +27,8 @@ JSON fields (stable; later tools and outside checks read them):
                            if none yet
   epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained, lr, eval_loss,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
-                                     rows_dropped, workers_lost, workers_joined, rounds_failed, digests,
-                                     digests_agree}]}] oldest first (lr: the learning rate of its step):
+                                     rows_dropped, workers_lost, workers_joined, rounds_failed, steps_unclipped,
+                                     digests, digests_agree}]}] oldest first (lr: the learning rate of its step):
                            rows_in_batch: rows of the global batch that entered the stage;
                            rows_averaged: rows whose gradients reached the stage's averaged optimizer step: the
                              rows the FS handed to the epoch's averaging group, less those of any worker that
@@ -41,6 +43,8 @@ JSON fields (stable; later tools and outside checks read them):
                            workers_lost: workers that vanished holding parameter gradients of the epoch;
                            workers_joined: workers the stage's FS first saw while the epoch was open;
                            rounds_failed: workers whose all-reduce round of the epoch failed or averaged nothing;
+                           steps_unclipped: workers (and server replicas) that stepped unclipped: with --clip-norm,
+                             the global norm of the epoch did not come within the averaging timeout;
                            digests: workers that published a digest of the parameters they stepped to;
                            digests_agree: whether those digests are of the same parameters up to the rounding an
                              all-reduce leaves (`protocol.optimization.digests_agree`; null: no digest);
@@ -93,6 +97,7 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
         summaries = [e["stages"][entry["stage"]] for e in epochs]
         checked = [s for s in summaries if s["digests"] >= 2]
         entry["rounds_failed"] = sum(s["rounds_failed"] for s in summaries)
+        entry["steps_unclipped"] = sum(s["steps_unclipped"] for s in summaries)
         entry["digests_agree"] = checked[-1]["digests_agree"] if checked else None
         entry["digests_disagreed"] = sum(not s["digests_agree"] for s in checked)
     source = next((m for m in metrics if m.epochs_planned is not None), None)
@@ -126,6 +131,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
     rows_in, averaged, redone = defaultdict(int), defaultdict(int), defaultdict(int)
     recomputed, lost, joined, dropped = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
     failed: dict[tuple[int, int], int] = defaultdict(int)
+    unclipped: dict[tuple[int, int], int] = defaultdict(int)
     died: dict[tuple[int, int], int] = defaultdict(int)
     digests: dict[tuple[int, int], list[Digest]] = defaultdict(list)
     rates: dict[int, float] = {}
@@ -155,6 +161,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             key = (entry.epoch, record.stage)
             averaged[key] -= entry.rows_in_batch - entry.rows_averaged
             failed[key] += entry.round_failed
+            unclipped[key] += entry.unclipped
             died[key] = max(died[key], entry.rows_lost)  # every survivor of the round reports the same rows
             if entry.digest is not None:
                 digests[key].append(tuple(entry.digest))
@@ -179,6 +186,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                         "rows_recomputed": recomputed[(epoch, stage)], "rows_dropped": dropped[(epoch, stage)],
                         "workers_lost": lost[(epoch, stage)],
                         "workers_joined": joined[(epoch, stage)], "rounds_failed": failed[(epoch, stage)],
+                        "steps_unclipped": unclipped[(epoch, stage)],
                         "digests": len(digests[(epoch, stage)]),
                         "digests_agree": digests_agree(digests[(epoch, stage)]) if digests[(epoch, stage)] else None}
                        for stage in range(num_stages)],
@@ -201,7 +209,8 @@ def render(report: dict) -> str:
                      + (f" ({stage['client_mode_workers']} in client mode)" if stage["client_mode_workers"] else "")
                      + f" | {stage['state']}"
                      + {True: " | parameters agree", False: " | PARAMETERS DIFFER", None: ""}[stage["digests_agree"]]
-                     + (f" | {stage['rounds_failed']} rounds failed" if stage["rounds_failed"] else ""))
+                     + (f" | {stage['rounds_failed']} rounds failed" if stage["rounds_failed"] else "")
+                     + (f" | {stage['steps_unclipped']} steps unclipped" if stage["steps_unclipped"] else ""))
     lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))
     for epoch in report["epochs"][-10:]:
         cells = "  ".join(f"{s['rows_in_batch']:>6}/{s['rows_averaged']:<4}/{s['tasks_redone']:<3}"

@@ -1,5 +1,5 @@
 """The pure rules of a step (`protocol.optimization`): the schedule, the clip coefficient, the data source's norm
-book; and the recipe's checks of the optimization settings."""
+book; the recipe's checks of the optimization settings; and a worker that gets no global norm in time."""
 from __future__ import annotations
 
 import math
@@ -86,3 +86,46 @@ def test_lamb_steps_and_its_state_travels_to_a_stage_mate():
     for index, entries in saved.items():
         for name, value in entries["__bnb_optimizer_quant_state__"].items():
             assert torch.equal(value, loaded[index]["__bnb_optimizer_quant_state__"][name]), (index, name)
+
+
+def test_a_worker_that_hears_no_global_norm_in_time_steps_unclipped_and_says_so(caplog):
+    """With --clip-norm, a stage whose data source never answers with the global norm waits the averaging timeout,
+    then steps on its averaged gradients as they are (not clipped by its own norm, which no other stage shares)."""
+    import asyncio
+    import dataclasses
+
+    from p2ptrain.client.averaging import StageAllReduce
+    from p2ptrain.client.worker import Worker
+    from p2ptrain.config import RuntimeConfig
+    from p2ptrain.models import build_stage
+    from p2ptrain.protocol.messages import GroupMember
+    from p2ptrain.transport import Caller
+
+    def stepped(config: RunConfig) -> Worker:
+        start, end = config.stage_layers(0)
+        caller = Caller(p2p=None, peer_id="w", codec="none", timeout=1.0)
+        settings = dataclasses.replace(RuntimeConfig(), averaging_timeout_s=0.3, norm_poll_s=0.05)
+        worker = Worker(worker_id="w", stage=0, config=config, settings=settings, caller=caller,
+                        model=build_stage(config.model_config, start=start, end=end, seed=config.seed),
+                        averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=0, timeout=1.0, caller=caller),
+                        servers=lambda: ([], []), compute=1.0, norm_keeper=lambda: None)
+        generator = torch.Generator().manual_seed(1)
+        for accumulated in worker.accumulated:
+            accumulated.copy_(100.0 * torch.randn(accumulated.shape, generator=generator))  # far above the clip norm
+        worker.rows_accumulated = config.rows_per_microbatch
+
+        async def step() -> None:
+            await worker._step((GroupMember(peer_id="w", client_mode=False),))
+            await worker.settle()
+
+        asyncio.run(step())
+        return worker
+
+    recipe = {"num_stages": 2, "rows_per_microbatch": 2, "microbatches": 1, "seq_len": 8}
+    with caplog.at_level("WARNING"):
+        clipped = stepped(RunConfig(**recipe, clip_norm=1.0))
+    plain = stepped(RunConfig(**recipe))
+    record = clipped.history[-1]
+    assert record.unclipped and record.grad_norm is None and not plain.history[-1].unclipped
+    assert clipped.master.digest() == plain.master.digest()
+    assert "no global gradient norm of epoch 0" in caplog.text and "stepping unclipped" in caplog.text

@@ -66,6 +66,7 @@ class EpochRecord:
     round_failed: bool = False  # the all-reduce of a group of several failed or averaged nothing
     lr: float = 0.0
     grad_norm: float | None = None  # the global norm the step clipped by (with clip_norm set)
+    unclipped: bool = False  # with clip_norm set: no global norm came in time, the step was not clipped
     rows_lost: int = 0  # rows of groupmates that died in the round: not in the average
 
 
@@ -465,7 +466,8 @@ class Worker:
                         + (f", global gradient norm {norm:.4g}" if norm is not None else "") + ")")
         self.history.append(EpochRecord(
             epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=result.ok, seconds=seconds,
-            digest=self.master.digest(), lr=lr, grad_norm=norm, rows_lost=result.rows_lost))
+            digest=self.master.digest(), lr=lr, grad_norm=norm, rows_lost=result.rows_lost,
+            unclipped=bool(self.config.clip_norm) and norm is None))
         if self.after_step is not None:
             await self.after_step(self)
 
@@ -487,10 +489,11 @@ class Worker:
         self._stale = False
         return True
 
-    async def _global_norm(self, averaged: list[torch.Tensor], epoch: int) -> float:
+    async def _global_norm(self, averaged: list[torch.Tensor], epoch: int) -> float | None:
         """The norm of the whole model's averaged gradient: this stage's part goes to the data source, which
-        answers once every stage's has. If none comes within the averaging timeout, this stage's own norm (a
-        warning says so: the stages then clip alike only if their norms were small)."""
+        answers once every stage's has. None if none comes within the averaging timeout (the data source is gone, or
+        a stage never reported): the step is then not clipped, which a warning and the status say (`unclipped`),
+        rather than clipped by a norm the other stages do not share."""
         squared = math.fsum(grad.double().square().sum().item() for grad in averaged)
         request = ReportNorm(epoch=epoch, stage=self.stage, squared_norm=squared)
         deadline = time.monotonic() + self.settings.averaging_timeout_s
@@ -501,8 +504,8 @@ class Worker:
                 return reply.norm
             await asyncio.sleep(self.settings.norm_poll_s)
         logger.warning(f"worker {self.worker_id}: no global gradient norm of epoch {epoch} within "
-                       f"{self.settings.averaging_timeout_s:.0f} s; clipping by stage {self.stage}'s own")
-        return math.sqrt(squared)
+                       f"{self.settings.averaging_timeout_s:.0f} s; stepping unclipped")
+        return None
 
     def _advance(self, epoch: int) -> None:
         """Move to `epoch`, dropping what this worker holds of the current one: averaged by a step just taken, or

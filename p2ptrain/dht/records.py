@@ -78,6 +78,7 @@ class EpochMetricsModel(_Strict):
     grad_norm: Optional[_NonNegFloat] = None
     eval_loss: Optional[pydantic.StrictFloat] = None
     rows_lost: _NonNegInt = 0
+    unclipped: pydantic.StrictBool = False
 
 
 class MetricsModel(_Strict):
@@ -213,6 +214,7 @@ class EpochMetrics:
     grad_norm: float | None = None  # the global gradient norm the step clipped by (a worker, with clip_norm)
     eval_loss: float | None = None  # held-out loss of the parameters after the epoch's step (the data source)
     rows_lost: int = 0  # rows of groupmates that died in the worker's round, missing from its average (a worker)
+    unclipped: bool = False  # with clip_norm: no global norm came in time, the worker stepped unclipped (a worker)
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)

@@ -40,7 +40,7 @@ def worker_epochs(worker: Worker) -> list[EpochMetrics]:
     return [
         EpochMetrics(epoch=r.epoch, rows_in_batch=r.rows, rows_averaged=r.rows if r.averaged else 0, tasks_redone=0,
                      tokens=r.tokens, seconds=r.seconds, digest=list(r.digest) or None, round_failed=r.round_failed,
-                     lr=r.lr, grad_norm=r.grad_norm, rows_lost=r.rows_lost)
+                     lr=r.lr, grad_norm=r.grad_norm, rows_lost=r.rows_lost, unclipped=r.unclipped)
         for r in worker.history[-HISTORY:]
     ]
 

@@ -303,9 +303,7 @@ class Peer:
         if options.eval_data is None:
             return None
         source = TextSource(path=str(options.eval_data), seq_len=config.seq_len, seed=config.seed)
-        sizes = [min(config.rows_per_microbatch, options.eval_rows - start)
-                 for start in range(0, options.eval_rows, config.rows_per_microbatch)]
-        return HeldOut(windows=[source.microbatch(0, index, rows) for index, rows in enumerate(sizes)],
+        return HeldOut(windows=source.held_out(rows=options.eval_rows, per_call=config.rows_per_microbatch),
                        every=options.eval_every)
 
     def _restore(self, worker: Worker) -> None:
