@@ -67,6 +67,7 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
                 "clip_norm": "--clip-norm", "dpu": "--dpu", "compression": "--compression", "data": "--data",
+                "tokenizer": "--tokenizer",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu")
 SWITCH = {"on": True, "off": False}
@@ -120,6 +121,9 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
     recipe.add_argument("--compression", choices=CODECS, default=defaults.compression,
                         help="codec for activations and gradients")
     recipe.add_argument("--data", help="a local text file to train on (default: the embedded corpus)")
+    recipe.add_argument("--tokenizer", metavar="PATH",
+                        help="a local Hugging Face tokenizer.json to tokenize the text with; the model's vocabulary "
+                             "takes its size (default: byte-level tokens, 256)")
     recipe.add_argument("--fault-policy", choices=FAULT_POLICIES, default=defaults.fault_policy,
                         help="rows whose gradients a vanished worker took: 'taskpool' redoes them at their stage from "
                              "the inputs its FS keeps; 'swarm' drops them and feeds their microbatches again from "
@@ -132,7 +136,7 @@ def recipe_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Ru
         return RunConfig(run_id=args.run_id, model=args.model, num_stages=args.num_stages,
                          rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
                          seed=args.seed, compression=args.compression, data=args.data,
-                         fault_policy=args.fault_policy, **optimization_from(args))
+                         tokenizer=args.tokenizer, fault_policy=args.fault_policy, **optimization_from(args))
 
 
 @contextmanager

@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -58,6 +60,7 @@ class RunConfig:
     dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
     compression: str = "none"  # codec of activations and gradients: one of CODECS
     data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
+    tokenizer: str | None = None  # a local Hugging Face tokenizer.json; None: byte-level tokens (`data.ByteTokenizer`)
     fault_policy: str = "taskpool"  # one of FAULT_POLICIES
 
     def __post_init__(self) -> None:
@@ -94,6 +97,8 @@ class RunConfig:
         if self.fault_policy not in FAULT_POLICIES:
             raise ConfigError("fault_policy", self.fault_policy,
                               f"unknown policy; choose one of {', '.join(FAULT_POLICIES)}")
+        if self.tokenizer is not None:
+            vocab_size(self.tokenizer)  # a ConfigError if it is no tokenizer
         if self.data is not None:
             self._check_data(Path(self.data))
 
@@ -105,13 +110,17 @@ class RunConfig:
                 size = len(f.read(self.seq_len + 1))
         except OSError as e:
             raise ConfigError("data", self.data, f"cannot be read ({e.strerror})") from None
-        if size < self.seq_len + 1:  # byte-level tokens: one per byte
+        if size < self.seq_len + 1 and self.tokenizer is None:  # byte-level tokens: one per byte
             raise ConfigError("data", self.data, f"{size} bytes, too short for one sequence of {self.seq_len} + 1 "
                                                  "tokens")
 
     @property
     def model_config(self) -> ModelConfig:
-        return model_config(self.model)
+        """The model's preset; with a tokenizer, its vocabulary the tokenizer's size."""
+        preset = model_config(self.model)
+        if self.tokenizer is None:
+            return preset
+        return dataclasses.replace(preset, vocab_size=vocab_size(self.tokenizer))
 
     @property
     def rows_per_epoch(self) -> int:
@@ -128,6 +137,22 @@ class RunConfig:
         base, extra = divmod(self.model_config.num_layers, self.num_stages)
         start = stage * base + min(stage, extra)
         return start, start + base + (1 if stage < extra else 0)
+
+
+@functools.lru_cache(maxsize=8)
+def vocab_size(tokenizer: str) -> int:
+    """The number of token ids of a local Hugging Face tokenizer.json (added tokens included); a ConfigError says
+    what is wrong with the file. Nothing is downloaded: a name that is no local file is refused."""
+    path = Path(tokenizer)
+    if not path.is_file():
+        raise ConfigError("tokenizer", tokenizer, "no such file; give the path of a local tokenizer.json (a Hugging "
+                                                  "Face tokenizers file; nothing is downloaded from a hub)")
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # the Rust side raises a bare Exception for any file it cannot parse
+        raise ConfigError("tokenizer", tokenizer, f"not a tokenizers file ({e})") from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,4 @@
-"""Training text and byte-level tokenization.
+"""Training text and its tokens: byte-level, or a Hugging Face tokenizer's.
 
 With no `--data PATH`, runs train on `embedded_corpus()`: English-like text the project generates itself
 from a small world of places, people and things, so nothing is downloaded. The text repeats a fixed set of
@@ -8,10 +8,16 @@ plenty to learn quickly (spelling, word order, the facts) while staying far from
 `TextSource.microbatch(epoch, index, rows)` depends only on (seed, epoch, index, rows): every process that
 asks for the same batch gets the same tokens, which the runtime relies on (the stage-0 FS and the
 single-process reference read the same rows).
+
+Tokens are UTF-8 bytes (`ByteTokenizer`) unless the recipe names a tokenizer (`--tokenizer PATH`, a local
+`tokenizer.json` read with Hugging Face's `tokenizers`). Either way the whole text becomes one stream of tokens,
+documents one after the other, and every row is a window of `seq_len + 1` tokens of it: documents are packed into
+rows, and a row may span the end of one and the start of the next, as GPT-style pretraining packs them.
 """
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,7 +49,8 @@ def load_text(path: str) -> str:
 class TextSource:
     """Fixed-length training windows drawn deterministically from one text."""
 
-    def __init__(self, *, text: str | None = None, path: str | None = None, seq_len: int, seed: int):
+    def __init__(self, *, text: str | None = None, path: str | None = None, seq_len: int, seed: int,
+                 tokenizer: str | None = None):
         if text is not None and path is not None:
             raise ValueError("give text or path, not both")
         if seq_len < 1:
@@ -54,10 +61,12 @@ class TextSource:
             origin = "the given text"
         else:
             origin, text = "the embedded corpus", embedded_corpus()
-        data = text.encode("utf-8")  # ByteTokenizer's ids, kept as bytes: a large file stays 1 byte per token
-        if len(data) < seq_len + 1:
-            raise ValueError(f"{origin} has {len(data)} bytes, too short for one sequence of {seq_len} + 1 tokens")
-        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if tokenizer is None:  # ByteTokenizer's ids, kept as bytes: a large file stays 1 byte per token
+            self.tokens = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+        else:
+            self.tokens = tokenize(text, tokenizer)
+        if len(self.tokens) < seq_len + 1:
+            raise ValueError(f"{origin} has {len(self.tokens)} tokens, too short for one sequence of {seq_len} + 1")
         self.seq_len = seq_len
         self.seed = seed
         self.origin = origin
@@ -77,6 +86,22 @@ class TextSource:
         `per_call` rows; the same for everyone who builds it from the same text, length and seed."""
         sizes = [min(per_call, rows - start) for start in range(0, rows, per_call)]
         return [self.microbatch(0, index, size) for index, size in enumerate(sizes)]
+
+
+def tokenize(text: str, tokenizer: str) -> torch.Tensor:
+    """The token ids of `text` under a local tokenizer.json, as one int32 stream. The text is encoded line by line,
+    each line with its newline (the tokenizer's own splitting sees the same pieces, and the lines encode in
+    parallel), with no special tokens added."""
+    from tokenizers import Tokenizer
+
+    encoder = Tokenizer.from_file(tokenizer)
+    lines = [line for line in re.split(r"(?<=\n)", text) if line]
+    ids = [encoding.ids for encoding in encoder.encode_batch(lines, add_special_tokens=False)]
+    tokens = torch.tensor([token for line in ids for token in line], dtype=torch.int32)
+    vocab = encoder.get_vocab_size(with_added_tokens=True)
+    if len(tokens) and int(tokens.max()) >= vocab:  # a file whose ids have gaps: the model's embedding is `vocab` wide
+        raise ValueError(f"tokenizer {tokenizer!r} gives id {int(tokens.max())}, past its {vocab} tokens")
+    return tokens
 
 
 # The generated world. Words are plain English; the mix of fixed facts and free sentences is what matters.

@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=count, default=64)
     parser.add_argument("--compression", choices=CODECS, default="none")
     parser.add_argument("--data", help="a local text file (default: the embedded corpus)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="a local Hugging Face tokenizer.json (default: byte-level tokens)")
     parser.add_argument("--eval-data", type=existing_file,
                         help="a held-out text file: the swarm's held-out loss is computed on it through the stages "
                              "and shown beside the training loss")
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     with refusing(parser, {**RECIPE_FLAGS, "num_stages": "--stages"}):  # what every peer will check, checked first
         config = RunConfig(run_id=args.run_id, model=args.model, num_stages=args.stages, rows_per_microbatch=rows,
                            microbatches=microbatches, seq_len=args.seq_len, compression=args.compression,
-                           data=args.data, **optimization_from(args))
+                           data=args.data, tokenizer=args.tokenizer, **optimization_from(args))
     if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
         parser.error(f"--workdir {args.workdir}: is a file; give a folder")
     try:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--run-id", config.run_id, "--model", config.model, "--seq-len", str(config.seq_len), "--batch-rows",
               str(rows), "--microbatches", str(microbatches), "--epochs", str(args.epochs), "--compression",
               config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else []),
+              *(["--tokenizer", config.tokenizer] if config.tokenizer else []),
               *(item for name in OPTIMIZATION_FIELDS for item in (RECIPE_FLAGS[name], flag_value(getattr(config, name)))),
               *(["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)] if args.eval_data else [])]
     swarm = Swarm(workdir=workdir)

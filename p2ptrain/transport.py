@@ -253,7 +253,10 @@ class Caller:
     async def exchange(self, peer: str, service: str, method: str, envelope: Envelope, *,
                        timeout: float | None = None) -> Envelope:
         """One call with untyped envelopes (benchmarks time the transport with it)."""
-        return await asyncio.wait_for(self._exchange(peer, service, method, envelope), timeout or self.timeout)
+        # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that comes as the call completes (it returns
+        # the reply instead), and a cancelled task then ran on; asyncio.timeout lets every cancellation through
+        async with asyncio.timeout(timeout or self.timeout):
+            return await self._exchange(peer, service, method, envelope)
 
     async def _exchange(self, peer: str, service: str, method: str, envelope: Envelope) -> Envelope:
         requests = pack(envelope, codec=self.codec, proto=runtime_pb2.ExpertRequest)

@@ -120,3 +120,22 @@ def make_swarm(tmp_path):
     yield make
     for swarm in swarms:
         swarm.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer of 512 tokens trained here on the embedded corpus (nothing is downloaded), saved as
+    a Hugging Face tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from p2ptrain.data import embedded_corpus
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>"], show_progress=False)
+    tokenizer.train_from_iterator(embedded_corpus()[:200_000].splitlines(keepends=True), trainer=trainer)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path

@@ -67,7 +67,41 @@ def test_missing_and_short_files_name_the_path(tmp_path: Path) -> None:
         TextSource(path=str(missing), seq_len=8, seed=0)
     short = tmp_path / "short.txt"
     short.write_text("abc", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"short\.txt.*3 bytes"):
+    with pytest.raises(ValueError, match=r"short\.txt.*3 tokens"):
         TextSource(path=str(short), seq_len=8, seed=0)
     with pytest.raises(ValueError, match="not both"):
         TextSource(text="x" * 20, path=str(short), seq_len=8, seed=0)
+
+
+def test_a_tokenizer_file_tokenizes_the_text_and_sizes_the_models_vocabulary(tokenizer_file: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from p2ptrain.config import RunConfig
+    from p2ptrain.models import build_stage
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    text = embedded_corpus()[:20_000]
+    source = TextSource(text=text, seq_len=32, seed=0, tokenizer=str(tokenizer_file))
+    assert source.tokens.tolist() == tokenizer.encode(text, add_special_tokens=False).ids  # lines encode as one text
+    ids, labels = source.microbatch(3, 1, 4)
+    assert ids.shape == labels.shape == (4, 32) and ids.dtype == torch.int64
+    assert torch.equal(ids[:, 1:], labels[:, :-1])
+    assert tokenizer.decode(ids[0].tolist()) in text  # a window is a piece of the text, packed across lines
+    config = RunConfig(model="llama-tiny", tokenizer=str(tokenizer_file), seq_len=32)
+    assert config.model_config.vocab_size == tokenizer.get_vocab_size() == 512
+    model = build_stage(config.model_config, start=0, end=config.model_config.num_layers, seed=0)
+    with torch.no_grad():
+        loss = float(model(ids, labels)) / labels.numel()
+    assert 5.5 < loss < 7.5  # about ln(512): untrained, over the tokenizer's vocabulary
+
+
+def test_a_tokenizer_that_is_no_local_file_is_refused_saying_nothing_is_downloaded(tmp_path: Path) -> None:
+    from p2ptrain.config import ConfigError, RunConfig
+
+    with pytest.raises(ConfigError, match="no such file; give the path of a local tokenizer.json") as error:
+        RunConfig(tokenizer="meta-llama/Llama-2-7b-hf")
+    assert error.value.field == "tokenizer" and "nothing is downloaded" in str(error.value)
+    broken = tmp_path / "tokenizer.json"
+    broken.write_text('{"model": 1}')
+    with pytest.raises(ConfigError, match="not a tokenizers file"):
+        RunConfig(tokenizer=str(broken))

@@ -1,8 +1,10 @@
 """`p2ptrain.Peer` from Python: two stages' peers built in this process (no subprocess, no argparse), with real
-DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops."""
+DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops; the same with a tokenizer file."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 
 import pytest
 
@@ -23,20 +25,20 @@ async def epoch_done(peers: dict[str, Peer]) -> None:
         await asyncio.sleep(0.5)
 
 
-async def train_one_epoch() -> dict[str, Peer]:
-    boot = Peer(config=CONFIG, options=NodeOptions(role="bootstrap", network=NetworkOptions(host_maddrs=(LOOPBACK,))))
+async def train_one_epoch(config: RunConfig = CONFIG) -> dict[str, Peer]:
+    boot = Peer(config=config, options=NodeOptions(role="bootstrap", network=NetworkOptions(host_maddrs=(LOOPBACK,))))
     peers = {"boot": boot}
     try:
         await boot.start()
         network = NetworkOptions(initial_peers=tuple(boot.maddrs), host_maddrs=(LOOPBACK,))
-        for stage in range(CONFIG.num_stages):
-            layers = CONFIG.stage_layers(stage)
+        for stage in range(config.num_stages):
+            layers = config.stage_layers(stage)
             for role in ("fs", "bs", None):
-                placement = Placement(stage=stage, server_role=role, layers=layers, num_stages=CONFIG.num_stages)
+                placement = Placement(stage=stage, server_role=role, layers=layers, num_stages=config.num_stages)
                 # stage 0's BS holds the state as its FS does; stage 1's, as by default, does not
                 options = NodeOptions(role="server" if role else "client", placement=placement, network=network,
                                       epochs=1, keep_state=role == "bs" and stage == 0)
-                peers[f"{role or 'client'}{stage}"] = Peer(config=CONFIG, options=options)
+                peers[f"{role or 'client'}{stage}"] = Peer(config=config, options=options)
         await asyncio.gather(*(peer.start() for name, peer in peers.items() if name != "boot"))
         trained = asyncio.create_task(epoch_done(peers))
         running = [asyncio.create_task(peer.wait()) for peer in peers.values()]  # ends early only if a part fails
@@ -69,3 +71,13 @@ def test_two_stages_of_peers_built_in_python_train_one_epoch():
     assert stats.rows == CONFIG.rows_per_epoch and stats.tokens == CONFIG.tokens_per_epoch
     assert 4.0 < stats.loss_sum / stats.tokens < 7.0  # about ln(256): the untrained model's loss on byte tokens
     assert all(peer.dht is None for peer in peers.values())  # stopped: DHT nodes and daemons shut down
+
+
+@pytest.mark.timeout(300)
+def test_a_swarm_given_a_tokenizer_file_trains_on_its_tokens(tokenizer_file):
+    config = dataclasses.replace(CONFIG, run_id="in-process-bpe", tokenizer=str(tokenizer_file))
+    peers = asyncio.run(train_one_epoch(config))
+    assert peers["client0"].worker.model.embed.num_embeddings == peers["client1"].worker.model.lm_head.out_features == 512
+    stats = peers["bs1"].server.epoch_stats(0)
+    assert stats.tokens == config.tokens_per_epoch
+    assert abs(stats.loss_sum / stats.tokens - math.log(512)) < 1.0  # the untrained model's loss over 512 tokens

@@ -262,7 +262,8 @@ class StageAllReduce(ServicerBase):
                 tensor.add_(await anext(updates))
 
         rounds = asyncio.create_task(reduce())
-        watch = asyncio.create_task(self._watch([m.peer_id for m in group]))
+        watched = asyncio.Event()  # set when the round ends: the watch stops even if a cancellation got lost
+        watch = asyncio.create_task(self._watch([m.peer_id for m in group], until=watched))
         try:
             async with asyncio.timeout(self.timeout):
                 await asyncio.wait([rounds, watch], return_when=asyncio.FIRST_COMPLETED)
@@ -281,6 +282,7 @@ class StageAllReduce(ServicerBase):
             runner.finalize(cancel=True)
             raise RoundFailed(repr(e)) from None
         finally:
+            watched.set()
             for task in (rounds, watch):
                 task.cancel()
             await asyncio.gather(rounds, watch, return_exceptions=True)
@@ -306,11 +308,13 @@ class StageAllReduce(ServicerBase):
             if runner._future.done() and not runner._future.cancelled():
                 runner._future.exception()
 
-    async def _watch(self, peers: list[str]) -> str:
-        """Returns the first of `peers` whose process cannot be reached; runs until cancelled otherwise."""
+    async def _watch(self, peers: list[str], *, until: asyncio.Event) -> str | None:
+        """Returns the first of `peers` whose process cannot be reached; runs until cancelled or `until` is set
+        otherwise (then None)."""
         others = [peer for peer in peers if peer != self.caller.peer_id]
-        while True:
+        while not until.is_set():
             await asyncio.sleep(self.probe_every_s)
             for peer in others:  # one only slow or busy is left to the round's own timeout
                 if await dial_failure(self.caller, peer, timeout=self.probe_timeout_s) is not None:
                     return peer
+        return None

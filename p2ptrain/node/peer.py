@@ -250,7 +250,7 @@ class Peer:
                                                                  client_mode=options.network.client_mode))
             self._spawn(self.worker.run(self._stopping))
         if isinstance(self.server, FrontalServer) and stage == 0:
-            source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed)
+            source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed, tokenizer=config.tokenizer)
             watch = ServerWatch(caller=caller, servers=membership.all_servers, period_s=settings.server_check_s,
                                 lost_s=settings.server_lost_s, timeout_s=settings.probe_timeout_s)
             self.feeder = DataFeeder(server=self.server, source=source, layout=membership.layout,
@@ -302,7 +302,8 @@ class Peer:
         options, config = self.options, self.config
         if options.eval_data is None:
             return None
-        source = TextSource(path=str(options.eval_data), seq_len=config.seq_len, seed=config.seed)
+        source = TextSource(path=str(options.eval_data), seq_len=config.seq_len, seed=config.seed,
+                            tokenizer=config.tokenizer)
         return HeldOut(windows=source.held_out(rows=options.eval_rows, per_call=config.rows_per_microbatch),
                        every=options.eval_every)
 
