@@ -1,7 +1,7 @@
 """Convergence benchmark: does the swarm train as one process does, on real text?
 
-    python benchmarks/convergence.py [--quick] [--model llama-small] [--epochs 240] [--batch-rows 4]
-                                     [--microbatches 4] [--seq-len 64] [--eval-every 40] [--clients 2]
+    python benchmarks/convergence.py [--quick] [--model llama-small] [--epochs 120] [--batch-rows 4]
+                                     [--microbatches 4] [--seq-len 64] [--eval-every 20] [--clients 2]
                                      [--churn 0.25] [--runs one,swarm,int8,churn]
 
 Runs, one after the other on the same cores, with the same seed, model, global batch, optimizer (AdamW, nanoGPT
@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short smoke run: llama-tiny, 20 epochs")
     parser.add_argument("--model", default="llama-small")
-    parser.add_argument("--epochs", type=int, default=240)
+    parser.add_argument("--epochs", type=int, default=120)
     parser.add_argument("--batch-rows", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -235,13 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-lr", type=float, default=3e-4)
     parser.add_argument("--clip-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-rows", type=int, default=64)
     parser.add_argument("--clients", type=int, default=2, help="clients per stage in the swarms")
     parser.add_argument("--churn", type=float, default=0.25, help="the churn run's disconnection rate")
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"which of {','.join(RUNS)}")
     parser.add_argument("--data-dir", type=Path, default=DATA, help="holds valid.txt (train) and test.txt (held out)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per swarm run at most")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm run at most")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="keep the peers' logs here (default: a temporary folder, "
                                                      "removed at the end)")
