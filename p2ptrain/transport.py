@@ -14,12 +14,15 @@ the stream, so a caller that goes away never cancels it halfway.
 A servicer (`Service`) decodes every request into its `protocol.messages` type before its handler sees it. A request
 that does not decode, or that the handler refuses (`Refused`), is answered with a refusal naming the reason and
 logged as a warning naming the sender; no exception escapes a handler. The caller (`Caller.call`) gets the typed
-reply, or `Refused` with the server's reason.
+reply, or `Refused` with the server's reason. A request that does not decode, or that claims an authority its sender
+lacks (`Forbidden`), is an offence: a peer that offends too often is banned (`protocol.bans`), and its requests are
+refused unread until its ban ends.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.compression import deserialize, serialize
+from p2ptrain.protocol.bans import BanList
 from p2ptrain.protocol.messages import Message, MessageError, Request
 
 Proto = TypeVar("Proto", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
@@ -44,12 +48,18 @@ logger = logging.getLogger(__name__)
 
 REFUSED = "refused"  # the one header key of a refusal; no message has a field of that name
 LINGER_S = 60.0  # longest a server keeps a stream open after its reply, waiting for the caller to close it
+BANNED_LINGER_S = 1.0  # the same for a banned peer's refusal: long enough on a sound link, and a flood costs little
 
 
 class Refused(Exception):
     """The peer refused the request (malformed, or not acceptable now); the text is its reason.
 
     Handlers raise it to refuse; `Caller.call` raises it when the peer refused."""
+
+
+class Forbidden(Refused):
+    """The sender claims an authority it does not have (a role, a task, a layout): no honest peer sends that, so it
+    counts towards a ban."""
 
 
 @dataclass
@@ -141,8 +151,9 @@ class Service(ServicerBase):
 
     service: ClassVar[str]
 
-    def __init__(self, *, peer_id: str, name: str, codec: str):
+    def __init__(self, *, peer_id: str, name: str, codec: str, bans: BanList | None = None):
         self.peer_id, self.name, self.codec = peer_id, name, codec  # name: how logs call this servicer
+        self.bans = BanList() if bans is None else bans
         self.logger = logging.getLogger(type(self).__module__)
         self._follow_ups: set[asyncio.Task] = set()
 
@@ -174,7 +185,12 @@ class Service(ServicerBase):
         `sender` is the peer id libp2p authenticated, or the calling peer's own for a call within its process.
         """
         sender = context.sender if isinstance(context, LocalCall) else context.remote_id.to_base58()
+        local = isinstance(context, LocalCall)  # this process's own code: never banned
+        banned_for = 0.0 if local else self.bans.banned_for(sender, now=time.monotonic())
+        answer = None
         try:
+            if banned_for > 0:  # refused unread: a banned peer costs a reply and a stream, not a decode
+                raise Refused(f"banned for {banned_for:.0f} more s after repeated malformed or forged requests")
             envelope = await unpack(requests)
             request = kind.from_header(envelope.header, envelope.tensors)
             reply = await handler(request, sender)
@@ -184,17 +200,28 @@ class Service(ServicerBase):
             self.logger.warning(f"{self.name}: {kind.__name__} from {sender} broke off: {e}")
             return
         except (MessageError, Refused) as e:
-            self.logger.warning(f"{self.name}: refused {kind.__name__} from {sender}: {e}")
-            answer, responses = None, self.refusal(str(e))
+            if banned_for == 0:
+                self.logger.warning(f"{self.name}: refused {kind.__name__} from {sender}: {e}")
+            if isinstance(e, (MessageError, Forbidden)) and not local:
+                self._offence(sender)
+            responses = self.refusal(str(e))
         except Exception as e:  # a bug here must not end the handler silently or stall the caller until timeout
             self.logger.exception(f"{self.name}: failed on {kind.__name__} from {sender}")
-            answer, responses = None, self.refusal(f"internal error: {e!r}")
+            responses = self.refusal(f"internal error: {e!r}")
         if answer is not None and answer.then is not None:
             self.spawn(answer.then(), what=f"follow-up of {kind.__name__} from {sender}")
         for response in responses:
             yield response
-        if not isinstance(context, LocalCall):
-            await asyncio.sleep(LINGER_S)  # the caller closes the stream once it holds the reply; that cancels this
+        if not local:  # the caller closes the stream once it holds the reply; that cancels this
+            await asyncio.sleep(LINGER_S if banned_for == 0 else BANNED_LINGER_S)
+
+    def _offence(self, sender: str) -> None:
+        now = time.monotonic()
+        self.bans.forget(now=now)
+        ban = self.bans.offend(sender, now=now)
+        if ban > 0:
+            self.logger.warning(f"{self.name}: {sender} banned for {ban:.0f} s: {self.bans.offences} malformed or "
+                                f"forged requests within {self.bans.window_s:.0f} s")
 
     def pack(self, reply: Message) -> list[runtime_pb2.ExpertResponse]:
         return pack(Envelope(reply.to_header(), reply.tensors()), codec=self.codec, proto=runtime_pb2.ExpertResponse)

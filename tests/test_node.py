@@ -1,31 +1,39 @@
 """`p2ptrain.Peer` from Python: two stages' peers built in this process (no subprocess, no argparse), with real
-DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops; the same with a tokenizer file."""
+DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops; the same with a tokenizer file; a
+data source whose push a stage-0 FS refuses trains on."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import math
 
+from collections.abc import Awaitable, Callable
+
 import pytest
 
 from p2ptrain import NetworkOptions, NodeOptions, Peer, Placement, RunConfig
 from p2ptrain.cli import LOOPBACK
+from p2ptrain.protocol.messages import EndEpoch
 
 CONFIG = RunConfig(run_id="in-process", num_stages=2, rows_per_microbatch=4, microbatches=2, seq_len=32)
 
 
-def current(peer: Peer) -> bool:
-    """The peer's stage state is of epoch 1: it stepped epoch 0, or (a server still starting when the epoch closed,
-    left out of its group) loaded the state of a stage mate that did."""
-    return bool(peer.worker.history) or peer.worker.master.epoch >= 1
+def current(peer: Peer, last: int) -> bool:
+    """The peer's stage state is of epoch `last` + 1: it stepped epoch `last`, or (a server still starting when the
+    epoch closed, left out of its group) loaded the state of a stage mate that did."""
+    return any(record.epoch >= last for record in peer.worker.history) or peer.worker.master.epoch > last
 
 
 async def epoch_done(peers: dict[str, Peer]) -> None:
-    while not (peers["fs0"].feeder.progress.finished and all(current(p) for p in peers.values() if p.worker)):
+    progress = peers["fs0"].feeder.progress
+    while not (progress.finished and all(current(p, max(progress.epoch_seconds)) for p in peers.values() if p.worker)):
         await asyncio.sleep(0.5)
 
 
-async def train_one_epoch(config: RunConfig = CONFIG) -> dict[str, Peer]:
+async def train_one_epoch(config: RunConfig = CONFIG, *, epochs: int = 1,
+                          meddle: Callable[[dict[str, Peer]], Awaitable[None]] | None = None) -> dict[str, Peer]:
+    """Train `epochs` global batches (the first one's name says it all for most tests); `meddle` runs once every
+    peer has started."""
     boot = Peer(config=config, options=NodeOptions(role="bootstrap", network=NetworkOptions(host_maddrs=(LOOPBACK,))))
     peers = {"boot": boot}
     try:
@@ -37,9 +45,11 @@ async def train_one_epoch(config: RunConfig = CONFIG) -> dict[str, Peer]:
                 placement = Placement(stage=stage, server_role=role, layers=layers, num_stages=config.num_stages)
                 # stage 0's BS holds the state as its FS does; stage 1's, as by default, does not
                 options = NodeOptions(role="server" if role else "client", placement=placement, network=network,
-                                      epochs=1, keep_state=role == "bs" and stage == 0)
+                                      epochs=epochs, keep_state=role == "bs" and stage == 0)
                 peers[f"{role or 'client'}{stage}"] = Peer(config=config, options=options)
         await asyncio.gather(*(peer.start() for name, peer in peers.items() if name != "boot"))
+        if meddle is not None:
+            await meddle(peers)
         trained = asyncio.create_task(epoch_done(peers))
         running = [asyncio.create_task(peer.wait()) for peer in peers.values()]  # ends early only if a part fails
         done, _ = await asyncio.wait([trained, *running], timeout=240, return_when=asyncio.FIRST_COMPLETED)
@@ -81,3 +91,22 @@ def test_a_swarm_given_a_tokenizer_file_trains_on_its_tokens(tokenizer_file):
     stats = peers["bs1"].server.epoch_stats(0)
     assert stats.tokens == config.tokens_per_epoch
     assert abs(stats.loss_sum / stats.tokens - math.log(512)) < 1.0  # the untrained model's loss over 512 tokens
+
+
+@pytest.mark.timeout(300)
+def test_a_data_source_whose_push_a_stage_0_fs_refuses_abandons_that_epoch_and_trains_on():
+    async def abandon_epoch_2_at_fs0(peers: dict[str, Peer]) -> None:
+        """What a forged abandon of a coming epoch did (issue 23): the stage-0 FS then refuses its microbatches."""
+        source = peers["fs0"]
+        while (layout := source.feeder.layout()) is None or source.feeder.progress.epoch_seconds:
+            assert not source.feeder.progress.epoch_seconds, "epoch 0 closed before the test could meddle"
+            await asyncio.sleep(0.05)
+        await source.server.end_epoch(EndEpoch(epoch=2, abandoned=True, layout=layout), source.server.peer_id)
+
+    config = dataclasses.replace(CONFIG, run_id="in-process-refused")
+    peers = asyncio.run(train_one_epoch(config, epochs=3, meddle=abandon_epoch_2_at_fs0))
+    progress = peers["fs0"].feeder.progress
+    assert progress.finished and sorted(progress.epoch_seconds) == [0, 1, 3]  # epoch 3 trained epoch 2's batch
+    for stage in range(config.num_stages):
+        history = peers[f"client{stage}"].worker.history
+        assert [(r.epoch, r.rows, r.averaged) for r in history] == [(e, config.rows_per_epoch, True) for e in (0, 1, 3)]

@@ -1,13 +1,20 @@
 """`Caller.exchange`, the one path of every RPC: a call whose caller is cancelled ends in CancelledError, also when
 the reply is ready at that moment (Python 3.11's asyncio.wait_for returned the reply then, and the cancelled task ran
-on: a round's watch kept probing, and the round never ended)."""
+on: a round's watch kept probing, and the round never ended). A peer that floods a servicer with malformed requests
+over real p2p daemons is banned, and its requests are refused unread meanwhile; another peer is still served."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from hivemind.p2p import P2P
 
-from p2ptrain.transport import Caller, Envelope
+from p2ptrain import transport
+from p2ptrain.cli import LOOPBACK
+from p2ptrain.live.probe import LinkProbe
+from p2ptrain.protocol.bans import BanList
+from p2ptrain.protocol.messages import LINK_PROBE, Probe
+from p2ptrain.transport import Caller, Envelope, Refused
 
 
 def test_a_cancelled_call_is_cancelled_even_when_its_reply_lands_at_that_moment():
@@ -27,4 +34,49 @@ def test_a_cancelled_call_is_cancelled_even_when_its_reply_lands_at_that_moment(
         with pytest.raises(asyncio.CancelledError):
             await call
 
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_then_refused_unread(monkeypatch):
+    decoded = 0
+    real_from_header = Probe.from_header
+
+    def counting_from_header(header, tensors):  # counts the requests the servicer decodes: no banned peer's
+        nonlocal decoded
+        decoded += 1
+        return real_from_header(header, tensors)
+
+    async def main() -> None:
+        p2ps = [await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 30)]
+        try:
+            for _ in range(2):
+                p2ps.append(await asyncio.wait_for(P2P.create(
+                    host_maddrs=[LOOPBACK], initial_peers=await p2ps[0].get_visible_maddrs()), 30))
+            server, attacker, honest = p2ps
+            server_id = server.peer_id.to_base58()
+            probe = LinkProbe(peer_id=server_id)
+            await probe.add_p2p_handlers(server)
+            callers = {name: Caller(p2p=p2p, peer_id=p2p.peer_id.to_base58(), codec="none", timeout=10.0)
+                       for name, p2p in (("attacker", attacker), ("honest", honest))}
+            reasons = []
+            for i in range(200):
+                malformed = Envelope({"payload": "not a tensor", "junk": i})  # decodes as no Probe
+                reply = await callers["attacker"].exchange(server_id, LINK_PROBE, Probe.method, malformed)
+                reasons.append(reply.header[transport.REFUSED])
+            banned_at = next(i for i, reason in enumerate(reasons) if reason.startswith("banned"))
+            assert banned_at == BanList().offences  # the offence that banned it was refused for what it was
+            assert all(reason.startswith("banned") for reason in reasons[banned_at:])
+            assert decoded == banned_at
+            with pytest.raises(Refused, match="banned"):  # a well-formed request too, while the ban lasts
+                await callers["attacker"].call(server_id, LINK_PROBE, Probe())
+            assert decoded == banned_at
+            await callers["honest"].call(server_id, LINK_PROBE, Probe())
+            assert decoded == banned_at + 1
+            assert probe.bans.banned(now=transport.time.monotonic()) == (attacker.peer_id.to_base58(),)
+        finally:
+            for p2p in p2ps:
+                await p2p.shutdown()
+
+    monkeypatch.setattr(Probe, "from_header", counting_from_header)
     asyncio.run(main())

@@ -29,7 +29,7 @@ from p2ptrain.protocol.messages import (
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.state import BackwardState, BackwardWork, EpochProgress, KeptGrads, MicrobatchOutputs
-from p2ptrain.transport import Answer, Refused, Requests, Responses
+from p2ptrain.transport import Answer, Forbidden, Refused, Requests, Responses
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ class BackwardServer(StageServer[BackwardState]):
     async def fetch_output_grads(self, request: FetchOutputGrads, sender: str) -> OutputGrads:
         kept = self.state.kept_grads.get((request.epoch, request.microbatch))
         if kept is not None and sender not in kept.fs:
-            raise Refused(f"{sender} is no FS of stage {self.stage} for microbatch {request.epoch}:{request.microbatch}")
+            raise Forbidden(f"{sender} is no FS of stage {self.stage} for microbatch {request.epoch}:"
+                            f"{request.microbatch}")
         if kept is None or kept.segment.intersect(request.rows) != request.rows:
             raise Refused(f"no output gradients of rows {request.rows} of {request.epoch}:{request.microbatch} here")
         return OutputGrads(grad=kept.grad[request.rows.relative_to(kept.segment)])

@@ -37,7 +37,7 @@ from p2ptrain.protocol.messages import (
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
 from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, ServerState, WorkerRecord
-from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
+from p2ptrain.transport import Caller, Forbidden, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +272,8 @@ class StageServer(Service, Generic[S]):
         if task is not None and sender != self.peer_id:
             mb = self.state.microbatches.get((task.epoch, task.microbatch))
             if mb is not None and sender not in mb.layout.stages[self.stage].of(self.other_role):
-                raise Refused(f"{sender} is no {self.other_role.upper()} of stage {self.stage} for task {request.task}")
+                raise Forbidden(f"{sender} is no {self.other_role.upper()} of stage {self.stage} for task "
+                                f"{request.task}")
         if not request.ok:
             if self.state.pool.fail(request.task, request.worker) is None:
                 raise Refused(f"task {request.task} is not leased to {request.worker}")
@@ -430,7 +431,7 @@ class StageServer(Service, Generic[S]):
     def check_source(self, sender: str, layout: Layout) -> None:
         """Only the data source of a layout (its first stage-0 FS) ends its epochs."""
         if sender != layout.stages[0].fs[0]:
-            raise Refused(f"{sender} is not the data source of this layout")
+            raise Forbidden(f"{sender} is not the data source of this layout")
 
     async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
                              taken: list[Rows]) -> None:
@@ -474,7 +475,7 @@ class StageServer(Service, Generic[S]):
     def check_sender(self, claimed: str, sender: str) -> None:
         """A worker speaks for itself only: the peer id it names must be the one libp2p authenticated."""
         if claimed != sender:
-            raise Refused(f"worker {claimed} is not the sender {sender}")
+            raise Forbidden(f"worker {claimed} is not the sender {sender}")
 
     def check_layout(self, layout: Layout, *, epoch: int, microbatch: int, total_rows: int) -> Rows:
         """This server's segment of a microbatch under `layout`; Refused if the layout or the microbatch does not
@@ -495,7 +496,7 @@ class StageServer(Service, Generic[S]):
 
     def check_peer(self, peer: str, layout: Layout, *, stage: int, role: ServerRole, what: str) -> None:
         if peer != self.peer_id and peer not in layout.stages[stage].of(role):
-            raise Refused(f"{what} {peer} is no {role.upper()} of stage {stage} in the microbatch's layout")
+            raise Forbidden(f"{what} {peer} is no {role.upper()} of stage {stage} in the microbatch's layout")
 
     def held(self, epoch: int, microbatch: int) -> M:
         mb = self.state.microbatches.get((epoch, microbatch))

@@ -11,6 +11,10 @@ the epoch instead: every server drops it, every worker drops its gradients of it
 is fed again as the next epoch, under a layout without the lost server. No stage can have stepped on an abandoned
 epoch, so no row is lost or counted twice.
 
+A stage-0 FS that refuses a push, or to say whether its rows are back, is a fault of the epoch too (a peer may have
+sent it a forged end of that epoch): the epoch is abandoned and its batch fed again, after a pause that doubles while
+refusals go on. Nothing a server answers ends the data source.
+
 Under fault policy swarm (SWARM's way, for comparison) the stages drop the rows a vanished worker held instead of
 redoing them, and the data source feeds those microbatches' data again from stage 0 in a later epoch (`SlotPlan`).
 """
@@ -48,6 +52,11 @@ LAYOUT_WAIT_S = 0.25
 LAYOUT_NOTICE_EVERY_S = 5.0
 SERVICE: dict[ServerRole, str] = {"fs": FRONTAL_SERVER, "bs": BACKWARD_SERVER}
 ASK_EVERY_S = 0.1  # how often the data source asks the other stage-0 FS whether their rows are all back
+REFEED_PAUSE_S = (0.5, 30.0)  # the pause before feeding a refused epoch's batch again: first, and longest
+
+
+class FeedRefused(Exception):
+    """A stage-0 FS refused the epoch's data, or to say whether its rows are back."""
 
 
 @dataclass
@@ -105,6 +114,7 @@ class DataFeeder:
         epoch, batch = await self._resume(layout, stop)  # `batch`: how many global batches the swarm trained
         self.plan.fresh = batch * self.microbatches  # policy swarm: a restarted data source lost its retrain queue
         slots: list[Slot] | None = None  # set: an abandoned epoch's data, fed again
+        refusals = 0  # epochs refused in a row
         while batch < self.epochs:
             layout = await self._wait_for_layout(stop)
             if layout is None:
@@ -127,7 +137,15 @@ class DataFeeder:
                 await self._end(epoch, layout, abandoned=True, stop=stop)
                 logger.warning(f"data source: {self.watch.reason} before epoch {epoch} was complete; epoch "
                                f"{epoch} is abandoned, and its batch is fed again as epoch {epoch + 1}")
+            elif isinstance(complete.exception(), FeedRefused):
+                await self._end(epoch, layout, abandoned=True, stop=stop)
+                pause = min(REFEED_PAUSE_S[0] * 2 ** refusals, REFEED_PAUSE_S[1])
+                refusals += 1
+                logger.error(f"data source: {complete.exception()}; epoch {epoch} is abandoned, and its batch is fed "
+                             f"again as epoch {epoch + 1} in {pause:.1f} s")
+                await asyncio.sleep(pause)
             elif complete.result():
+                refusals = 0
                 await self._end(epoch, layout, abandoned=False, batch=batch, stop=stop)
                 while self.server.state.closed_epoch < epoch:
                     if stop.is_set():
@@ -182,12 +200,19 @@ class DataFeeder:
         for fs in layout.stages[0].fs:
             if fs == self.server.peer_id:
                 continue
-            while not (await self.server.retrying(fs, FRONTAL_SERVER, AskEpoch(epoch=epoch), attempts=None,
-                                                  what=f"asking about epoch {epoch}")).complete:
+            while not await self._complete_at(fs, epoch):
                 if stop.is_set():
                     return False
                 await asyncio.sleep(ASK_EVERY_S)
         return True
+
+    async def _complete_at(self, fs: str, epoch: int) -> bool:
+        try:
+            state = await self.server.retrying(fs, FRONTAL_SERVER, AskEpoch(epoch=epoch), attempts=None,
+                                               what=f"asking about epoch {epoch}")
+        except Refused as e:
+            raise FeedRefused(f"stage-0 FS {fs} refused to say whether epoch {epoch} is complete: {e}") from None
+        return state.complete
 
     async def _resume(self, layout: Layout, stop: asyncio.Event) -> tuple[int, int]:
         """The epoch and batch to feed first. A data source that restarted finds the swarm further on: it asks
@@ -298,4 +323,4 @@ class DataFeeder:
                 await self.server.retrying(fs, FRONTAL_SERVER, request, attempts=None,
                                            what=f"microbatch {epoch}:{index} rows {part}")
             except Refused as e:
-                raise RuntimeError(f"stage-0 FS {fs} refused microbatch {epoch}:{index}: {e}") from None
+                raise FeedRefused(f"stage-0 FS {fs} refused microbatch {epoch}:{index}: {e}") from None
