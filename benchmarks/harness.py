@@ -36,7 +36,7 @@ from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS, flag_value  # noqa: E402
 from p2ptrain.config import RunConfig  # noqa: E402
 from p2ptrain.dht import start_dht  # noqa: E402
 from p2ptrain.launch import Swarm  # noqa: E402
-from p2ptrain.status import collect  # noqa: E402
+from p2ptrain.status import History, collect  # noqa: E402
 
 TCK = os.sysconf("SC_CLK_TCK")
 OWN = "benchmark"  # the owner of this process and its children (its status reader's DHT and p2pd) in CPU tables
@@ -292,6 +292,7 @@ class LocalSwarm:
         self.started = time.monotonic()  # what `follow`'s progress lines count from
         self._swarm = Swarm(workdir=workdir)
         self._dht: hivemind.DHT | None = None
+        self._history = History()  # the epochs the peers' records no longer carry
 
     def __enter__(self) -> LocalSwarm:
         return self
@@ -348,7 +349,7 @@ class LocalSwarm:
         """The swarm's status report (`p2ptrain.status.collect`); `connect` first."""
         if self._dht is None:
             raise RuntimeError("connect() before reading the status")
-        return collect(self._dht, self.config.run_id)
+        return collect(self._dht, self.config.run_id, history=self._history)
 
     def follow(self, *, deadline: float, poll_s: float) -> Progress:
         """Read the status every `poll_s` seconds, logging each epoch that closes, until the data source has fed and

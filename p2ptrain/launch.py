@@ -197,9 +197,10 @@ def main(argv: list[str] | None = None) -> None:
 def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
     """Follow the swarm through the DHT with a progress bar until the data source finishes."""
     from p2ptrain.dht import start_dht
-    from p2ptrain.status import collect
+    from p2ptrain.status import History, collect
 
     dht = start_dht(args.run_id, initial_peers=initial, client_mode=True)
+    history = History()  # the summary at the end covers every epoch, not only those the records still carry
     deadline = time.monotonic() + args.timeout
     try:
         with tqdm(total=args.epochs, unit="epoch", desc="training") as bar:
@@ -209,7 +210,7 @@ def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
                     raise RuntimeError(f"peers {failed} exited with an error; see their logs in {swarm.workdir}")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"training did not finish in {args.timeout:.0f} s; logs in {swarm.workdir}")
-                report = collect(dht, args.run_id)
+                report = collect(dht, args.run_id, history=history)
                 bar.n = report["epoch"] + 1
                 if report["loss"] is not None:
                     held_out = {"eval": f"{report['eval_loss']:.3f}"} if report["eval_loss"] is not None else {}

@@ -28,7 +28,9 @@ JSON fields (stable; later tools and outside checks read them):
   epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained, lr, eval_loss,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
                                      rows_dropped, workers_lost, workers_joined, rounds_failed, steps_unclipped,
-                                     digests, digests_agree}]}] oldest first (lr: the learning rate of its step):
+                                     digests, digests_agree}]}] oldest first (lr: the learning rate of its step),
+                           of the epochs the peers' records carry: each keeps its newest epochs that fit in a small
+                           DHT value (20 or more; a reader that polls keeps the rest, `History`):
                            rows_in_batch: rows of the global batch that entered the stage;
                            rows_averaged: rows whose gradients reached the stage's averaged optimizer step: the
                              rows the FS handed to the epoch's averaging group, less those of any worker that
@@ -58,6 +60,7 @@ JSON fields (stable; later tools and outside checks read them):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import defaultdict
@@ -70,9 +73,39 @@ from p2ptrain.protocol.optimization import Digest, digests_agree
 if TYPE_CHECKING:
     import hivemind
 
+    from p2ptrain.dht.records import EpochMetrics, Metrics
 
-def collect(dht: hivemind.DHT, run_id: str) -> dict:
-    """The report (see the module docstring) of run `run_id`, read through `dht`."""
+
+class History:
+    """The epochs a reader has seen in each peer's metrics record, so that its reports keep the epochs that records
+    no longer carry (a record holds its peer's newest epochs only: `node.metrics.fit`), and those of peers gone
+    since. What a peer's record says of an epoch now wins over what it said before."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[str, str, int | None], Metrics] = {}
+
+    def merge(self, metrics: list[Metrics]) -> list[Metrics]:
+        """`metrics` with their lists of epochs joined to what was seen of them before, and the records of the peers
+        seen before and not now, for their epochs."""
+        for record in metrics:
+            key = (record.peer_id, record.role, record.stage)
+            before = self._seen.get(key)
+            if before is not None:
+                record = dataclasses.replace(record, **{
+                    name: _joined(getattr(before, name), getattr(record, name))
+                    for name in ("per_epoch", "worker_epochs", "source_epochs")})
+            self._seen[key] = record
+        return list(self._seen.values())
+
+
+def _joined(before: list[EpochMetrics], now: list[EpochMetrics]) -> list[EpochMetrics]:
+    merged = {entry.epoch: entry for entry in before} | {entry.epoch: entry for entry in now}
+    return [merged[epoch] for epoch in sorted(merged)]
+
+
+def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None) -> dict:
+    """The report (see the module docstring) of run `run_id`, read through `dht`; its `epochs` are those the peers'
+    records carry, and with `history`, every epoch its earlier reads saw too."""
     from p2ptrain.dht import get_metrics, get_peers, get_stage_members  # hivemind: not for --help
 
     peers = get_peers(dht, run_id)
@@ -92,7 +125,7 @@ def collect(dht: hivemind.DHT, run_id: str) -> dict:
             "client_mode_workers": sum(m.client_mode for m in workers),
             "state": "waiting for FS" if not fs else "waiting for BS" if not bs else _worst(views),
         })
-    epochs = _epochs(metrics, num_stages)
+    epochs = _epochs(history.merge(metrics) if history is not None else metrics, num_stages)
     for entry in stages:
         summaries = [e["stages"][entry["stage"]] for e in epochs]
         checked = [s for s in summaries if s["digests"] >= 2]

@@ -14,7 +14,7 @@ import pytest
 from p2ptrain.cli import LOOPBACK
 from p2ptrain.dht import start_dht
 from p2ptrain.launch import Swarm
-from p2ptrain.status import collect
+from p2ptrain.status import History, collect
 
 
 class TestSwarm(Swarm):
@@ -26,6 +26,7 @@ class TestSwarm(Swarm):
         super().__init__(workdir=workdir)
         self.run_id, self.recipe = run_id, recipe
         self._dht = None
+        self._history = History()
 
     def peer(self, name: str, *args: str) -> None:
         self.start(name, ["--run-id", self.run_id, "--host-maddrs", LOOPBACK, *self.recipe, *args,
@@ -55,13 +56,15 @@ class TestSwarm(Swarm):
         return json.loads(out.stdout)
 
     def status(self) -> dict:
-        """The same report, read by a DHT client in this process (cheaper to poll than a new process)."""
+        """The same report, read by a DHT client in this process (cheaper to poll than a new process), with every
+        epoch this swarm's reads have seen (records carry their newest epochs only)."""
         if self._dht is None:
             self._dht = start_dht(self.run_id, initial_peers=self.initial_peers, client_mode=True)
-        return collect(self._dht, self.run_id)
+        return collect(self._dht, self.run_id, history=self._history)
 
     def wait_finished(self, timeout: float) -> dict:
-        """Poll until the data source has fed and closed all its epochs; then return the status CLI's report."""
+        """Poll until the data source has fed and closed all its epochs; then check that the status command says so
+        too, and return the report with every epoch the polls saw."""
         deadline = time.monotonic() + timeout
         report = None
         while time.monotonic() < deadline:
@@ -69,7 +72,9 @@ class TestSwarm(Swarm):
             assert not failed, f"peers {failed} died: " + self.logs(failed)
             report = self.status()
             if report["finished"] and report["epoch"] + 1 >= (report["epochs_planned"] or 0):
-                return self.status_cli()
+                cli = self.status_cli()  # the command a user runs reads the same swarm
+                assert (cli["epoch"], cli["finished"]) == (report["epoch"], report["finished"]), cli
+                return self.status()
             time.sleep(1.0)
         raise AssertionError(f"the swarm did not finish in {timeout} s; last status {report}\n" + self.logs()
                              + "\nwhere the peers stand:\n" + self.stacks())

@@ -94,19 +94,21 @@ def test_a_swarm_given_a_tokenizer_file_trains_on_its_tokens(tokenizer_file):
 
 
 @pytest.mark.timeout(300)
-def test_a_data_source_whose_push_a_stage_0_fs_refuses_abandons_that_epoch_and_trains_on():
+def test_a_data_source_whose_push_a_stage_0_fs_refuses_abandons_that_epoch_and_trains_on(caplog):
     async def abandon_epoch_2_at_fs0(peers: dict[str, Peer]) -> None:
         """What a forged abandon of a coming epoch did (issue 23): the stage-0 FS then refuses its microbatches."""
         source = peers["fs0"]
-        while (layout := source.feeder.layout()) is None or source.feeder.progress.epoch_seconds:
+        while not source.server.state.microbatches:  # once it feeds: a data source that starts asks where it stands
             assert not source.feeder.progress.epoch_seconds, "epoch 0 closed before the test could meddle"
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.02)
+        [layout] = {mb.layout for mb in source.server.state.microbatches.values()}
         await source.server.end_epoch(EndEpoch(epoch=2, abandoned=True, layout=layout), source.server.peer_id)
 
     config = dataclasses.replace(CONFIG, run_id="in-process-refused")
     peers = asyncio.run(train_one_epoch(config, epochs=3, meddle=abandon_epoch_2_at_fs0))
     progress = peers["fs0"].feeder.progress
     assert progress.finished and sorted(progress.epoch_seconds) == [0, 1, 3]  # epoch 3 trained epoch 2's batch
+    assert f"stage-0 FS {peers['fs0'].peer_id} refused microbatch 2:0" in caplog.text
     for stage in range(config.num_stages):
         history = peers[f"client{stage}"].worker.history
         assert [(r.epoch, r.rows, r.averaged) for r in history] == [(e, config.rows_per_epoch, True) for e in (0, 1, 3)]

@@ -119,6 +119,16 @@ def test_wrong_schema_is_rejected(peers: tuple[Peer, Peer]) -> None:
     assert _mine(get_peers(a.dht, RUN), "bad") == [_info("bad", started=value["started"])]
 
 
+def test_a_record_too_large_for_the_dht_process_is_refused_before_it_is_sent(peers: tuple[Peer, Peer]) -> None:
+    a, _ = peers
+    ann = Announcer(dht=a.dht, run_id=RUN, peer_id="big", owner_key=a.key, period_s=5, ttl_s=30, start=False)
+    links = {f"peer{i:05d}" + "x" * 40: Link(latency_s=0.01, bandwidth_bps=1e8) for i in range(400)}
+    with pytest.raises(ValueError, match="too large"):
+        ann.set_peer_info(_info("big", links=links))
+    assert ann.refresh() and _mine(get_peers(a.dht, RUN), "big") == []
+    ann.shutdown()
+
+
 def test_peer_cannot_overwrite_another_peers_record(peers: tuple[Peer, Peer]) -> None:
     a, b = peers
     ann = Announcer(dht=a.dht, run_id=RUN, peer_id="victim", owner_key=a.key, period_s=5, ttl_s=30, start=False)

@@ -9,6 +9,7 @@ forget the peer at once rather than after ttl.
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import time
 from typing import Any
@@ -22,6 +23,9 @@ from p2ptrain.dht.records import Membership, Metrics, PeerInfo, PlanRecord
 logger = logging.getLogger(__name__)
 
 _Slot = tuple[str, bytes]  # (key, subkey)
+# hivemind's DHT process may read a call of over 16 KiB half-written and then exit (docs/design.md §7): a value, with
+# the key, subkey and call around it, must stay below that
+MAX_VALUE_BYTES = 14_000
 
 
 class Announcer:
@@ -132,6 +136,10 @@ class Announcer:
         return self._subkey
 
     def _set(self, key: str, subkey: bytes, value: dict[str, Any]) -> None:
+        size = len(pickle.dumps(value))
+        if size > MAX_VALUE_BYTES:
+            raise ValueError(f"a record of {size} bytes under {key} is too large for the DHT process to read safely "
+                             f"(at most {MAX_VALUE_BYTES}; docs/design.md §7)")
         with self._lock:
             self._records[(key, subkey)] = value
             self._changed.add((key, subkey))

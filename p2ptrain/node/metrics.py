@@ -1,9 +1,18 @@
-"""What each peer publishes about its training progress, refreshed in the DHT every few seconds."""
+"""What each peer publishes about its training progress, refreshed in the DHT every few seconds.
+
+A record carries the peer's newest epochs only, as many as fit in `MAX_RECORD_BYTES`: hivemind's DHT process reads
+the calls of its owner from a pipe it has made non-blocking, and a call of over 16 KiB (which multiprocessing writes
+in two parts) could be read half-written; the DHT process then fails on the rest ("Ran out of input") and exits,
+taking the peer's p2p daemon with it (docs/design.md §7). The data source's record, which carries three lists of
+epochs, crossed that size after about 28 epochs, and its peer was cut off from the swarm. Readers that need more
+history than a record holds keep what they have seen (`p2ptrain.status.History`).
+"""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import pickle
 import time
 
 from p2ptrain.client.worker import Worker
@@ -15,8 +24,11 @@ from p2ptrain.server.feeder import DataFeeder
 
 logger = logging.getLogger(__name__)
 
-HISTORY = 64  # epochs kept in a record: enough for status and the launcher, small enough for one DHT value
+HISTORY = 64  # epochs a record keeps at most...
 assert HISTORY <= MAX_EPOCHS_KEPT
+# ...and the most a record's value may take, pickled as it travels to the DHT process: below multiprocessing's
+# 16 KiB (past which it writes a message in two parts), with room for the key, subkey, expiration and call
+MAX_RECORD_BYTES = 12_000
 
 
 def server_epochs(server: StageServer) -> list[EpochMetrics]:
@@ -82,13 +94,27 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
     )
 
 
+def fit(record: Metrics, *, max_bytes: int = MAX_RECORD_BYTES) -> Metrics:
+    """`record` with its lists of epochs cut to their newest `keep` entries, `keep` as large as lets its value take
+    at most `max_bytes`."""
+    lists = ("per_epoch", "worker_epochs", "source_epochs")
+    while (size := len(pickle.dumps(record.to_value()))) > max_bytes:
+        longest = max(len(getattr(record, name)) for name in lists)
+        if longest == 0:
+            raise ValueError(f"a metrics record of no epochs takes {size} bytes, over {max_bytes}")
+        keep = min(longest - 1, longest * max_bytes // size)  # entries are about alike in size: aim, then check
+        record = dataclasses.replace(record, **{name: getattr(record, name)[max(len(getattr(record, name)) - keep, 0):]
+                                                for name in lists})
+    return record
+
+
 async def publish_metrics(*, announcer: Announcer, period_s: float, stop: asyncio.Event, **parts) -> None:
     """Store the record when it changed (the announcer refreshes it otherwise): every store costs DHT work
     (signing, replication, schema checks) on a machine the training shares."""
     published = None
     while not stop.is_set():
         try:
-            record = build_record(**parts)
+            record = fit(build_record(**parts))
             content = dataclasses.replace(record, updated=0.0)
             if content != published:
                 announcer.set_metrics(record)

@@ -1,0 +1,54 @@
+"""Metrics records stay small enough for hivemind's DHT process to read whole (a call of over 16 KiB could be read
+half-written, and the DHT process then exited: docs/design.md §7), and a status reader that polls keeps the epochs
+the records no longer carry."""
+from __future__ import annotations
+
+import pickle
+
+from p2ptrain.dht.records import EpochMetrics, Metrics
+from p2ptrain.node.metrics import HISTORY, MAX_RECORD_BYTES, fit
+from p2ptrain.status import History, _epochs
+
+PEER = "12D3KooW" + "x" * 44
+
+
+def entry(epoch: int, **fields) -> EpochMetrics:
+    return EpochMetrics(epoch=epoch, rows_in_batch=16, rows_averaged=16, tasks_redone=0, loss=2.5, tokens=1024,
+                        seconds=3.2, digest=[0.12345] * 8, lr=0.001, grad_norm=0.7, eval_loss=2.6, **fields)
+
+
+def record(epochs: range, *, role: str = "fs", peer: str = PEER, stage: int = 0, lists: int = 3) -> Metrics:
+    entries = [entry(e) for e in epochs]
+    return Metrics(peer_id=peer, stage=stage, role=role, epoch=epochs[-1], updated=1.0, per_epoch=entries,
+                   worker_epochs=entries if lists > 1 else [], source_epochs=entries if lists > 2 else [])
+
+
+def test_the_data_sources_record_of_a_long_run_keeps_its_newest_epochs_within_the_bound():
+    fitted = fit(record(range(HISTORY)))
+    assert len(pickle.dumps(fitted.to_value())) <= MAX_RECORD_BYTES < 16 * 1024
+    kept = [e.epoch for e in fitted.per_epoch]
+    assert kept == list(range(HISTORY - len(kept), HISTORY)) and len(kept) >= 16
+    assert [e.epoch for e in fitted.source_epochs] == kept == [e.epoch for e in fitted.worker_epochs]
+
+
+def test_a_record_within_the_bound_is_left_whole():
+    small = record(range(5))
+    assert fit(small) == small
+
+
+def test_a_history_keeps_the_epochs_a_record_dropped_and_the_newest_word_on_each():
+    history = History()
+    history.merge([record(range(0, 10), role="fs", lists=1)])
+    merged = history.merge([Metrics(peer_id=PEER, stage=0, role="fs", epoch=14, updated=2.0,
+                                    per_epoch=[entry(e) for e in range(5, 15)][:-1] + [entry(14, rows_dropped=3)])])
+    [fs] = merged
+    assert [e.epoch for e in fs.per_epoch] == list(range(15)) and fs.per_epoch[-1].rows_dropped == 3
+    assert [e["epoch"] for e in _epochs(merged, 1)] == list(range(15))
+
+
+def test_a_history_keeps_the_epochs_of_peers_whose_records_are_gone():
+    history = History()
+    history.merge([record(range(3), role="worker", peer="gone", lists=1), record(range(3), role="fs", lists=1)])
+    merged = history.merge([record(range(3, 6), role="fs", lists=1)])
+    assert {m.peer_id: [e.epoch for e in m.per_epoch] for m in merged} == {"gone": [0, 1, 2],
+                                                                         PEER: [0, 1, 2, 3, 4, 5]}
