@@ -8,8 +8,9 @@ caller knows when it holds the whole reply and closes the stream then; the serve
 happens (up to `LINGER_S`). Why: p2pd pipes each libp2p stream to a Unix socket and resets the stream as soon as
 either side closes, and a reset discards whatever the receiving daemon had not yet handed to its Python peer, so
 a reply the server closed right after writing was sometimes lost on a loaded machine ("the peer sent an empty
-stream"; docs/design.md §7). Work a handler does after its reply (`Answer.then`) runs as a task of the servicer, not of
-the stream, so a caller that goes away never cancels it halfway.
+stream"; docs/design.md §7). Work a handler leaves for after its reply (`Service.spawn`) runs as a task of the
+servicer, not of the stream, so a caller that goes away never cancels it halfway; so does work a handler must not
+leave halfway before its reply (`Service.unbroken`).
 
 A servicer (`Service`) decodes every request into its `protocol.messages` type before its handler sees it. A request
 that does not decode, or that the handler refuses (`Refused`), is answered with a refusal naming the reason and
@@ -24,7 +25,7 @@ import asyncio
 import logging
 import time
 import typing
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -43,6 +44,7 @@ Proto = TypeVar("Proto", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 Requests = typing.AsyncIterator[runtime_pb2.ExpertRequest]
 Responses = typing.AsyncIterator[runtime_pb2.ExpertResponse]
 R = TypeVar("R", bound=Request)
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +77,6 @@ class LocalCall:
     """The context of a call that a `Caller` hands straight to a servicer in its own process."""
 
     sender: str
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A handler's reply, and work that follows it; the servicer runs that work as its own task (`Service.spawn`)."""
-
-    reply: Message
-    then: Callable[[], Awaitable[None]] | None = None
 
 
 def pack(envelope: Envelope, *, codec: str, proto: type[Proto]) -> list[Proto]:
@@ -147,7 +141,7 @@ def handle_name(service: str, method: str, namespace: str | None = None) -> str:
 class Service(ServicerBase):
     """A p2ptrain servicer: its handlers are registered as ``{service}.{method}``, so callers name the service
     without importing its class, and `serve` gives every handler typed requests and refusals. Owns the follow-up
-    tasks its handlers leave behind (`Answer.then`); `shutdown` cancels them."""
+    tasks its handlers leave behind (`spawn`, `unbroken`); `shutdown` cancels them."""
 
     service: ClassVar[str]
 
@@ -163,11 +157,26 @@ class Service(ServicerBase):
         self._follow_ups.add(task)
         task.add_done_callback(self._follow_ups.discard)
 
+    async def unbroken(self, work: Coroutine[Any, Any, T]) -> T:
+        """`work`'s result, with `work` carried to its end even if the caller's stream breaks meanwhile (hivemind then
+        cancels the handler that awaits it): a handler's change of state that another peer also makes (a result its
+        issuer confirms, then counts) must not stop halfway."""
+        task = asyncio.ensure_future(work)
+        self._follow_ups.add(task)
+        task.add_done_callback(self._follow_ups.discard)
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved if nobody awaits it
+        return await asyncio.shield(task)
+
     async def _logged(self, work: Awaitable[None], what: str) -> None:
         try:
             await work
         except Exception:
             self.logger.exception(f"{self.name}: {what} failed")
+
+    async def drain(self) -> None:
+        """Until every task its handlers left behind, and those these left in turn, has ended (tests)."""
+        while self._follow_ups:
+            await asyncio.gather(*self._follow_ups, return_exceptions=True)
 
     async def shutdown(self) -> None:
         for task in list(self._follow_ups):
@@ -179,7 +188,7 @@ class Service(ServicerBase):
         return handle_name(cls.service, method_name, namespace)
 
     async def serve(self, requests: Requests, context: P2PContext | LocalCall, kind: type[R],
-                    handler: Callable[[R, str], Awaitable[Message | Answer]]) -> Responses:
+                    handler: Callable[[R, str], Awaitable[Message]]) -> Responses:
         """Decode a `kind` request, run `handler(request, sender)` and stream its reply, or a refusal.
 
         `sender` is the peer id libp2p authenticated, or the calling peer's own for a call within its process.
@@ -187,15 +196,12 @@ class Service(ServicerBase):
         sender = context.sender if isinstance(context, LocalCall) else context.remote_id.to_base58()
         local = isinstance(context, LocalCall)  # this process's own code: never banned
         banned_for = 0.0 if local else self.bans.banned_for(sender, now=time.monotonic())
-        answer = None
         try:
             if banned_for > 0:  # refused unread: a banned peer costs a reply and a stream, not a decode
                 raise Refused(f"banned for {banned_for:.0f} more s after repeated malformed or forged requests")
             envelope = await unpack(requests)
             request = kind.from_header(envelope.header, envelope.tensors)
-            reply = await handler(request, sender)
-            answer = reply if isinstance(reply, Answer) else Answer(reply)
-            responses = self.pack(answer.reply)
+            responses = self.pack(await handler(request, sender))
         except ConnectionError as e:  # the request never fully arrived: nobody is left to answer
             self.logger.warning(f"{self.name}: {kind.__name__} from {sender} broke off: {e}")
             return
@@ -208,8 +214,6 @@ class Service(ServicerBase):
         except Exception as e:  # a bug here must not end the handler silently or stall the caller until timeout
             self.logger.exception(f"{self.name}: failed on {kind.__name__} from {sender}")
             responses = self.refusal(f"internal error: {e!r}")
-        if answer is not None and answer.then is not None:
-            self.spawn(answer.then(), what=f"follow-up of {kind.__name__} from {sender}")
         for response in responses:
             yield response
         if not local:  # the caller closes the stream once it holds the reply; that cancels this

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-
 from collections.abc import Awaitable, Callable
 
 import pytest

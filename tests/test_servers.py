@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -36,9 +36,10 @@ from p2ptrain.protocol.messages import (
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Kind
 from p2ptrain.server.backward import BackwardServer
+from p2ptrain.server.base import StageServer
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.state import BackwardState, FrontalState
-from p2ptrain.transport import Answer, Caller, Envelope, Refused, pack, unpack
+from p2ptrain.transport import Caller, Envelope, Refused, pack, unpack
 
 SEQ, ROWS = 4, 4
 CONFIG = RunConfig(num_stages=1, rows_per_microbatch=ROWS, microbatches=1, seq_len=SEQ)
@@ -74,13 +75,11 @@ def servers(*, fs_state: FrontalState | None = None, bs_state: BackwardState | N
     return fs, bs
 
 
-async def handled(answer: Ack | Answer) -> Ack:
-    """What the caller gets, after the work a handler does once its reply is sent."""
-    if isinstance(answer, Answer):
-        if answer.then is not None:
-            await answer.then()
-        return answer.reply
-    return answer
+async def handled(server: StageServer, reply: Awaitable[Ack]) -> Ack:
+    """What the caller gets, once the work the handler left for after its reply is done too."""
+    ack = await reply
+    await server.drain()
+    return ack
 
 
 async def feed(fs: FrontalServer, epoch: int, *, commit: bool = True) -> None:
@@ -121,7 +120,7 @@ def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_
         fs, _ = servers()
         await feed(fs, 0)
         task = await take(fs, "w1", 0)
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         reply = await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
         assert reply.deposit_to == "fs" and fs.state.closed_epoch == -1  # all rows back: w1 deposits first
         await deposited(fs, "w1", 0)
@@ -137,9 +136,37 @@ def test_a_result_pushed_again_after_a_lost_reply_is_accepted_again_and_counted_
         await feed(fs, 1)
         task = await take(fs, "w1", 1)
         fs.state.workers.pop("w1")
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         await deposited(fs, "w1", 1)
         assert members(fs.state.closures[1]) == ["w1"]
+
+    asyncio.run(scenario())
+
+
+def test_a_result_whose_worker_dies_while_the_issuer_confirms_it_is_still_counted():
+    """A worker killed while its result is confirmed breaks its stream, and hivemind cancels the handler: the issuer
+    had counted the task done, and the rows were then counted nowhere (seen in the convergence benchmark at 25%
+    churn: the epoch never closed)."""
+    async def scenario() -> None:
+        fs, _ = servers()
+        await feed(fs, 0)
+        task = await take(fs, "w1", 0)
+        confirm = fs.task_result
+
+        async def slow_reply(request: ReportTask, sender: str) -> Ack:  # the issuer counts it; its reply is slow
+            ack = await confirm(request, sender)
+            await asyncio.sleep(0.2)
+            return ack
+
+        fs.task_result = slow_reply
+        handler = asyncio.create_task(fs.push_input_grads(grads(task, "w1"), "w1"))
+        await asyncio.sleep(0.05)
+        assert fs.state.pool.get(task.task) is None  # the issuer completed the task...
+        handler.cancel()  # ...and then the worker's stream broke
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        await fs.drain()
+        assert (task.task, "w1") in fs.state.accepted[0] and fs.state.completed[0] == {0}
 
     asyncio.run(scenario())
 
@@ -155,7 +182,7 @@ def test_a_worker_polling_from_two_epochs_back_is_left_out_of_the_group_and_hold
             await feed(fs, epoch)
             task = await take(fs, "w1", epoch)
             assert (await fs.take_task(holder, "w2")).task is None
-            assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+            assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
             await deposited(fs, "w1", epoch)
             assert fs.state.closed_epoch == epoch - 1  # a holder seen before the rows were all back polls again first
             await fs.take_task(holder, "w2")
@@ -163,13 +190,13 @@ def test_a_worker_polling_from_two_epochs_back_is_left_out_of_the_group_and_hold
         assert members(fs.state.closures[1]) == ["w1", "w2"]  # one epoch behind: it steps 0, then 1
         await feed(fs, 2)
         task = await take(fs, "w1", 2)
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         await deposited(fs, "w1", 2)
         await fs.take_task(holder, "w2")
         assert fs.state.closed_epoch == 2 and members(fs.state.closures[2]) == ["w1"]
         await feed(fs, 3)
         task = await take(fs, "w1", 3)
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         await deposited(fs, "w1", 3)
         await fs.take_task(dataclasses.replace(holder, epoch=3), "w2")  # caught up: in the group again
         assert members(fs.state.closures[3]) == ["w1", "w2"]
@@ -190,8 +217,8 @@ def test_results_are_refused_unless_their_issuer_confirms_them_and_a_worker_spea
         with pytest.raises(Refused, match="does not confirm"):  # the BS of the last stage: the loss of rows the FS
             await bs.push_outputs(loss(task, "w1"), "w1")  # never accepted
         assert bs.state.ledger.rows(epoch=0, microbatch=0) == [] and not bs.state.microbatches
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
-        assert await handled(await bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(bs, bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
         assert bs.state.closed_epoch == 0 and bs.epoch_stats(0).loss_sum == 3.0
         with pytest.raises(Refused, match="duplicate"):
             await bs.push_outputs(loss(task, "w1"), "w1")
@@ -229,8 +256,8 @@ def test_a_state_saved_mid_epoch_restores_into_a_new_server_that_finishes_the_ep
         held = restored_fs.state.microbatches[(0, 0)]
         assert torch.equal(held.inputs, fs.state.microbatches[(0, 0)].inputs) and held.layout == LAYOUT
         assert restored_fs.state.pool.get(task.task) == fs.state.pool.get(task.task)  # still leased to w1
-        assert await handled(await restored_fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
-        assert await handled(await restored_bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
+        assert await handled(restored_fs, restored_fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(restored_bs, restored_bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
         await deposited(restored_fs, "w1", 0)
         assert restored_fs.state.closed_epoch == restored_bs.state.closed_epoch == 0
         assert members(restored_fs.state.closures[0]) == ["w1"]
@@ -264,7 +291,7 @@ async def both_results(fs: FrontalServer, bs: BackwardServer, clock: Clock) -> t
     await feed(fs, 0)
     first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
     for task, worker in ((second, "w2"), (first, "w1")):
-        await handled(await fs.push_input_grads(grads(task, worker), worker))
+        await handled(fs, fs.push_input_grads(grads(task, worker), worker))
         await bs.push_outputs(loss(task, worker), worker)
         clock.now += 0.5
     return first, second
@@ -282,7 +309,7 @@ def test_rows_of_a_worker_that_vanished_before_its_stage_averaged_are_redone_by_
         clock.now += fs.settings.worker_lost_s
         redo = await poll(fs, "w1", 0)
         assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
-        assert await handled(await fs.push_input_grads(grads(redo, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(redo, "w1"), "w1")) == Ack()
         with pytest.raises(Refused, match="duplicate"):  # w2 had delivered the loss of those rows already
             await bs.push_outputs(loss(redo, "w1"), "w1")
         assert (await deposited(fs, "w1", 0, ROWS // 2)).task is None  # its deposit before the redo: too few rows
@@ -315,7 +342,7 @@ def test_an_fs_counts_a_worker_ready_to_average_only_once_its_gradients_are_depo
         redo = (await deposited(fs, "w1", 0, len(first.rows))).task
         assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
         assert await poll(fs, "w2", 0) is None  # out of the epoch now
-        await handled(await fs.push_input_grads(grads(redo, "w1"), "w1"))
+        await handled(fs, fs.push_input_grads(grads(redo, "w1"), "w1"))
         assert (await deposited(fs, "w1", 0, len(first.rows))).deposit_to == "fs" and fs.state.closed_epoch == -1
         await deposited(fs, "w1", 0)
         assert fs.state.closed_epoch == 0 and members(fs.state.closures[0]) == ["w1"]
@@ -335,7 +362,7 @@ def test_a_worker_judged_gone_that_was_alive_after_all_stays_out_of_the_epoch_it
         assert await poll(fs, "w2", 0) is None  # w2 thaws and polls: it gets no work of the epoch...
         with pytest.raises(Refused, match="judged gone"):  # ...and its result, pushed again, no longer counts
             await fs.push_input_grads(grads(second, "w2"), "w2")
-        await handled(await fs.push_input_grads(grads(redo, "w1"), "w1"))
+        await handled(fs, fs.push_input_grads(grads(redo, "w1"), "w1"))
         assert (await deposited(fs, "w1", 0)).task is None and fs.state.closed_epoch == 0
         assert members(fs.state.closures[0]) == ["w1"]  # w2 polled, yet is out
         assert fs.epoch_stats(0).rows_grouped == ROWS
@@ -350,9 +377,9 @@ def test_under_the_swarm_policy_a_vanished_workers_rows_are_dropped_and_named_fo
         assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
         await feed(fs, 0)
         first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
-        await handled(await fs.push_input_grads(grads(second, "w2"), "w2"))  # w2 vanishes before it sends the loss
+        await handled(fs, fs.push_input_grads(grads(second, "w2"), "w2"))  # w2 vanishes before it sends the loss
         clock.now += 0.5
-        await handled(await fs.push_input_grads(grads(first, "w1"), "w1"))
+        await handled(fs, fs.push_input_grads(grads(first, "w1"), "w1"))
         await bs.push_outputs(loss(first, "w1"), "w1")
         clock.now += fs.settings.worker_lost_s
         assert (await deposited(fs, "w1", 0, ROWS // 2)).task is None  # no redo: it closes without w2's rows
@@ -395,9 +422,9 @@ def test_a_worker_that_leaves_has_its_rows_redone_without_waiting_for_its_silenc
         assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
         await feed(fs, 0)
         first, second = await poll(fs, "w1", 0), await poll(fs, "w2", 0)
-        await handled(await fs.push_input_grads(grads(second, "w2"), "w2"))
+        await handled(fs, fs.push_input_grads(grads(second, "w2"), "w2"))
         assert await fs.leave(Leave(worker="w2"), "w2") == Ack()  # stops, holding the gradients of its rows
-        await handled(await fs.push_input_grads(grads(first, "w1"), "w1"))
+        await handled(fs, fs.push_input_grads(grads(first, "w1"), "w1"))
         redo = await poll(fs, "w1", 0)  # no clock moved: w2 said it is gone
         assert redo is not None and redo.rows == second.rows
         assert await poll(fs, "w2", 0) is None  # a worker that left gets nothing more
@@ -413,7 +440,7 @@ def test_leases_follow_a_workers_measured_speed_and_bans_last_longer_each_time()
         task = await poll(fs, "w1", 0)
         assert fs.state.pool.lease(task.task).deadline == clock.now + fs.settings.lease_timeout_s  # not timed yet
         clock.now += 0.5
-        await handled(await fs.push_input_grads(grads(task, "w1"), "w1"))
+        await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1"))
         assert fs.state.workers["w1"].seconds_per_row == pytest.approx(0.5 / ROWS)
         await feed(fs, 1)
         clock.now += 0.1
@@ -447,7 +474,7 @@ def test_an_fs_closes_an_epoch_only_once_the_data_source_committed_it():
         await feed(fs, 0, commit=False)
         assert not (await fs.ask_epoch(AskEpoch(epoch=0), "fs")).complete
         task = await take(fs, "w1", 0)
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         assert fs.state.closed_epoch == -1 and not fs.state.closures  # complete, but no stage steps before commit
         assert (await fs.ask_epoch(AskEpoch(epoch=0), "fs")).complete
         with pytest.raises(Refused, match="not the data source"):  # a worker cannot end epochs
@@ -467,7 +494,7 @@ def test_an_abandoned_epoch_is_dropped_by_every_server_and_its_workers_drop_it_a
         fs, bs = servers()
         await feed(fs, 0, commit=False)
         task = await take(fs, "w1", 0)
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         assert await fs.end_epoch(end(0, abandoned=True), "fs") == Ack()
         assert await bs.end_epoch(end(0, abandoned=True), "fs") == Ack()
         assert await fs.end_epoch(end(0, abandoned=True), "fs") == Ack(again=True)  # a repeat after a lost reply
@@ -484,7 +511,7 @@ def test_an_abandoned_epoch_is_dropped_by_every_server_and_its_workers_drop_it_a
         # the batch comes again as the next epoch, and trains as any other
         await feed(fs, 1)
         task = await take(fs, "w1", 1)
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         await deposited(fs, "w1", 1)
         assert fs.state.closed_epoch == 1 and not fs.state.closures[1].abandoned
 
@@ -502,7 +529,7 @@ def test_a_restarted_server_takes_the_swarms_epoch_and_an_abandon_waits_for_the_
         fs, _ = servers(clock=clock)
         await feed(fs, 6, commit=False)
         task = await take(fs, "w1", 6)
-        assert await handled(await fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
         await feed(fs, 7, commit=False)
         assert await fs.end_epoch(end(7, abandoned=True), "fs") == Ack()
         assert fs.state.closed_epoch == 5 and fs.ended(7)  # 6 must close first, with its group

@@ -26,10 +26,11 @@ from p2ptrain.protocol.messages import (
     TaskOffer,
     TaskReply,
 )
+from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.state import BackwardState, BackwardWork, EpochProgress, KeptGrads, MicrobatchOutputs
-from p2ptrain.transport import Answer, Forbidden, Refused, Requests, Responses
+from p2ptrain.transport import Forbidden, Refused, Requests, Responses
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class BackwardServer(StageServer[BackwardState]):
         """A worker's forward result: output rows (or, in the last stage, their summed loss)."""
         return self.serve(requests, context, PushOutputs, self.push_outputs)
 
-    async def push_outputs(self, request: PushOutputs, sender: str) -> Ack | Answer:
+    async def push_outputs(self, request: PushOutputs, sender: str) -> Ack:
         self.check_sender(request.worker, sender)
         epoch, index, rows = request.epoch, request.microbatch, request.rows
         if self.ended(epoch):  # a retry whose first push got through (counted already), or an abandoned epoch
@@ -73,6 +74,13 @@ class BackwardServer(StageServer[BackwardState]):
             # a forward task of the last stage was completed by its FS already, when it accepted the input gradients
             await self.refuse_result(task=request.task, worker=request.worker, epoch=epoch,
                                      issuer=None if self.is_last else request.fs, error=str(e))
+        # a worker killed while its result is confirmed breaks the stream: the issuer counts the task done then, so
+        # this server must count the rows too, or they are lost for good (the epoch never closes)
+        return await self.unbroken(self._accept(request, segment))
+
+    async def _accept(self, request: PushOutputs, segment: Rows) -> Ack:
+        """Confirm the result with its issuer and count its rows; the segment goes on once they are all in."""
+        epoch, index, rows = request.epoch, request.microbatch, request.rows
         ledger = self.state.ledger
         await self.confirm_result(request.fs, task=request.task, worker=request.worker, epoch=epoch, microbatch=index,
                                   rows=rows, taken=ledger.rows(epoch=epoch, microbatch=index))
@@ -98,9 +106,9 @@ class BackwardServer(StageServer[BackwardState]):
         window = rows.relative_to(mb.segment)
         mb.outputs[window] = request.outputs
         mb.labels[window] = request.labels
-        if ledger.covered(epoch=epoch, microbatch=index) < len(mb.segment):
-            return Ack()
-        return Answer(Ack(), then=lambda: self._forward(epoch, index, mb))
+        if ledger.covered(epoch=epoch, microbatch=index) == len(mb.segment):
+            self.spawn(self._forward(epoch, index, mb), what=f"forwarding microbatch {epoch}:{index}")
+        return Ack()
 
     def rpc_drop_result(self, requests: Requests, context: P2PContext) -> Responses:
         """From an FS of this stage, the last (fault policy swarm): a gone worker's result is dropped, not redone."""

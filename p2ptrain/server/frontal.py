@@ -40,7 +40,7 @@ from p2ptrain.protocol.rows import Rows, split_by_compute
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.state import FrontalState, MicrobatchInputs, RedoWork, Result
-from p2ptrain.transport import Answer, Refused, Requests, Responses
+from p2ptrain.transport import Refused, Requests, Responses
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class FrontalServer(StageServer[FrontalState]):
         """The result of a backward task: gradients of the stage inputs (none at stage 0), checked, then kept."""
         return self.serve(requests, context, PushInputGrads, self.push_input_grads)
 
-    async def push_input_grads(self, request: PushInputGrads, sender: str) -> Ack | Answer:
+    async def push_input_grads(self, request: PushInputGrads, sender: str) -> Ack:
         self.check_sender(request.worker, sender)
         epoch, rows = request.epoch, request.rows
         if (request.task, request.worker) in self.state.accepted.get(epoch, ()):
@@ -212,8 +212,15 @@ class FrontalServer(StageServer[FrontalState]):
         except BadTensorError as e:
             await self.refuse_result(task=request.task, worker=request.worker, epoch=epoch, issuer=request.issuer,
                                      error=str(e))
+        # a worker killed while its result is confirmed breaks the stream: the issuer counts the task done then, so
+        # this server must count the rows too, or they are lost for good (the epoch never closes)
+        return await self.unbroken(self._accept(request, mb, redo))
+
+    async def _accept(self, request: PushInputGrads, mb: MicrobatchInputs, redo: RedoWork | None) -> Ack:
+        """Confirm the result with its issuer and count its rows; the microbatch finishes once they are all in."""
         if redo is not None:
             return await self._accept_redo(request, redo)
+        epoch, rows = request.epoch, request.rows
         await self.confirm_result(request.issuer, task=request.task, worker=request.worker, epoch=epoch,
                                   microbatch=request.microbatch, rows=rows, taken=mb.grads_received)
         if self.ended(epoch):
@@ -224,10 +231,11 @@ class FrontalServer(StageServer[FrontalState]):
                 mb.grads = torch.zeros(len(mb.segment), *self.hidden_shape)
             mb.grads[rows.relative_to(mb.segment)] = request.grad
         mb.grads_received.append(rows)
-        if _covered(mb.grads_received) < len(mb.segment):
-            return Ack()
-        accepted_at = self.state.workers[request.worker].last_seen
-        return Answer(Ack(), then=lambda: self._finish_microbatch(epoch, request.microbatch, mb, at=accepted_at))
+        if _covered(mb.grads_received) == len(mb.segment):
+            accepted_at = self.state.workers[request.worker].last_seen
+            self.spawn(self._finish_microbatch(epoch, request.microbatch, mb, at=accepted_at),
+                       what=f"finishing microbatch {epoch}:{request.microbatch}")
+        return Ack()
 
     def _record(self, request: PushInputGrads) -> None:
         """The worker now holds these rows' parameter gradients: note it, for the averaging group and for a redo."""
