@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--churn", type=float, default=0.25, help="the churn run's disconnection rate")
     parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"which of {','.join(RUNS)}")
     parser.add_argument("--data-dir", type=Path, default=DATA, help="holds valid.txt (train) and test.txt (held out)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm run at most")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per swarm run at most")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--workdir", type=Path, help="keep the peers' logs here (default: a temporary folder, "
                                                      "removed at the end)")
