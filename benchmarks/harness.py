@@ -333,6 +333,11 @@ class LocalSwarm:
                                  *self._swarm.initial_peers])
         return name
 
+    @property
+    def initial_peers(self) -> list[str]:
+        """The bootstrap peer's addresses, as the peers get them."""
+        return self._swarm.initial_peers
+
     def roots(self) -> dict[str, int]:
         """Owner -> pid of the processes to account CPU to: every peer, and this process as OWN."""
         return {**{name: p.pid for name, p in self._swarm.processes.items()}, OWN: os.getpid()}

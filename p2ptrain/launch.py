@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the volunteers (clients) run with --client-mode, dialing out only as behind NAT; the "
                              "servers, reachable, reduce their stages' averaging rounds")
     add_optimization_flags(parser)
+    parser.set_defaults(decay_epochs=None)  # the launcher knows the run's length: decay over all of it by default
     return parser
 
 
@@ -146,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     if rows < 1:
         parser.error(f"{args.peers}: [batch] tokens = {tokens} is less than one row per microbatch of --seq-len "
                      f"{args.seq_len}; raise it or lower --seq-len")
+    if args.decay_epochs is None:
+        args.decay_epochs = args.epochs if args.epochs > args.warmup_epochs else 0
     with refusing(parser, {**RECIPE_FLAGS, "num_stages": "--stages"}):  # what every peer will check, checked first
         config = RunConfig(run_id=args.run_id, model=args.model, num_stages=args.stages, rows_per_microbatch=rows,
                            microbatches=microbatches, seq_len=args.seq_len, compression=args.compression,

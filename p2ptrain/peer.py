@@ -5,6 +5,8 @@
     python -m p2ptrain.peer --role client --stage 1 --initial-peers ADDR
     python -m p2ptrain.peer --role client --initial-peers ADDR    # joins the stage it measures best (--stage-choice)
     python -m p2ptrain.peer --role server --planner-key planner.key.pub --initial-peers ADDR   # placed by the plan
+    python -m p2ptrain.peer --role server --stage 0 --server-role fs --owner-key owner.key.pub \
+        --identity-path fs0.id --initial-peers ADDR    # a server of an owned run: fs0.id.cert from p2ptrain.owner
 
 Every option is checked before anything starts: a bad one exits with status 2 and a message naming the flag.
 """
@@ -38,6 +40,7 @@ from p2ptrain.planner.join import STAGE_CHOICES
 from p2ptrain.protocol.layout import Placement
 
 if TYPE_CHECKING:
+    from p2ptrain.live.authority import Owner, ServerCertificate
     from p2ptrain.node.peer import Peer
 
 # NodeOptions and RuntimeConfig fields and the flags that set them
@@ -94,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--plan-stages", type=count, help="with --plan: force this many stages")
     live.add_argument("--expect", type=count,
                       help="with --plan: servers to wait for, this one included (default: 2 per stage, at least 2)")
+    trust = parser.add_argument_group("trust (a run with an owner)")
+    trust.add_argument("--owner-key", type=existing_file,
+                       help="the run owner's public key (KEY.pub of `python -m p2ptrain.owner authorize --owner-identity "
+                            "KEY`): this peer trusts only the servers the owner authorized, and a server takes part "
+                            "only with the owner's certificate for its place")
+    trust.add_argument("--certificate", type=existing_file,
+                       help="with --owner-key, a server: the owner's certificate for its place (default: "
+                            "IDENTITY.cert beside --identity-path, where `p2ptrain.owner authorize` writes it)")
     net = parser.add_argument_group("network (as in hivemind)")
     net.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of peers already in the swarm")
     net.add_argument("--host-maddrs", nargs="*", default=["/ip4/0.0.0.0/tcp/0"], help="multiaddrs to listen on")
@@ -176,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
                          ("--announce-maddrs", args.announce_maddrs)):
         check_maddrs(parser, flag, values)
     config = recipe_from(parser, args)
+    owner, certificate = _authority(parser, args, config)
     planning = planner = None
     if args.plan:
         from p2ptrain.live.identity import load_or_create_identity  # hivemind's keys; loaded once the flags hold
@@ -207,11 +219,47 @@ def parse_args(argv: list[str] | None = None) -> Command:
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, eval_data=args.eval_data,
-            eval_every=args.eval_every, eval_rows=args.eval_rows)
+            eval_every=args.eval_every, eval_rows=args.eval_rows, owner=owner, certificate=certificate)
         settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout,
                                  plan_timeout_s=args.plan_timeout, worker_lost_s=args.worker_lost,
                                  server_lost_s=args.server_lost)
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
+
+
+def _authority(parser: argparse.ArgumentParser, args: argparse.Namespace,
+               config: RunConfig) -> tuple[Owner | None, ServerCertificate | None]:
+    """The owner (--owner-key) and, for a server, its certificate, checked against its identity and place."""
+    if args.certificate is not None and (args.owner_key is None or args.role != "server"):
+        parser.error("--certificate is a server's, with --owner-key")
+    if args.owner_key is None:
+        return None, None
+    from p2ptrain.live.authority import CertificateError, Owner, ServerCertificate  # hivemind's keys
+
+    try:
+        owner = Owner.from_file(args.owner_key)
+    except CertificateError as e:
+        fail(parser, "--owner-key", args.owner_key, str(e))
+    if args.role != "server":
+        return owner, None
+    if args.stage is None:
+        parser.error("--owner-key: a server of an owned run is started with --stage and --server-role, the place "
+                     "its certificate names (a planned server cannot have one yet)")
+    if args.identity_path is None or not args.identity_path.is_file():
+        parser.error("--owner-key: a server needs --identity-path, the identity its certificate names (`python -m "
+                     "p2ptrain.owner authorize --identity-path PATH` creates both)")
+    path = args.certificate or args.identity_path.with_name(args.identity_path.name + ".cert")
+    if not path.is_file():
+        fail(parser, "--certificate", path, "no such file: have the owner write it with python -m p2ptrain.owner "
+                                            f"authorize --identity-path {args.identity_path} ...")
+    from p2ptrain.live.authority import peer_id_of
+
+    try:
+        certificate = ServerCertificate.load(path)
+        owner.check(certificate, run_id=config.run_id, peer_id=peer_id_of(args.identity_path), stage=args.stage,
+                    role=args.server_role)
+    except CertificateError as e:
+        fail(parser, "--certificate", path, str(e))
+    return owner, certificate
 
 
 def _layers(parser: argparse.ArgumentParser, args: argparse.Namespace, config: RunConfig) -> tuple[int, int]:
@@ -236,13 +284,14 @@ def main(argv: list[str] | None = None) -> None:
     command = parse_args(argv)
     logging.basicConfig(level=command.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    from p2ptrain.live.authority import CertificateError
     from p2ptrain.node.peer import Peer  # torch and hivemind: only once the command line holds
     from p2ptrain.state.checkpoint import CheckpointError
 
     peer = Peer(config=command.config, options=command.options, settings=command.settings)
     try:
         asyncio.run(_run(peer))
-    except CheckpointError as e:  # refused before anything of it was loaded
+    except (CheckpointError, CertificateError) as e:  # refused before anything of it was loaded or announced
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -4,7 +4,7 @@ JSON fields (stable; later tools and outside checks read them):
   run_id                 the swarm's DHT prefix
   peers                  [{peer_id, role, stage, server_role}] every peer with a live record
   stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], client_mode_workers,
-                           state, rounds_failed, steps_unclipped, digests_agree, digests_disagreed}];
+                           state, rounds_failed, steps_unclipped, digests_agree, digests_disagreed, unauthorized}];
                            client_mode_workers: how many
                            of its workers dial out only (`--client-mode`, behind NAT: they reduce nothing, the
                            stage's servers do); state is what the
@@ -15,7 +15,9 @@ JSON fields (stable; later tools and outside checks read them):
                            (one per worker that says so); steps_unclipped: steps of the epochs below that were not
                            clipped (--clip-norm) because no global norm came in time; digests_agree: whether the workers' parameter digests
                            of the newest epoch that two or more published agree (null: none such yet);
-                           digests_disagreed: epochs below whose digests did not agree
+                           digests_disagreed: epochs below whose digests did not agree; unauthorized: with
+                           --owner-key, the peers that announce themselves as its servers without the owner's
+                           certificate for that place (left out of fs and bs, and their metrics ignored)
   epoch                  the last global batch that closed at every stage (-1: none yet)
   epochs_planned         global batches the data source will feed (null if no source is up)
   finished               the data source fed and closed all its epochs
@@ -66,7 +68,7 @@ import sys
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from p2ptrain.cli import check_maddrs, run_id
+from p2ptrain.cli import check_maddrs, existing_file, fail, run_id
 from p2ptrain.config import RunConfig
 from p2ptrain.protocol.optimization import Digest, digests_agree
 
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     import hivemind
 
     from p2ptrain.dht.records import EpochMetrics, Metrics
+    from p2ptrain.live.authority import Owner
 
 
 class History:
@@ -103,18 +106,23 @@ def _joined(before: list[EpochMetrics], now: list[EpochMetrics]) -> list[EpochMe
     return [merged[epoch] for epoch in sorted(merged)]
 
 
-def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None) -> dict:
+def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, owner: Owner | None = None) -> dict:
     """The report (see the module docstring) of run `run_id`, read through `dht`; its `epochs` are those the peers'
-    records carry, and with `history`, every epoch its earlier reads saw too."""
-    from p2ptrain.dht import get_metrics, get_peers, get_stage_members  # hivemind: not for --help
+    records carry, and with `history`, every epoch its earlier reads saw too; with the run's `owner`, of the servers
+    it authorized only."""
+    from p2ptrain.dht import get_metrics, get_peers  # hivemind: not for --help
+    from p2ptrain.dht.readers import get_authorized_members
 
     peers = get_peers(dht, run_id)
     metrics = get_metrics(dht, run_id)
     stages_seen = [p.stage for p in peers if p.stage is not None] + [m.stage for m in metrics if m.stage is not None]
     num_stages = 1 + max(stages_seen, default=-1)
+    memberships = [get_authorized_members(dht, run_id, stage, owner=owner) for stage in range(num_stages)]
+    if owner is not None:  # a server's figures count only if the owner authorized it in that place
+        servers = {(m.peer_id, stage, m.role) for stage, (members, _) in enumerate(memberships) for m in members}
+        metrics = [m for m in metrics if m.role == "worker" or (m.peer_id, m.stage, m.role) in servers]
     stages = []
-    for stage in range(num_stages):
-        members = get_stage_members(dht, run_id, stage)
+    for stage, (members, unauthorized) in enumerate(memberships):
         fs = sorted(m.peer_id for m in members if m.role == "fs")
         bs = sorted(m.peer_id for m in members if m.role == "bs")
         views = [m.condition for m in metrics if m.stage == stage and m.role == "fs" and m.condition]
@@ -122,7 +130,7 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None) -
                    if m.stage == stage and (m.role == "worker" or (m.worker_epochs and not m.holds_state))]
         stages.append({
             "stage": stage, "fs": fs, "bs": bs, "workers": sorted(m.peer_id for m in workers),
-            "client_mode_workers": sum(m.client_mode for m in workers),
+            "client_mode_workers": sum(m.client_mode for m in workers), "unauthorized": sorted(unauthorized),
             "state": "waiting for FS" if not fs else "waiting for BS" if not bs else _worst(views),
         })
     epochs = _epochs(history.merge(metrics) if history is not None else metrics, num_stages)
@@ -243,7 +251,9 @@ def render(report: dict) -> str:
                      + f" | {stage['state']}"
                      + {True: " | parameters agree", False: " | PARAMETERS DIFFER", None: ""}[stage["digests_agree"]]
                      + (f" | {stage['rounds_failed']} rounds failed" if stage["rounds_failed"] else "")
-                     + (f" | {stage['steps_unclipped']} steps unclipped" if stage["steps_unclipped"] else ""))
+                     + (f" | {stage['steps_unclipped']} steps unclipped" if stage["steps_unclipped"] else "")
+                     + (f" | unauthorized, ignored: {', '.join(p[-8:] for p in stage['unauthorized'])}"
+                        if stage.get("unauthorized") else ""))
     lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))
     for epoch in report["epochs"][-10:]:
         cells = "  ".join(f"{s['rows_in_batch']:>6}/{s['rows_averaged']:<4}/{s['tasks_redone']:<3}"
@@ -260,9 +270,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of any peers of the swarm")
     parser.add_argument("--run-id", type=run_id, default=RunConfig.run_id)
     parser.add_argument("--json", action="store_true", help="print the report as JSON (fields: see module doc)")
+    parser.add_argument("--owner-key", type=existing_file,
+                        help="the run owner's public key: report only the servers it authorized, and list the others")
     args = parser.parse_args(argv)
     check_maddrs(parser, "--initial-peers", args.initial_peers)
     from p2ptrain.dht import start_dht
+    from p2ptrain.live.authority import CertificateError, Owner
+
+    owner = None
+    if args.owner_key is not None:
+        try:
+            owner = Owner.from_file(args.owner_key)
+        except CertificateError as e:
+            fail(parser, "--owner-key", args.owner_key, str(e))
 
     try:
         dht = start_dht(args.run_id, initial_peers=args.initial_peers, client_mode=True)
@@ -270,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: could not join the swarm at {' '.join(args.initial_peers)}: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        report = collect(dht, args.run_id)
+        report = collect(dht, args.run_id, owner=owner)
     finally:
         dht.shutdown()
     print(json.dumps(report, indent=2) if args.json else render(report))

@@ -14,6 +14,7 @@ import pytest
 from p2ptrain.cli import LOOPBACK
 from p2ptrain.dht import start_dht
 from p2ptrain.launch import Swarm
+from p2ptrain.live.authority import Owner
 from p2ptrain.status import History, collect
 
 
@@ -27,6 +28,7 @@ class TestSwarm(Swarm):
         self.run_id, self.recipe = run_id, recipe
         self._dht = None
         self._history = History()
+        self.owner_key: Path | None = None  # a run with an owner: its status trusts the servers the owner authorized
 
     def peer(self, name: str, *args: str) -> None:
         self.start(name, ["--run-id", self.run_id, "--host-maddrs", LOOPBACK, *self.recipe, *args,
@@ -50,7 +52,8 @@ class TestSwarm(Swarm):
 
     def status_cli(self) -> dict:
         """What `python -m p2ptrain.status --json` prints, as a user would run it."""
-        out = subprocess.run([sys.executable, "-m", "p2ptrain.status", "--run-id", self.run_id, "--json",
+        owner = ["--owner-key", str(self.owner_key)] if self.owner_key else []
+        out = subprocess.run([sys.executable, "-m", "p2ptrain.status", "--run-id", self.run_id, "--json", *owner,
                               "--initial-peers", *self.initial_peers], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
@@ -60,7 +63,8 @@ class TestSwarm(Swarm):
         epoch this swarm's reads have seen (records carry their newest epochs only)."""
         if self._dht is None:
             self._dht = start_dht(self.run_id, initial_peers=self.initial_peers, client_mode=True)
-        return collect(self._dht, self.run_id, history=self._history)
+        owner = Owner.from_file(self.owner_key) if self.owner_key else None
+        return collect(self._dht, self.run_id, history=self._history, owner=owner)
 
     def wait_finished(self, timeout: float) -> dict:
         """Poll until the data source has fed and closed all its epochs; then check that the status command says so

@@ -98,6 +98,12 @@ PEER_ROLE_CASES = [
      "argument --plan-stages: 0"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "FILE", "--plan-timeout", "0"],
      "argument --plan-timeout: 0"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--owner-key", "MISSING"],
+     "argument --owner-key: MISSING: no such file"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--owner-key", "SHORT"],
+     "--owner-key SHORT: not an owner public key"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--certificate", "FILE"],
+     "--certificate is a server's, with --owner-key"),
 ]
 LAUNCH_CASES = [
     (["--epochs", "0"], "argument --epochs: 0: must be at least 1"),

@@ -1,25 +1,35 @@
-"""A peer's view of who serves each stage, read from the signed stage records in the DHT and kept fresh."""
+"""A peer's view of who serves each stage, read from the signed stage records in the DHT and kept fresh; with the
+run's owner key, only the servers the owner authorized (`live.authority`)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 import hivemind
 
-from p2ptrain.dht.readers import get_stage_members
+from p2ptrain.dht.readers import get_authorized_members
 from p2ptrain.protocol.layout import Layout, StageServers
+
+if TYPE_CHECKING:
+    from p2ptrain.live.authority import Owner
 
 logger = logging.getLogger(__name__)
 
 
 class MembershipCache:
     """The FS and BS of every stage as last read from the DHT: re-read every `period_s`, and every `retry_s` while
-    some stage lacks an FS or a BS (workers and the data source wait on that)."""
+    some stage lacks an FS or a BS (workers and the data source wait on that).
 
-    def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float, retry_s: float):
-        self.dht, self.run_id, self.num_stages = dht, run_id, num_stages
+    Stage 0's FS come data source first (a layout's first stage-0 FS is its data source): with an owner, one whose
+    certificate names it the data source (the smallest peer id of those), else the smallest peer id."""
+
+    def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float, retry_s: float,
+                 owner: Owner | None = None):
+        self.dht, self.run_id, self.num_stages, self.owner = dht, run_id, num_stages, owner
         self.period_s, self.retry_s = period_s, retry_s
         self.stages: list[StageServers] = [StageServers(fs=(), bs=()) for _ in range(num_stages)]
+        self.unauthorized: list[set[str]] = [set() for _ in range(num_stages)]  # servers the owner did not authorize
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -36,9 +46,15 @@ class MembershipCache:
     def read(self) -> list[StageServers]:
         stages = []
         for stage in range(self.num_stages):
-            members = get_stage_members(self.dht, self.run_id, stage)
+            members, unauthorized = get_authorized_members(self.dht, self.run_id, stage, owner=self.owner)
+            for peer in set(unauthorized) - self.unauthorized[stage]:
+                logger.warning(f"ignoring {peer}: it announces itself as a server of stage {stage}, but the owner "
+                               f"did not authorize it there")
+            self.unauthorized[stage] = set(unauthorized)
+            named = {m.peer_id for m in members if m.data_source and self.owner is not None}
             stages.append(StageServers(
-                fs=tuple(sorted(m.peer_id for m in members if m.role == "fs")),
+                fs=tuple(sorted((m.peer_id for m in members if m.role == "fs"),
+                                key=lambda peer: (peer not in named, peer))),
                 bs=tuple(sorted(m.peer_id for m in members if m.role == "bs")),
             ))
         return stages
@@ -56,8 +72,12 @@ class MembershipCache:
         return None
 
     def leads(self, peer_id: str) -> bool:
-        """The stage-0 FS with the smallest peer id is the data source."""
+        """Whether `peer_id` is the data source: the first stage-0 FS."""
         return self.data_source() == peer_id
+
+    def authorizes(self, peer: str, stage: int, role: str) -> bool:
+        """Whether `peer` serves as `role` of `stage` in what was last read (with an owner: by its certificate)."""
+        return 0 <= stage < self.num_stages and peer in self.stages[stage].of(role)
 
     def data_source(self) -> str | None:
         return self.stages[0].fs[0] if self.stages[0].fs else None

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import hivemind
 from hivemind.utils import get_dht_time
 
 from p2ptrain.dht.keys import metrics_key, peers_key, plan_key, split_subkey, stage_key
 from p2ptrain.dht.records import Membership, Metrics, PeerInfo, PlanRecord
+
+if TYPE_CHECKING:
+    from p2ptrain.live.authority import Owner
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +29,35 @@ def get_peers(dht: hivemind.DHT, run_id: str) -> list[PeerInfo]:
     return _per_peer(dht, peers_key(run_id), PeerInfo.from_value)
 
 
-def get_stage_members(dht: hivemind.DHT, run_id: str, stage: int) -> list[Membership]:
-    return _per_peer(dht, stage_key(run_id, stage), Membership.from_value)
+def get_stage_members(dht: hivemind.DHT, run_id: str, stage: int, *, owner: Owner | None = None) -> list[Membership]:
+    """Every peer's record of its place in `stage`; with the run's `owner`, only the servers it authorized there."""
+    return get_authorized_members(dht, run_id, stage, owner=owner)[0]
 
 
-def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int) -> tuple[list[str], list[str]]:
+def get_authorized_members(dht: hivemind.DHT, run_id: str, stage: int, *, owner: Owner | None
+                           ) -> tuple[list[Membership], list[str]]:
+    """(members, unauthorized): `get_stage_members`, and the peer ids of the servers the owner did not authorize.
+
+    A server's record the owner certified wins over any other under the same peer id: anyone may write a record
+    that names another peer (as a server or a worker), and one without the certificate must not hide the real one."""
+    if owner is None:
+        return _per_peer(dht, stage_key(run_id, stage), Membership.from_value), []
+
+    def certified(member: Membership) -> bool:
+        return member.role != "worker" and owner.signed(run_id=run_id, peer_id=member.peer_id, stage=stage,
+                                                        role=member.role, data_source=member.data_source,
+                                                        signature=member.certificate)
+
+    members = _per_peer(dht, stage_key(run_id, stage), Membership.from_value, prefer=certified)
+    return ([m for m in members if m.role == "worker" or certified(m)],
+            [m.peer_id for m in members if m.role != "worker" and not certified(m)])
+
+
+def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int, *, owner: Owner | None = None
+                      ) -> tuple[list[str], list[str]]:
     """The peer ids of the peers that hold `stage`'s state and can be dialed for it: its servers that hold it (every
     FS, a BS given --keep-state or that computes) and, apart, its workers (clients) not in client mode."""
-    members = get_stage_members(dht, run_id, stage)
+    members = get_stage_members(dht, run_id, stage, owner=owner)
     servers = {m.peer_id for m in members if m.role != "worker" and m.holds_state}
     workers = {m.peer_id for m in members if m.role == "worker" and not m.client_mode}
     return sorted(servers), sorted(workers - servers)
@@ -69,10 +93,12 @@ def get_plan(dht: hivemind.DHT, run_id: str, planner_public_key: bytes | None) -
     return best
 
 
-def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R]) -> list[R]:
+def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R],
+              prefer: Callable[[R], bool] = lambda record: True) -> list[R]:
     """One record per peer: a peer restarted with its identity signs with a new key, so its old entry lives on
-    under another subkey until it expires; the entry stored last (which expires last) is the live one."""
-    records: dict[str, tuple[float, R]] = {}
+    under another subkey until it expires; the entry stored last (which expires last) is the live one, among those
+    `prefer` says are, if any."""
+    records: dict[str, tuple[tuple[bool, float], R]] = {}
     for subkey, value, expiration in _live_entries(dht, key):
         try:
             peer_id, _owner = split_subkey(subkey)
@@ -84,8 +110,9 @@ def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R])
             # the owner key authenticates the writer; the peer id in the subkey pins which peer it speaks for
             logger.warning("skipping an entry of %s for peer %s stored under peer %s", key, record.peer_id, peer_id)
             continue
-        if peer_id not in records or expiration > records[peer_id][0]:
-            records[peer_id] = (expiration, record)
+        rank = (prefer(record), expiration)
+        if peer_id not in records or rank > records[peer_id][0]:
+            records[peer_id] = (rank, record)
     return [record for _, (_, record) in sorted(records.items())]
 
 

@@ -56,6 +56,8 @@ class MembershipModel(_Strict):
     load: _NonNegFloat
     holds_state: pydantic.StrictBool = False
     client_mode: pydantic.StrictBool = False
+    certificate: Optional[pydantic.constr(strict=True, max_length=1024)] = None
+    data_source: pydantic.StrictBool = False
 
 
 class EpochMetricsModel(_Strict):
@@ -185,6 +187,8 @@ class Membership(_Record):
     load: float = 0.0  # fraction of the peer's time busy, for rebalancing
     holds_state: bool = False  # a server that holds the stage's state (and serves it); every worker does
     client_mode: bool = False  # a worker that dials out only: nobody can download its state
+    certificate: str | None = None  # a server: the owner's signature of its place (`live.authority`)
+    data_source: bool = False  # ...which names it the data source
 
     def __post_init__(self) -> None:
         self.compute, self.load = float(self.compute), float(self.load)

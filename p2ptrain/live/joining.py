@@ -22,6 +22,7 @@ from hivemind.p2p import P2P
 
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, Link, PeerInfo, get_peers, get_plan, get_stage_members
+from p2ptrain.live.authority import Owner
 from p2ptrain.live.planning import Joined, join_by_plan
 from p2ptrain.live.probe import available_memory, measure_block_compute, measure_link
 from p2ptrain.live.swarm import NONCOMPUTING_FLOPS
@@ -37,12 +38,13 @@ logger = logging.getLogger(__name__)
 
 async def join_client(*, dht: hivemind.DHT, p2p: P2P, announcer: Announcer, peer_id: str, config: RunConfig,
                       settings: RuntimeConfig, planner_key: bytes | None, compute: float | None, stage_choice: str,
-                      stop: asyncio.Event) -> Joined | None:
+                      stop: asyncio.Event, owner: Owner | None = None) -> Joined | None:
     """A client's place: the plan's if a plan signed by `planner_key` is up, else the stage `stage_choice` picks
     among the stages being served. A client with a key and no stage served yet waits for the plan, as before
     probing existed (its servers are still waiting for the plan too); one without a key waits for every stage to
-    have an FS and a BS, up to `settings.plan_timeout_s`. None if stopped first."""
-    served = await _served(dht, config, settings)
+    have an FS and a BS, up to `settings.plan_timeout_s`. With the run's `owner`, only the servers it authorized
+    count. None if stopped first."""
+    served = await _served(dht, config, settings, owner)
     if planner_key is not None:
         if served is None or await _plan_is_up(dht, config.run_id, planner_key, settings):
             if served is None:
@@ -64,7 +66,7 @@ async def join_client(*, dht: hivemind.DHT, p2p: P2P, announcer: Announcer, peer
             await asyncio.wait_for(stop.wait(), settings.plan_poll_s)
             return None
         except asyncio.TimeoutError:
-            served = await _served(dht, config, settings)
+            served = await _served(dht, config, settings, owner)
     stages, computes = served
     return await join_by_probing(dht=dht, p2p=p2p, peer_id=peer_id, config=config, settings=settings,
                                  stages=stages, computes=computes, compute=compute, stage_choice=stage_choice)
@@ -147,14 +149,14 @@ async def _plan_is_up(dht: hivemind.DHT, run_id: str, planner_key: bytes, settin
     return record is not None
 
 
-async def _served(dht: hivemind.DHT, config: RunConfig,
-                  settings: RuntimeConfig) -> tuple[list[StagePlan], dict[str, float]] | None:
+async def _served(dht: hivemind.DHT, config: RunConfig, settings: RuntimeConfig,
+                  owner: Owner | None = None) -> tuple[list[StagePlan], dict[str, float]] | None:
     """The recipe's stages with their FS, BS and clients, and the FLOP/s each member announced, from the DHT; None
     while some stage lacks an FS or a BS (or the DHT did not answer within `settings.probe_timeout_s`)."""
     stages, computes = [], {}
     for k in range(config.num_stages):
         try:
-            members = await asyncio.wait_for(asyncio.to_thread(get_stage_members, dht, config.run_id, k),
+            members = await asyncio.wait_for(asyncio.to_thread(get_stage_members, dht, config.run_id, k, owner=owner),
                                              settings.probe_timeout_s)
         except asyncio.TimeoutError:
             return None

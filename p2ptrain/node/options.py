@@ -15,6 +15,8 @@ from p2ptrain.protocol.layout import PeerRole, Placement
 if TYPE_CHECKING:
     from hivemind.dht.crypto import RSASignatureValidator
 
+    from p2ptrain.live.authority import Owner, ServerCertificate
+
 # how a worker misbehaves on purpose, for tests: corrupts its results, averages slowly ("slow-averaging": each
 # round takes SLOW_AVERAGING_S longer, as over a slow link), or fails one round ("failed-averaging": its round of
 # epoch FAILED_AVERAGING_EPOCH raises before it starts)
@@ -77,6 +79,8 @@ class NodeOptions:
     eval_data: Path | None = None  # the data source: a held-out text file to evaluate the swarm's parameters on...
     eval_every: int = 10  # ...after every this many global batches...
     eval_rows: int = 64  # ...on this many windows of it
+    owner: Owner | None = None  # the run's owner: only the servers it authorized are trusted (`live.authority`)
+    certificate: ServerCertificate | None = None  # a server of an owned run: the owner's word for its place
 
     def __post_init__(self) -> None:
         if self.role not in ("bootstrap", "server", "client"):
@@ -98,6 +102,16 @@ class NodeOptions:
             start, end = self.placement.layers
             if not 0 <= self.placement.stage < self.placement.num_stages or not 0 <= start < end:
                 raise ConfigError("stage", self.placement, "not a stage with layers")
+        if self.certificate is not None and (self.role != "server" or self.owner is None):
+            raise ConfigError("certificate", self.certificate, "a certificate is a server's, checked against the "
+                                                               "run's owner key")
+        if self.owner is not None and self.role == "server" and self.certificate is None:
+            raise ConfigError("certificate", None, "a server of a run with an owner needs the owner's certificate "
+                                                   "for its place (python -m p2ptrain.owner authorize)")
+        if self.certificate is not None and self.placement is not None and (
+                self.certificate.stage, self.certificate.role) != (self.placement.stage, self.placement.server_role):
+            raise ConfigError("certificate", self.certificate, f"it authorizes the {self.certificate.role.upper()} of "
+                                                               f"stage {self.certificate.stage}, not this server's place")
         if self.computes and self.role != "server":
             raise ConfigError("computes", self.computes, "only a server is told to compute; a client always does")
         if self.checkpoint_dir is not None and self.role != "server":

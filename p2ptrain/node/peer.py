@@ -85,6 +85,9 @@ class Peer:
         signer = options.planner.signer if options.planner else None
         self.dht = await asyncio.to_thread(self._make_dht, signer)
         self.peer_id = self.dht.peer_id.to_base58()
+        if options.certificate is not None:  # a certificate of another identity or run would only be ignored
+            options.owner.check(options.certificate, run_id=self.config.run_id, peer_id=self.peer_id,
+                                stage=options.certificate.stage, role=options.certificate.role)
         # records are signed with hivemind's process-wide key, as hivemind's own records are (a planning server's
         # DHT signs with the planner's key instead: a DHT keeps only its first signer)
         owner = (signer or RSASignatureValidator()).local_public_key
@@ -196,7 +199,8 @@ class Peer:
             return await join_client(
                 dht=self.dht, p2p=self._p2p, announcer=self._announcer, peer_id=self.peer_id, config=self.config,
                 settings=self.settings, planner_key=options.planning.planner_key if options.planning else None,
-                compute=options.compute_power, stage_choice=options.stage_choice, stop=self._stopping)
+                compute=options.compute_power, stage_choice=options.stage_choice, owner=options.owner,
+                stop=self._stopping)
         joining = asyncio.create_task(join_by_plan(
             dht=self.dht, p2p=self._p2p, announcer=self._announcer, peer_id=self.peer_id, role=options.role,
             computes=options.does_compute, config=self.config, settings=self.settings,
@@ -225,12 +229,14 @@ class Peer:
         config, options, settings, placement = self.config, self.options, self.settings, self.placement
         stage, role = placement.stage, placement.server_role
         membership = MembershipCache(dht=self.dht, run_id=config.run_id, num_stages=config.num_stages,
-                                     period_s=settings.membership_period_s, retry_s=settings.membership_retry_s)
+                                     period_s=settings.membership_period_s, retry_s=settings.membership_retry_s,
+                                     owner=options.owner)
         self._spawn(membership.run(self._stopping))
         caller = Caller(p2p=self._p2p, peer_id=self.peer_id, codec=config.compression, timeout=settings.rpc_timeout_s)
         if role is not None:
             kind = FrontalServer if role == "fs" else BackwardServer
-            self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller)
+            self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller,
+                               authority=membership if options.owner is not None else None)
             await self.server.add_p2p_handlers(self._p2p)
         if options.holds_state(role):  # an FS (and a BS told to) holds the stage's state even if it computes nothing
             self.worker = await self._make_worker(caller, membership)  # a bad checkpoint stops it here, unannounced
@@ -240,9 +246,11 @@ class Peer:
             logger.warning(f"BS {self.peer_id}: holds no state to save in {options.checkpoint_dir} (start it with "
                            "--keep-state for that)")
         if role is not None:
-            self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role=role,
-                                                             compute=float(options.compute_power or 0.0),
-                                                             holds_state=self.worker is not None))
+            certificate = options.certificate
+            self._announcer.set_membership(stage, Membership(
+                peer_id=self.peer_id, role=role, compute=float(options.compute_power or 0.0),
+                holds_state=self.worker is not None, certificate=certificate.signature if certificate else None,
+                data_source=bool(certificate and certificate.data_source)))
         if self.worker is not None:
             if options.role == "client":
                 self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role="worker",
@@ -341,8 +349,9 @@ class Peer:
         """Load the stage's current state into `worker` from a stage mate (`client.state_sync`); its epoch, or None
         if no mate served one."""
         try:  # a fresh read: the membership cache knows servers only, and may not have read the DHT yet
-            servers, mates = await asyncio.wait_for(asyncio.to_thread(get_state_holders, self.dht, self.config.run_id,
-                                                                      worker.stage), self.settings.rpc_timeout_s)
+            servers, mates = await asyncio.wait_for(asyncio.to_thread(
+                get_state_holders, self.dht, self.config.run_id, worker.stage, owner=self.options.owner),
+                self.settings.rpc_timeout_s)
         except Exception as e:  # the DHT failed or timed out: start as the first workers of a run do
             logger.warning(f"could not read who holds stage {worker.stage}'s state: {e!r}; starting from the seed")
             return None

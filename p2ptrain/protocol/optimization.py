@@ -65,6 +65,11 @@ class NormBook:
         squares.setdefault(stage, squared_norm)
         for old in [e for e in self._squares if e <= max(self._squares) - self.kept]:
             del self._squares[old]
+        return self.global_norm(epoch)
+
+    def global_norm(self, epoch: int) -> float | None:
+        """The epoch's global norm if every stage reported it, else None."""
+        squares = self._squares.get(epoch, {})
         if len(squares) < self.num_stages:
             return None
         return math.sqrt(sum(squares.values()))

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Generic, NoReturn, TypeVar
+from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 from hivemind.p2p import P2PContext
 
@@ -47,11 +47,22 @@ SPEED_MEMORY = 0.7  # weight of a worker's past tasks in its measured time per r
 M = TypeVar("M", MicrobatchInputs, MicrobatchOutputs)
 
 
+class Authority(Protocol):
+    """The servers a run's owner authorized, as this server last read their records
+    (`dht.membership.MembershipCache` given the owner key)."""
+
+    def data_source(self) -> str | None: ...
+
+    def authorizes(self, peer: str, stage: int, role: ServerRole) -> bool: ...
+
+
 class StageServer(Service, Generic[S]):
     """Base of FrontalServer and BackwardServer: one per server process, registered on its P2P.
 
     Owns its `state` (everything it knows of open epochs) and nothing else; it reaches other peers only through its
-    `caller`, and learns the run's shape from the recipe (`config`), never from messages.
+    `caller`, and learns the run's shape from the recipe (`config`), never from messages. In a run with an owner,
+    it learns who may serve and feed it from the owner's certificates (`authority`), never from messages either: a
+    layout naming a server the owner did not authorize, or another data source, is refused.
     """
 
     role: ClassVar[ServerRole]
@@ -59,11 +70,12 @@ class StageServer(Service, Generic[S]):
     state_type: ClassVar[type[ServerState]]
 
     def __init__(self, *, peer_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, caller: Caller,
-                 state: S | None = None, clock: Callable[[], float] = time.monotonic):
+                 state: S | None = None, clock: Callable[[], float] = time.monotonic, authority: Authority | None = None):
         super().__init__(peer_id=peer_id, name=f"stage {stage} {self.role.upper()}", codec=config.compression)
         if not 0 <= stage < config.num_stages:
             raise ValueError(f"stage {stage} is not in 0..{config.num_stages - 1}")
         self.stage, self.config, self.settings, self.caller, self.clock = stage, config, settings, caller, clock
+        self.authority = authority
         pool = TaskPool(lease_timeout=settings.lease_timeout_s)
         self.state: S = state if state is not None else self.state_type(pool=pool)
         self.task_added = asyncio.Event()
@@ -360,6 +372,7 @@ class StageServer(Service, Generic[S]):
     async def end_epoch(self, request: EndEpoch, sender: str) -> Ack:
         epoch, layout = request.epoch, request.layout
         self.check_source(sender, layout)
+        self.check_authorized(layout)
         if len(layout.stages) != self.config.num_stages or self.peer_id not in layout.stages[self.stage].of(self.role):
             raise Refused(f"this server is no {self.role.upper()} of stage {self.stage} in epoch {epoch}'s layout")
         if {mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch} - {layout}:
@@ -429,9 +442,28 @@ class StageServer(Service, Generic[S]):
         raise NotImplementedError
 
     def check_source(self, sender: str, layout: Layout) -> None:
-        """Only the data source of a layout (its first stage-0 FS) ends its epochs."""
+        """Only the data source of a layout (its first stage-0 FS; in a run with an owner, the one the owner's
+        certificates name) feeds and ends its epochs."""
         if sender != layout.stages[0].fs[0]:
             raise Forbidden(f"{sender} is not the data source of this layout")
+        if self.authority is not None and sender != self.authority.data_source():
+            raise Forbidden(f"{sender} is not the data source the run's owner authorized")
+
+    def check_authorized(self, layout: Layout) -> None:
+        """In a run with an owner: every server `layout` names is authorized for its place, and its data source is
+        the run's. A plain refusal, not an offence: this server may not have read a new server's record yet, and the
+        sender retries."""
+        if self.authority is None:
+            return
+        source = self.authority.data_source()
+        if layout.stages and layout.stages[0].fs and layout.stages[0].fs[0] != source:
+            raise Refused(f"the layout's data source {layout.stages[0].fs[0]} is not the run's ({source})")
+        for stage, servers in enumerate(layout.stages):
+            for role in ("fs", "bs"):
+                for peer in servers.of(role):
+                    if not self.authority.authorizes(peer, stage, role):
+                        raise Refused(f"the layout names {peer} as {role.upper()} of stage {stage}, which the run's "
+                                      f"owner did not authorize (as far as this server has read)")
 
     async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
                              taken: list[Rows]) -> None:
@@ -486,6 +518,7 @@ class StageServer(Service, Generic[S]):
             raise Refused(f"a microbatch of {total_rows} rows, but the run's have {self.config.rows_per_microbatch}")
         if microbatch >= self.config.microbatches:
             raise Refused(f"microbatch {microbatch}, but the run's epochs have {self.config.microbatches}")
+        self.check_authorized(layout)
         known = self.state.microbatches.get((epoch, microbatch))
         if known is not None and known.layout != layout:
             raise Refused(f"microbatch {epoch}:{microbatch} came with another layout")

@@ -75,7 +75,7 @@ class FrontalServer(StageServer[FrontalState]):
         segment = self.check_layout(request.layout, epoch=request.epoch, microbatch=request.microbatch,
                                     total_rows=request.total_rows)
         if self.is_first:
-            self.check_peer(sender, request.layout, stage=0, role="fs", what="the data source")
+            self.check_source(sender, request.layout)
         else:
             self.check_peer(sender, request.layout, stage=self.stage - 1, role="bs", what="sender")
         if self.ended(request.epoch):
@@ -168,6 +168,11 @@ class FrontalServer(StageServer[FrontalState]):
             raise Refused("gradient norms go to the data source, a stage-0 FS")
         if request.stage >= self.config.num_stages:
             raise Refused(f"stage {request.stage} is not in 0..{self.config.num_stages - 1}")
+        if self.authority is not None and not any(self.authority.authorizes(sender, request.stage, role)
+                                                  for role in ("fs", "bs")):
+            # in a run with an owner, only the stage's servers (their replicas average with the workers) count:
+            # anyone may be a volunteer, and the first report of a stage's norm sets every stage's clipping
+            return GlobalNorm(norm=self.norms.global_norm(request.epoch))
         return GlobalNorm(norm=self.norms.report(epoch=request.epoch, stage=request.stage,
                                                  squared_norm=request.squared_norm))
 
