@@ -76,8 +76,8 @@ class TestSwarm(Swarm):
             assert not failed, f"peers {failed} died: " + self.logs(failed)
             report = self.status()
             if report["finished"] and report["epoch"] + 1 >= (report["epochs_planned"] or 0):
-                cli = self.status_cli()  # the command a user runs reads the same swarm
-                assert (cli["epoch"], cli["finished"]) == (report["epoch"], report["finished"]), cli
+                cli = self.status_cli()  # the command a user runs reads the same swarm (its records may be newer)
+                assert cli["finished"] and cli["epoch"] >= report["epoch"], cli
                 return self.status()
             time.sleep(1.0)
         raise AssertionError(f"the swarm did not finish in {timeout} s; last status {report}\n" + self.logs()
