@@ -75,7 +75,7 @@ from p2ptrain.protocol.optimization import Digest, digests_agree
 if TYPE_CHECKING:
     import hivemind
 
-    from p2ptrain.dht.records import EpochMetrics, Metrics
+    from p2ptrain.dht.records import Metrics
     from p2ptrain.live.authority import Owner
 
 
@@ -90,20 +90,17 @@ class History:
     def merge(self, metrics: list[Metrics]) -> list[Metrics]:
         """`metrics` with their lists of epochs joined to what was seen of them before, and the records of the peers
         seen before and not now, for their epochs."""
+        from p2ptrain.dht.records import join_epochs  # hivemind: not for --help
+
         for record in metrics:
             key = (record.peer_id, record.role, record.stage)
             before = self._seen.get(key)
             if before is not None:
                 record = dataclasses.replace(record, **{
-                    name: _joined(getattr(before, name), getattr(record, name))
+                    name: join_epochs(getattr(before, name), getattr(record, name))
                     for name in ("per_epoch", "worker_epochs", "source_epochs")})
             self._seen[key] = record
         return list(self._seen.values())
-
-
-def _joined(before: list[EpochMetrics], now: list[EpochMetrics]) -> list[EpochMetrics]:
-    merged = {entry.epoch: entry for entry in before} | {entry.epoch: entry for entry in now}
-    return [merged[epoch] for epoch in sorted(merged)]
 
 
 def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, owner: Owner | None = None) -> dict:

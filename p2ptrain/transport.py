@@ -193,8 +193,8 @@ class Service(ServicerBase):
 
         `sender` is the peer id libp2p authenticated, or the calling peer's own for a call within its process.
         """
-        sender = context.sender if isinstance(context, LocalCall) else context.remote_id.to_base58()
         local = isinstance(context, LocalCall)  # this process's own code: never banned
+        sender = context.sender if local else context.remote_id.to_base58()
         banned_for = 0.0 if local else self.bans.banned_for(sender, now=time.monotonic())
         try:
             if banned_for > 0:  # refused unread: a banned peer costs a reply and a stream, not a decode

@@ -227,6 +227,12 @@ class EpochMetrics:
         self.digest = None if self.digest is None else [float(x) for x in self.digest]
 
 
+def join_epochs(before: list[EpochMetrics], now: list[EpochMetrics]) -> list[EpochMetrics]:
+    """One peer's entries of two reads (or two processes) as one list, oldest first: `now`'s entry of an epoch wins."""
+    merged = {entry.epoch: entry for entry in before} | {entry.epoch: entry for entry in now}
+    return [merged[epoch] for epoch in sorted(merged)]
+
+
 @dataclass(kw_only=True)
 class Metrics(_Record):
     schema: ClassVar[type[pydantic.BaseModel]] = MetricsModel

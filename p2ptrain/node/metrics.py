@@ -18,6 +18,7 @@ import time
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig
 from p2ptrain.dht import MAX_EPOCHS_KEPT, Announcer, EpochMetrics, Metrics
+from p2ptrain.dht.records import join_epochs
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.feeder import DataFeeder
@@ -76,8 +77,7 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
     keeps its history in the status; what this process saw of an epoch wins)."""
     own = server_epochs(server) if server is not None else worker_epochs(worker)
     if carried:
-        merged = {entry.epoch: entry for entry in carried} | {entry.epoch: entry for entry in own}
-        own = [merged[epoch] for epoch in sorted(merged)][-HISTORY:]
+        own = join_epochs(carried, own)[-HISTORY:]
     last = own[-1] if own else None
     leads = feeder is not None and feeder.leads
     source = feeder_epochs(feeder, config) if leads else []
