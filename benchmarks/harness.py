@@ -346,6 +346,10 @@ class LocalSwarm:
         """The peers that exited with an error."""
         return self._swarm.failed()
 
+    def wire_bytes(self) -> dict[str, int]:
+        """Behind emulated links (`p2ptrain.links`): the bytes each peer has put on its uplink; else {}."""
+        return self._swarm.wire_bytes() if self._swarm.own_addresses else {}
+
     def connect(self) -> None:
         """Start the DHT client that `status` reads through (a DHT process and a p2pd, children of this process)."""
         self._dht = start_dht(self.config.run_id, initial_peers=self._swarm.initial_peers, client_mode=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from p2ptrain import links
 from p2ptrain.cli import (
     LOOPBACK,
     OPTIMIZATION_FIELDS,
@@ -43,13 +45,22 @@ DEFAULT_PEERS = Path(__file__).resolve().parent.parent / "peers" / "local.toml"
 
 @dataclass
 class Swarm:
-    """The processes of a local swarm; `stop` ends them all (SIGTERM, then SIGKILL after a grace period)."""
+    """The processes of a local swarm; `stop` ends them all (SIGTERM, then SIGKILL after a grace period).
+
+    Behind emulated links (`p2ptrain.links`) each peer listens on an address of its own, so it has an uplink of its
+    own: its `--host-maddrs` on 127.0.0.1 is moved there (a peer started again under its name keeps its address)."""
 
     workdir: Path
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     initial_peers: list[str] = field(default_factory=list)
+    addresses: dict[str, str] = field(default_factory=dict)  # peer name -> its own address, behind emulated links
+    own_addresses: bool = field(default_factory=lambda: links.inside() is not None)
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        if self.own_addresses:
+            address = self.addresses.setdefault(name, links.peer_address(len(self.addresses)))
+            args = [arg.replace("/ip4/127.0.0.1/", f"/ip4/{address}/") if before == "--host-maddrs" else arg
+                    for before, arg in zip([None, *args], args)]
         log = open(self.workdir / f"{name}.log", "w")
         process = subprocess.Popen([sys.executable, "-m", "p2ptrain.peer", *args], stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
@@ -71,6 +82,11 @@ class Swarm:
 
     def failed(self) -> list[str]:
         return [name for name, p in self.processes.items() if p.poll() not in (None, 0)]
+
+    def wire_bytes(self) -> dict[str, int]:
+        """Behind emulated links: the bytes each peer has put on its uplink, headers and the DHT included."""
+        sent = links.bytes_sent()
+        return {name: sent.get(address, 0) for name, address in self.addresses.items()}
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM to each peer, which shuts its DHT and p2p daemon down; then SIGKILL to whatever is left of its
@@ -130,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-mode-volunteers", action="store_true",
                         help="the volunteers (clients) run with --client-mode, dialing out only as behind NAT; the "
                              "servers, reachable, reduce their stages' averaging rounds")
+    parser.add_argument("--report", type=Path, metavar="PATH",
+                        help="write the swarm's last status report (JSON, as `python -m p2ptrain.status --json`) here")
+    emulated = parser.add_argument_group("emulated links (python -m p2ptrain.links; root, ip and tc)")
+    emulated.add_argument("--uplink-mbit", type=positive,
+                          help="run the swarm in a network namespace of its own where every peer has its own "
+                               "address and an uplink capped at this many Mbit/s")
+    emulated.add_argument("--delay-ms", type=float, default=0.0, help="with --uplink-mbit: added to every packet")
     add_optimization_flags(parser)
     parser.set_defaults(decay_epochs=None)  # the launcher knows the run's length: decay over all of it by default
     return parser
@@ -138,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.uplink_mbit is not None and links.inside() is None:
+        behind_links(parser, args, sys.argv[1:] if argv is None else argv)
     try:
         swarm_file = load_swarm(args.peers)
     except SwarmFileError as e:
@@ -184,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"clients {entry['clients']}" + (" (client mode)" if args.client_mode_volunteers else ""),
                   file=sys.stderr)
         report = watch(swarm, args, initial)
+        wire = swarm.wire_bytes() if swarm.own_addresses else {}
     except KeyboardInterrupt:
         interrupted = True
         report = None
@@ -192,9 +218,24 @@ def main(argv: list[str] | None = None) -> None:
     if interrupted:
         print("interrupted: all peers stopped", file=sys.stderr)
         sys.exit(130)
+    if swarm.own_addresses:
+        report["wire_bytes_sent"] = wire
+    if args.report is not None:
+        args.report.write_text(json.dumps(report, indent=1))
     losses = [e["loss"] for e in report["epochs"] if e["loss"] is not None]
     if losses:
         print(f"trained {len(losses)} epochs: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+
+
+def behind_links(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    """Run this launch again in a network namespace of its own behind emulated links (never returns)."""
+    if args.delay_ms < 0:
+        parser.error(f"--delay-ms {args.delay_ms}: give zero or more")
+    reason = links.unavailable()
+    if reason:
+        parser.error(f"--uplink-mbit: {reason}")
+    caps = links.Links(uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms)
+    os.execvp("unshare", links.command(caps, [sys.executable, "-m", "p2ptrain.launch", *argv]))
 
 
 def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:

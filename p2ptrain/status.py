@@ -58,6 +58,10 @@ JSON fields (stable; later tools and outside checks read them):
                            as the next epoch;
                          microbatches_retrained: fault policy swarm: microbatches of the epoch that carried data
                            fed before, whose rows a stage dropped
+  bytes_sent             {kind: bytes} what the peers with a live record have sent since they started, by kind
+                           (activations, averaging, state, probes, control: `p2ptrain.traffic`), as of their last
+                           record: message bytes, without the DHT's traffic, libp2p framing or TCP/IP headers
+  bytes_sent_by_peer     {peer_id: {kind: bytes}} the same per peer
 """
 from __future__ import annotations
 
@@ -153,6 +157,9 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, o
         "tokens_per_s": last["tokens_per_s"] if last else None,
         "eval_loss": next((e["eval_loss"] for e in reversed(epochs) if e["eval_loss"] is not None), None),
         "epochs": [{k: v for k, v in e.items() if k != "closed"} for e in epochs],
+        "bytes_sent": {kind: sum(m.bytes_sent.get(kind, 0) for m in metrics)
+                       for kind in sorted({kind for m in metrics for kind in m.bytes_sent})},
+        "bytes_sent_by_peer": {m.peer_id: m.bytes_sent for m in sorted(metrics, key=lambda m: m.peer_id)},
     }
 
 

@@ -37,6 +37,7 @@ from hivemind.proto import runtime_pb2
 from p2ptrain.compression import deserialize, serialize
 from p2ptrain.protocol.bans import BanList
 from p2ptrain.protocol.messages import Message, MessageError, Request
+from p2ptrain.traffic import METER
 
 Proto = TypeVar("Proto", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
 # what every handler takes and returns: hivemind reads these hints to register streaming handlers, and it knows
@@ -48,15 +49,21 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-REFUSED = "refused"  # the one header key of a refusal; no message has a field of that name
+REFUSED = "refused"  # the header key of a refusal; no message has a field of that name...
+RETRY_AFTER = "retry_after_s"  # ...nor of this one, a refusal's `Refused.retry_after_s` when set
 LINGER_S = 60.0  # longest a server keeps a stream open after its reply, waiting for the caller to close it
 BANNED_LINGER_S = 1.0  # the same for a banned peer's refusal: long enough on a sound link, and a flood costs little
 
 
 class Refused(Exception):
-    """The peer refused the request (malformed, or not acceptable now); the text is its reason.
+    """The peer refused the request (malformed, or not acceptable now); the text is its reason, and `retry_after_s`,
+    if set, says that the same request is likely to be served if asked again after that long.
 
     Handlers raise it to refuse; `Caller.call` raises it when the peer refused."""
+
+    def __init__(self, reason: str, *, retry_after_s: float | None = None):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
 
 
 class Forbidden(Refused):
@@ -196,12 +203,15 @@ class Service(ServicerBase):
         local = isinstance(context, LocalCall)  # this process's own code: never banned
         sender = context.sender if local else context.remote_id.to_base58()
         banned_for = 0.0 if local else self.bans.banned_for(sender, now=time.monotonic())
+        traffic = kind.traffic  # what the reply's bytes count as (`p2ptrain.traffic`)
         try:
             if banned_for > 0:  # refused unread: a banned peer costs a reply and a stream, not a decode
                 raise Refused(f"banned for {banned_for:.0f} more s after repeated malformed or forged requests")
             envelope = await unpack(requests)
             request = kind.from_header(envelope.header, envelope.tensors)
-            responses = self.pack(await handler(request, sender))
+            reply = await handler(request, sender)
+            traffic = reply.traffic_kind() or traffic
+            responses = self.pack(reply)
         except ConnectionError as e:  # the request never fully arrived: nobody is left to answer
             self.logger.warning(f"{self.name}: {kind.__name__} from {sender} broke off: {e}")
             return
@@ -210,10 +220,12 @@ class Service(ServicerBase):
                 self.logger.warning(f"{self.name}: refused {kind.__name__} from {sender}: {e}")
             if isinstance(e, (MessageError, Forbidden)) and not local:
                 self._offence(sender)
-            responses = self.refusal(str(e))
+            responses = self.refusal(str(e), retry_after_s=getattr(e, "retry_after_s", None))
         except Exception as e:  # a bug here must not end the handler silently or stall the caller until timeout
             self.logger.exception(f"{self.name}: failed on {kind.__name__} from {sender}")
             responses = self.refusal(f"internal error: {e!r}")
+        if not local:
+            METER.count(traffic, sum(response.ByteSize() for response in responses))
         for response in responses:
             yield response
         if not local:  # the caller closes the stream once it holds the reply; that cancels this
@@ -230,8 +242,11 @@ class Service(ServicerBase):
     def pack(self, reply: Message) -> list[runtime_pb2.ExpertResponse]:
         return pack(Envelope(reply.to_header(), reply.tensors()), codec=self.codec, proto=runtime_pb2.ExpertResponse)
 
-    def refusal(self, reason: str) -> list[runtime_pb2.ExpertResponse]:
-        return pack(Envelope({REFUSED: reason}), codec="none", proto=runtime_pb2.ExpertResponse)
+    def refusal(self, reason: str, *, retry_after_s: float | None = None) -> list[runtime_pb2.ExpertResponse]:
+        header: dict[str, Any] = {REFUSED: reason}
+        if retry_after_s is not None:
+            header[RETRY_AFTER] = float(retry_after_s)
+        return pack(Envelope(header), codec="none", proto=runtime_pb2.ExpertResponse)
 
 
 async def _aiter(items: list[Proto]) -> AsyncIterator[Proto]:
@@ -254,10 +269,12 @@ class Caller:
     async def call(self, peer: str, service: str, request: Request, *, timeout: float | None = None) -> Any:
         """The typed reply (of type ``request.reply``); Refused if the peer refused, MessageError if its reply is not
         one, ConnectionError or TimeoutError if the transport failed."""
-        envelope = await self.exchange(peer, service, request.method, Envelope(request.to_header(),
-                                                                               request.tensors()), timeout=timeout)
+        envelope = await self.exchange(peer, service, request.method, Envelope(request.to_header(), request.tensors()),
+                                       timeout=timeout, traffic=request.traffic)
         if REFUSED in envelope.header:
-            raise Refused(str(envelope.header[REFUSED]))
+            retry = envelope.header.get(RETRY_AFTER)
+            raise Refused(str(envelope.header[REFUSED]),
+                          retry_after_s=float(retry) if isinstance(retry, (int, float)) and retry >= 0 else None)
         return request.reply.from_header(envelope.header, envelope.tensors)
 
     async def call_retrying(self, peer: str, service: str, request: Request, *, attempts: int | None,
@@ -282,14 +299,14 @@ class Caller:
             backoff_s, attempt = min(2 * backoff_s, backoff_max_s), attempt + 1
 
     async def exchange(self, peer: str, service: str, method: str, envelope: Envelope, *,
-                       timeout: float | None = None) -> Envelope:
-        """One call with untyped envelopes (benchmarks time the transport with it)."""
+                       timeout: float | None = None, traffic: str = "control") -> Envelope:
+        """One call with untyped envelopes (benchmarks time the transport with it); its bytes count as `traffic`."""
         # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that comes as the call completes (it returns
         # the reply instead), and a cancelled task then ran on; asyncio.timeout lets every cancellation through
         async with asyncio.timeout(timeout or self.timeout):
-            return await self._exchange(peer, service, method, envelope)
+            return await self._exchange(peer, service, method, envelope, traffic)
 
-    async def _exchange(self, peer: str, service: str, method: str, envelope: Envelope) -> Envelope:
+    async def _exchange(self, peer: str, service: str, method: str, envelope: Envelope, traffic: str) -> Envelope:
         requests = pack(envelope, codec=self.codec, proto=runtime_pb2.ExpertRequest)
         servicer = self.local.get((peer, service))
         if servicer is not None:
@@ -297,6 +314,7 @@ class Caller:
         elif self.p2p is None:
             raise ConnectionError(f"no {service} of {peer} in this process, and no network")
         else:
+            METER.count(traffic, sum(request.ByteSize() for request in requests))
             responses = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), handle_name(service, method), _aiter(requests), runtime_pb2.ExpertResponse)
         try:

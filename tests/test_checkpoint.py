@@ -231,9 +231,16 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         swarm.start_all(0)
         before = wait_for(swarm, lambda r: r["epoch"] >= 7, "the swarm did not train 8 epochs")
         swarm.kill_all()  # at once: the losses before the kill are those `before` saw
+        # servers save when their own stage steps, so a swarm killed whole may leave its stages' newest checkpoints
+        # at different epochs; stage 0's newest are removed so that it always stands further back than stage 1
+        for name in ("fs0", "bs0"):
+            epoch, manifest = manifests(tmp_path / "ckpt" / name)[0]
+            manifest.unlink()
+            (tmp_path / "ckpt" / name / f"state-{epoch}.safetensors").unlink()
         saved = {name: json.loads(manifests(tmp_path / "ckpt" / name)[0][1].read_text())["epoch"]
                  for name, _, _ in SERVERS}
-        assert all(epoch >= 6 and epoch % 2 == 0 for epoch in saved.values()), saved
+        assert all(epoch >= 4 and epoch % 2 == 0 for epoch in saved.values()), saved
+        assert max(saved["fs0"], saved["bs0"]) < min(saved["fs1"], saved["bs1"]), saved
         losses = {e["epoch"]: e["loss"] for e in before["epochs"] if e["loss"] is not None}
 
         # a truncated copy of a server's checkpoints is refused at start, naming the file; the swarm never sees it
@@ -245,7 +252,7 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
 
         swarm.start_all(1)
         resume = max(saved.values())
-        after = wait_for(swarm, lambda r: r["epoch"] >= resume + 1, f"the swarm did not train past epoch {resume}")
+        after = wait_for(swarm, lambda r: r["epoch"] >= resume + 3, f"the swarm did not train past epoch {resume + 2}")
         for name, _, _ in SERVERS:
             assert re.search(rf"restored stage \d at epoch {saved[name]} ", swarm.log(f"{name}.1")), name
         resumed = {e["epoch"]: e["loss"] for e in after["epochs"] if e["loss"] is not None and e["epoch"] >= resume}
@@ -256,8 +263,13 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         # ln 256 = 5.5). Not within noise both ways: the status read before the kill lags the swarm by several epochs
         # (metrics are published every few seconds, epochs take half a second), and the loss still falls by about 0.1
         # an epoch here, so the resumed one is often lower than the last one seen by more than the noise
-        assert resumed[first] < sum(last_before) / len(last_before) + 0.25, (resumed, losses)
-        assert resumed[first] < losses[min(losses)] - 0.5
+        # stage 0 trains on from its older parameters (the epochs between are abandoned), and every worker of it
+        # takes them from its servers: none starts from the seed's weights, which cost a loss far above an untrained
+        # model's once (the servers refused their state as behind the swarm's epoch)
+        for epoch in range(resume, resume + 3):
+            assert resumed[epoch] < sum(last_before) / len(last_before) + 0.5, (resumed, losses)
+            assert resumed[epoch] < losses[min(losses)] - 0.5, (resumed, losses)
+        assert all(stage["digests_agree"] is not False for stage in after["stages"]), after["stages"]
 
         command = with_flag(with_flag(swarm.commands["fs1"], "--checkpoint-dir", str(damaged)),
                             "--identity-path", str(tmp_path / "other.key"))

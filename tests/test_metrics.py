@@ -8,6 +8,7 @@ import pickle
 from p2ptrain.dht.records import EpochMetrics, Metrics
 from p2ptrain.node.metrics import HISTORY, MAX_RECORD_BYTES, fit
 from p2ptrain.status import History, _epochs
+from p2ptrain.traffic import KINDS
 
 PEER = "12D3KooW" + "x" * 44
 
@@ -20,7 +21,8 @@ def entry(epoch: int, **fields) -> EpochMetrics:
 def record(epochs: range, *, role: str = "fs", peer: str = PEER, stage: int = 0, lists: int = 3) -> Metrics:
     entries = [entry(e) for e in epochs]
     return Metrics(peer_id=peer, stage=stage, role=role, epoch=epochs[-1], updated=1.0, per_epoch=entries,
-                   worker_epochs=entries if lists > 1 else [], source_epochs=entries if lists > 2 else [])
+                   worker_epochs=entries if lists > 1 else [], source_epochs=entries if lists > 2 else [],
+                   bytes_sent=dict.fromkeys(KINDS, 2**50))
 
 
 def test_the_data_sources_record_of_a_long_run_keeps_its_newest_epochs_within_the_bound():
@@ -29,6 +31,7 @@ def test_the_data_sources_record_of_a_long_run_keeps_its_newest_epochs_within_th
     kept = [e.epoch for e in fitted.per_epoch]
     assert kept == list(range(HISTORY - len(kept), HISTORY)) and len(kept) >= 16
     assert [e.epoch for e in fitted.source_epochs] == kept == [e.epoch for e in fitted.worker_epochs]
+    assert Metrics.from_value(fitted.to_value()) == fitted
 
 
 def test_a_record_within_the_bound_is_left_whole():

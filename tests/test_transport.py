@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 from hivemind.p2p import P2P
 
 from p2ptrain import transport
@@ -79,4 +80,62 @@ def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_the
                 await p2p.shutdown()
 
     monkeypatch.setattr(Probe, "from_header", counting_from_header)
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_call_over_the_network_counts_its_request_and_reply_bytes_by_kind_and_a_local_call_counts_none():
+    from hivemind.proto import runtime_pb2
+
+    from p2ptrain.protocol.messages import Echo
+    from p2ptrain.traffic import METER
+
+    async def main() -> None:
+        server = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 30)
+        client = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK],
+                                                   initial_peers=await server.get_visible_maddrs()), 30)
+        try:
+            server_id = server.peer_id.to_base58()
+            probe = LinkProbe(peer_id=server_id)
+            await probe.add_p2p_handlers(server)
+            caller = Caller(p2p=client, peer_id=client.peer_id.to_base58(), codec="none", timeout=10.0)
+            request = Probe(payload=torch.zeros(50_000, dtype=torch.uint8))
+            before = METER.snapshot()
+            reply = await caller.call(server_id, LINK_PROBE, request)
+            after = METER.snapshot()
+            sent = transport.pack(Envelope(request.to_header(), request.tensors()), codec="none",
+                                  proto=runtime_pb2.ExpertRequest)
+            answered = transport.pack(Envelope(reply.to_header(), reply.tensors()), codec="none",
+                                      proto=runtime_pb2.ExpertResponse)
+            assert isinstance(reply, Echo) and reply.received == 50_000
+            assert after["probes"] - before["probes"] == (sum(m.ByteSize() for m in sent)
+                                                          + sum(m.ByteSize() for m in answered))
+            assert after["probes"] - before["probes"] > 50_000
+            assert {k: v for k, v in after.items() if k != "probes"} == {k: v for k, v in before.items()
+                                                                         if k != "probes"}
+            local = Caller(p2p=None, peer_id=server_id, codec="none", timeout=10.0)
+            local.add_local(probe)
+            await local.call(server_id, LINK_PROBE, request)
+            assert METER.snapshot() == after
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_refusal_that_says_when_to_ask_again_reaches_the_caller_with_that_delay():
+    class Busy(LinkProbe):
+        async def echo(self, request: Probe, sender: str):
+            raise Refused("behind; ask again", retry_after_s=1.5)
+
+    async def main() -> None:
+        caller = Caller(p2p=None, peer_id="asker", codec="none", timeout=5.0)
+        caller.add_local(Busy(peer_id="server"))
+        with pytest.raises(Refused, match="behind; ask again") as refused:
+            await caller.call("server", LINK_PROBE, Probe())
+        assert refused.value.retry_after_s == 1.5
+        refusal = Busy(peer_id="x").refusal("no")
+        assert set(transport.msgpack.unpackb(refusal[0].metadata)["header"]) == {transport.REFUSED}
+
     asyncio.run(main())

@@ -50,6 +50,7 @@ from hivemind.utils.asyncio import achain, as_aiter
 from p2ptrain.compression import BadTensorError, check_tensor
 from p2ptrain.live.probe import dial_failure
 from p2ptrain.protocol.messages import GRADIENT_DEPOSITS, Ack, DepositGrads, GroupMember
+from p2ptrain.traffic import METER
 from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,15 @@ def missing_parts(marker: torch.Tensor, group: tuple[GroupMember, ...], me: str)
             if member.peer_id != me and not share > 0]
 
 
+class MeteredAllReduceRunner(AllReduceRunner):
+    """hivemind's runner, with the parts this member sends counted as averaging traffic (`p2ptrain.traffic`)."""
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            METER.count("averaging", message.ByteSize())
+            yield message
+
+
 class StageAllReduce(ServicerBase):
     """One worker's side of its stage's all-reduce rounds; registered under a per-stage namespace.
 
@@ -158,6 +168,7 @@ class StageAllReduce(ServicerBase):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            METER.count("averaging", message.ByteSize())
             yield message
         # hivemind's handler ends its stream right after the last averaged part, and p2pd resets a stream that one
         # side closes, dropping what the other side's daemon had not yet handed on: under load the sender lost that
@@ -244,7 +255,7 @@ class StageAllReduce(ServicerBase):
             logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers not started: every member dials "
                            "out only (client mode), none can reduce")
             raise RoundFailed("every member dials out only (client mode), none can reduce")
-        runner = AllReduceRunner(
+        runner = MeteredAllReduceRunner(
             p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
             weight=own,
             ordered_peer_ids=[PeerID.from_base58(m.peer_id) for m in group],

@@ -20,6 +20,7 @@ The reply's `blob` is the state encoded as `state.codec` says, the encoding a ch
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 # MB/s takes minutes), and how long a joining worker looks for one at most before it starts from the seed.
 STATE_DOWNLOAD_TIMEOUT_S = 120.0
 STATE_DOWNLOAD_DEADLINE_S = 300.0
+BEHIND_RETRY_S = 1.0  # a peer whose state is behind the asker's says to ask again after this long...
+BEHIND_WAIT_S = 30.0  # ...and an asker that only such refusals answered asks again for this long at most
 
 
 class StageStateServer(Service):
@@ -79,7 +82,9 @@ class StageStateServer(Service):
         # group, catching up) refuses at once, or two such servers asking each other would wait on each other
         behind = master.epoch < request.at_least and worker.stepping != request.at_least - 1
         if behind or not await master.reached(request.at_least, timeout=worker.settings.averaging_timeout_s):
-            raise Refused(f"this peer's state is of epoch {master.epoch}, behind the asker's {request.at_least}")
+            # it may get there soon by itself (stepping, catching up, passing abandoned epochs): ask again
+            raise Refused(f"this peer's state is of epoch {master.epoch}, behind the asker's {request.at_least}",
+                          retry_after_s=BEHIND_RETRY_S)
         # checked after the wait: a peer whose first step is in flight has only the seed's weights until it lands
         if master.holds_seed:
             raise Refused("this worker holds only the seed's weights: it has not stepped since it started")
@@ -99,7 +104,9 @@ async def load_state_from_peers(worker: Worker, *, caller: Caller, candidates: I
     Servers come first: they are reliable, can be dialed, and hold the state whatever the workers do. Each group is
     tried in random order, so that workers joining together spread over their servers and mates, each peer for at
     most `timeout` seconds and all together for about `deadline` seconds at most. A peer that refuses, fails in
-    transport or sends a state that does not fit this worker is logged and skipped.
+    transport or sends a state that does not fit this worker is logged and skipped; one whose state is only behind
+    the asker's epoch (it steps, catches up, or passes epochs the data source abandoned) is asked again every
+    `BEHIND_RETRY_S` for up to `BEHIND_WAIT_S`.
     """
     first = [peer for peer in set(servers) if peer != worker.worker_id]
     then = [peer for peer in set(candidates) - set(first) if peer != worker.worker_id]
@@ -107,8 +114,16 @@ async def load_state_from_peers(worker: Worker, *, caller: Caller, candidates: I
     random.shuffle(then)
     order = first + then
     request = DownloadState(stage=worker.stage, start=worker.model.start, end=worker.model.end, at_least=worker.epoch)
-    give_up = time.monotonic() + deadline
-    for peer in order:
+    began = time.monotonic()
+    give_up = began + deadline
+    retry: list[str] = []  # peers that said to ask again (their state is behind the asker's, and moving)
+    while order or retry:
+        if not order:  # only such peers are left: the seed's weights are not the stage's, so rather ask them again
+            if time.monotonic() - began >= BEHIND_WAIT_S:
+                break
+            await asyncio.sleep(BEHIND_RETRY_S)
+            order, retry = retry, []
+        peer = order.pop(0)
         remaining = give_up - time.monotonic()
         if remaining <= 0:
             logger.warning(f"worker {worker.worker_id}: no stage mate sent its state within {deadline:.0f} s")
@@ -119,6 +134,8 @@ async def load_state_from_peers(worker: Worker, *, caller: Caller, candidates: I
             model_state, optimizer_state = worker.master.decode(reply.blob)
         except Refused as e:
             logger.info(f"worker {worker.worker_id}: {peer} does not serve its state: {e}")
+            if e.retry_after_s is not None:
+                retry.append(peer)
             continue
         except StateMismatch as e:
             logger.warning(f"worker {worker.worker_id}: the state of {peer} does not fit this stage: {e}")

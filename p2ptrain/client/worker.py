@@ -238,6 +238,8 @@ class Worker:
         elif verdict.abandoned:
             logger.warning(f"worker {self.worker_id}: epoch {self.epoch} was abandoned (a server lost its rows); "
                            f"dropping its gradients of {self.rows_accumulated} rows, the data comes again")
+            await self.settle()
+            self.master.skip(self.epoch)
             self._advance(self.epoch + 1)
         elif verdict.group is not None:
             await self._step(verdict.group)

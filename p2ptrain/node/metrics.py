@@ -22,6 +22,7 @@ from p2ptrain.dht.records import join_epochs
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.feeder import DataFeeder
+from p2ptrain.traffic import METER
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
         worker_epochs=worker_epochs(worker) if server is not None and worker is not None else [],
         source_epochs=source, condition=server.condition() if server is not None else "",
         holds_state=worker is not None and worker.holds_only,
-        client_mode=worker is not None and worker.client_mode,
+        client_mode=worker is not None and worker.client_mode, bytes_sent=METER.snapshot(),
     )
 
 
@@ -110,12 +111,13 @@ def fit(record: Metrics, *, max_bytes: int = MAX_RECORD_BYTES) -> Metrics:
 
 async def publish_metrics(*, announcer: Announcer, period_s: float, stop: asyncio.Event, **parts) -> None:
     """Store the record when it changed (the announcer refreshes it otherwise): every store costs DHT work
-    (signing, replication, schema checks) on a machine the training shares."""
+    (signing, replication, schema checks) on a machine the training shares. Bytes sent change all the time: they
+    ride along with the other changes (an epoch that closes) instead of causing a store of their own."""
     published = None
     while not stop.is_set():
         try:
             record = fit(build_record(**parts))
-            content = dataclasses.replace(record, updated=0.0)
+            content = dataclasses.replace(record, updated=0.0, bytes_sent={})
             if content != published:
                 announcer.set_metrics(record)
                 published = content

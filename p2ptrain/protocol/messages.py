@@ -104,6 +104,10 @@ class Message:
         """The tensors that travel beside the header (optional ones only when present)."""
         return {f.name: value for f in _fields(type(self)) if f.tensor and (value := getattr(self, f.name)) is not None}
 
+    def traffic_kind(self) -> str | None:
+        """The kind (`p2ptrain.traffic.KINDS`) its bytes count as, where it is not that of the request it answers."""
+        return None
+
     @classmethod
     def from_header(cls, header: object, tensors: Mapping[str, Any] | None = None) -> Self:
         """Decode and check a received header and its tensors; raises MessageError naming the field."""
@@ -148,6 +152,7 @@ class Request(Message):
 
     method: ClassVar[str]
     reply: ClassVar[type[Message]]
+    traffic: ClassVar[str] = "control"  # the kind (`p2ptrain.traffic.KINDS`) its bytes and its reply's count as
 
 
 def _within(rows: Rows, total_rows: int, where: str) -> None:
@@ -230,6 +235,7 @@ class PushRows(Request):
     """Rows of a microbatch for a frontal server: from the data source (stage 0) or a BS of the previous stage."""
 
     method: ClassVar[str] = "rpc_push_rows"
+    traffic: ClassVar[str] = "activations"
     reply: ClassVar[type[Message]] = Ack
 
     epoch: Epoch
@@ -258,6 +264,9 @@ class TaskReply(Message):
     inputs: Tensor | None = None
     labels: Tensor | None = None
     grad: Tensor | None = None
+
+    def traffic_kind(self) -> str | None:
+        return "activations" if self.tensors() else None  # a poll answered with a task and its tensors
 
     def check(self, path: str) -> None:
         if len(self.closures) > MAX_CLOSURES:
@@ -306,6 +315,7 @@ class FetchInputs(Request):
     """A worker that recomputes a forward pass asks the FS for the inputs it keeps."""
 
     method: ClassVar[str] = "rpc_fetch_inputs"
+    traffic: ClassVar[str] = "activations"
     reply: ClassVar[type[Message]] = Inputs
 
     epoch: Epoch
@@ -326,6 +336,7 @@ class FetchOutputGrads(Request):
     a few epochs after it closed them."""
 
     method: ClassVar[str] = "rpc_fetch_output_grads"
+    traffic: ClassVar[str] = "activations"
     reply: ClassVar[type[Message]] = OutputGrads
 
     epoch: Epoch
@@ -338,6 +349,7 @@ class PushOutputs(Request):
     """A forward task's result for a BS: output rows with their labels, or in the last stage their summed loss."""
 
     method: ClassVar[str] = "rpc_push_outputs"
+    traffic: ClassVar[str] = "activations"
     reply: ClassVar[type[Message]] = Ack
 
     task: TaskId
@@ -364,6 +376,7 @@ class PushInputGrads(Request):
     """A backward task's result for the FS: gradients of the stage inputs (none at stage 0)."""
 
     method: ClassVar[str] = "rpc_push_input_grads"
+    traffic: ClassVar[str] = "activations"
     reply: ClassVar[type[Message]] = Ack
 
     task: TaskId
@@ -381,6 +394,7 @@ class PushOutputGrads(Request):
     """Gradients of a stage's outputs, from an FS of the next stage to a BS."""
 
     method: ClassVar[str] = "rpc_push_output_grads"
+    traffic: ClassVar[str] = "activations"
     reply: ClassVar[type[Message]] = Ack
 
     epoch: Epoch
@@ -510,6 +524,7 @@ class DepositGrads(Request):
     in its place (`client.averaging`)."""
 
     method: ClassVar[str] = "rpc_deposit_grads"
+    traffic: ClassVar[str] = "averaging"
     reply: ClassVar[type[Message]] = Ack
 
     epoch: Epoch
@@ -531,6 +546,7 @@ class EvalForward(Request):
     after stepping through epoch - 1) and hand on to the next stage; the last stage answers with their loss."""
 
     method: ClassVar[str] = "rpc_eval_forward"
+    traffic: ClassVar[str] = "activations"
     reply: ClassVar[type[Message]] = EvalLoss
 
     epoch: Epoch
@@ -552,6 +568,7 @@ class Probe(Request):
     """A link measurement: a tiny message, or one with a payload to time the transfer."""
 
     method: ClassVar[str] = "rpc_echo"
+    traffic: ClassVar[str] = "probes"
     reply: ClassVar[type[Message]] = Echo
 
     payload: Tensor | None = None
@@ -572,6 +589,7 @@ class DownloadState(Request):
     so that a peer holding other layers refuses before it sends anything."""
 
     method: ClassVar[str] = "rpc_download_state"
+    traffic: ClassVar[str] = "state"
     reply: ClassVar[type[Message]] = StageStateReply
 
     stage: Stage

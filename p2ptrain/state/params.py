@@ -61,6 +61,13 @@ class StageParams:
         self._set_epoch(epoch + 1)
         return lr
 
+    def skip(self, epoch: int) -> None:
+        """`epoch` was abandoned: no step on it, so a state current for it is current for the next one too (a stage
+        restored from an older checkpoint than the swarm's, whose epochs in between are abandoned, serves its
+        state to joiners at the swarm's epoch)."""
+        if self.epoch == epoch:
+            self._set_epoch(epoch + 1)
+
     def load(self, *, model_state: dict[str, torch.Tensor], optimizer_state: OptimizerState, epoch: int) -> None:
         """Take a state current for `epoch`, already checked against this stage (`decode`)."""
         self.module.load_state_dict(model_state)

@@ -1,0 +1,37 @@
+"""What a peer puts on the wire, by kind: the bytes of the messages it sends (requests it makes, replies it gives,
+all-reduce parts), counted where they are serialized, before libp2p's framing and TCP/IP headers.
+
+One `Traffic` per process (`METER`): every peer runs in a process of its own, so it is that peer's uplink. The DHT's
+own traffic is not here (hivemind sends it); an emulated link's counter (`p2ptrain.links.bytes_sent`) holds all of
+it, headers included.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+# activations: rows, activations and their gradients between stages (and held-out evaluation);
+# averaging: the all-reduce's parts and the gradients deposited before it; state: a stage's parameters and optimizer
+# state downloaded by a joiner; probes: link probes; control: every other message (tasks, closures, epochs, norms)
+KINDS = ("activations", "averaging", "state", "probes", "control")
+
+
+@dataclass
+class Traffic:
+    """Bytes sent, by kind (KINDS), since the process began; thread-safe."""
+
+    sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, kind: str, nbytes: int) -> None:
+        if kind not in self.sent:
+            raise ValueError(f"unknown traffic kind {kind!r}; one of {KINDS}")
+        with self._lock:
+            self.sent[kind] += nbytes
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.sent)
+
+
+METER = Traffic()  # this process's
