@@ -107,11 +107,7 @@ def swarm_run(config: RunConfig, *, args: argparse.Namespace, churn: float, work
         for name, stage in clients.items():
             swarm.start_client(stage, name=name)
         swarm.connect()
-        deadline = time.monotonic() + 180
-        while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(clients):
-            if time.monotonic() > deadline or swarm.failed():
-                raise RuntimeError(f"the clients did not come up; see {workdir}")
-            time.sleep(1.0)
+        swarm.wait_for_workers(len(clients), timeout=180)
         # the data source starts once every client is up, so that the first epochs have all their workers
         swarm.start_server(0, "fs", extra=["--eval-data", str(args.data_dir / "test.txt"), "--eval-every",
                                            str(args.eval_every), "--eval-rows", str(args.eval_rows)])

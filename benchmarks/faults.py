@@ -62,11 +62,7 @@ def run_case(args: argparse.Namespace, policy: str, rate: float, workdir: Path) 
             swarm.start_client(stage, name=name, extra=extra)
         unreliable = dict(list(names.items())[:round(args.unreliable * len(names))])
         swarm.connect()
-        deadline = time.monotonic() + 180
-        while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(names):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the clients did not come up; see {workdir}")
-            time.sleep(1.0)
+        swarm.wait_for_workers(len(names), timeout=180)
         swarm.start_server(0, "fs")  # the data source starts once every client is up
         chaos = Chaos(swarm=swarm, clients=unreliable, rate=rate, extra=extra, rng=rng)
         closed_at: dict[int, float] = {}

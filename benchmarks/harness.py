@@ -348,7 +348,16 @@ class LocalSwarm:
 
     def wire_bytes(self) -> dict[str, int]:
         """Behind emulated links (`p2ptrain.links`): the bytes each peer has put on its uplink; else {}."""
-        return self._swarm.wire_bytes() if self._swarm.own_addresses else {}
+        return self._swarm.wire_bytes()
+
+    def wait_for_workers(self, count: int, timeout: float) -> None:
+        """Until the status lists `count` workers over all stages (`connect` first); RuntimeError if a peer exits
+        with an error or `timeout` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while sum(len(s["workers"]) for s in self.status()["stages"]) < count:
+            if time.monotonic() > deadline or self.failed():
+                raise RuntimeError(f"the clients did not come up; see {self.workdir}")
+            time.sleep(1.0)
 
     def connect(self) -> None:
         """Start the DHT client that `status` reads through (a DHT process and a p2pd, children of this process)."""

@@ -63,11 +63,7 @@ def run_inside(args: argparse.Namespace) -> dict[str, Any]:
         clients = [swarm.start_client(stage, name=f"s{stage}-client{i}")
                    for stage in range(config.num_stages) for i in range(args.clients)]
         swarm.connect()
-        deadline = time.monotonic() + args.start_timeout_s
-        while sum(len(s["workers"]) for s in swarm.status()["stages"]) < len(clients):
-            if time.monotonic() > deadline or swarm.failed():
-                raise RuntimeError(f"the clients did not come up; see {workdir}")
-            time.sleep(1.0)
+        swarm.wait_for_workers(len(clients), timeout=args.start_timeout_s)
         swarm.start_server(0, "fs")  # the data source, once every client is up
         started = time.monotonic()
         closes: list[tuple[int, float]] = []  # (epoch, seconds since the source started) as each was seen closed

@@ -84,7 +84,9 @@ class Swarm:
         return [name for name, p in self.processes.items() if p.poll() not in (None, 0)]
 
     def wire_bytes(self) -> dict[str, int]:
-        """Behind emulated links: the bytes each peer has put on its uplink, headers and the DHT included."""
+        """Behind emulated links: the bytes each peer has put on its uplink, headers and the DHT included; else {}."""
+        if not self.addresses:
+            return {}
         sent = links.bytes_sent()
         return {name: sent.get(address, 0) for name, address in self.addresses.items()}
 
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"clients {entry['clients']}" + (" (client mode)" if args.client_mode_volunteers else ""),
                   file=sys.stderr)
         report = watch(swarm, args, initial)
-        wire = swarm.wire_bytes() if swarm.own_addresses else {}
+        if swarm.own_addresses:
+            report["wire_bytes_sent"] = swarm.wire_bytes()
     except KeyboardInterrupt:
         interrupted = True
         report = None
@@ -218,8 +221,6 @@ def main(argv: list[str] | None = None) -> None:
     if interrupted:
         print("interrupted: all peers stopped", file=sys.stderr)
         sys.exit(130)
-    if swarm.own_addresses:
-        report["wire_bytes_sent"] = wire
     if args.report is not None:
         args.report.write_text(json.dumps(report, indent=1))
     losses = [e["loss"] for e in report["epochs"] if e["loss"] is not None]
@@ -229,13 +230,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def behind_links(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
     """Run this launch again in a network namespace of its own behind emulated links (never returns)."""
-    if args.delay_ms < 0:
-        parser.error(f"--delay-ms {args.delay_ms}: give zero or more")
-    reason = links.unavailable()
-    if reason:
-        parser.error(f"--uplink-mbit: {reason}")
-    caps = links.Links(uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms)
-    os.execvp("unshare", links.command(caps, [sys.executable, "-m", "p2ptrain.launch", *argv]))
+    try:
+        caps = links.Links(uplink_mbit=args.uplink_mbit, delay_ms=args.delay_ms)
+    except ValueError as e:
+        parser.error(f"--uplink-mbit {args.uplink_mbit} --delay-ms {args.delay_ms}: {e}")
+    try:
+        links.exec_behind(caps, [sys.executable, "-m", "p2ptrain.launch", *argv])
+    except links.Unavailable as e:
+        parser.error(f"--uplink-mbit: {e}")
 
 
 def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from typing import NoReturn
 
 LINKS_ENV = "P2PTRAIN_LINKS"  # set inside an emulated namespace: the `Links` as JSON
 FIRST_HOST = 2  # 127.0.0.1 stays uncapped, for readers; peers take 127.0.0.2 and up
@@ -116,6 +117,19 @@ def bytes_sent() -> dict[str, int]:
     return sent
 
 
+class Unavailable(RuntimeError):
+    """Links cannot be emulated on this machine; the text says why (`unavailable`)."""
+
+
+def exec_behind(links: Links, argv: list[str]) -> NoReturn:
+    """Replace this process with `argv` run behind `links` in a namespace of its own; Unavailable if the machine
+    cannot."""
+    reason = unavailable()
+    if reason:
+        raise Unavailable(reason)
+    os.execvp("unshare", command(links, argv))
+
+
 def command(links: Links, argv: list[str]) -> list[str]:
     """The command line that runs `argv` behind `links`, in a namespace of its own."""
     return ["unshare", "--net", sys.executable, "-m", "p2ptrain.links", "--uplink-mbit", str(links.uplink_mbit),
@@ -140,11 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         parser.error(str(e))
     if not args.inside:
-        reason = unavailable()
-        if reason:
-            print(f"python -m p2ptrain.links: {reason}", file=sys.stderr)
+        try:
+            exec_behind(links, cmd)
+        except Unavailable as e:
+            print(f"python -m p2ptrain.links: {e}", file=sys.stderr)
             sys.exit(3)
-        os.execvp("unshare", command(links, cmd))
     configure(links)
     os.environ[LINKS_ENV] = json.dumps(asdict(links))
     os.execvp(cmd[0], cmd)
