@@ -67,7 +67,8 @@ def run_inside(args: argparse.Namespace) -> dict[str, Any]:
         swarm.start_server(0, "fs")  # the data source, once every client is up
         started = time.monotonic()
         closes: list[tuple[int, float]] = []  # (epoch, seconds since the source started) as each was seen closed
-        first: dict[str, Any] | None = None  # bytes when the first epoch was seen closed
+        first: dict[str, Any] | None = None  # bytes when the first epoch was seen closed...
+        last: dict[str, Any] = {"app": {}, "wire": {}}  # ...and the last: what a round still running sent is no epoch's
         report: dict[str, Any] = {}
         while time.monotonic() - started < args.duration_s:
             failed = swarm.failed()
@@ -82,19 +83,18 @@ def run_inside(args: argparse.Namespace) -> dict[str, Any]:
             if report["epoch"] >= 0 and (not closes or report["epoch"] > closes[-1][0]):
                 closes.append((report["epoch"], now))
                 log(f"  {config.run_id}: epoch {report['epoch']} closed at {now:.0f} s")
-                if first is None:
-                    first = {"app": report["bytes_sent"], "wire": swarm.wire_bytes()}
+                last = {"app": report["bytes_sent"], "wire": swarm.wire_bytes()}
+                first = first or last
             if report["finished"]:
                 break
             time.sleep(POLL_S)
-        last = {"app": report.get("bytes_sent", {}), "wire": swarm.wire_bytes()}
         gone = sum(len(GONE.findall(swarm.log_path(name).read_text(errors="replace"))) for name in swarm.roles)
     return measure(closes=closes, first=first, last=last, report=report, gone=gone, clients=clients)
 
 
 def measure(*, closes: list[tuple[int, float]], first: dict | None, last: dict, report: dict, gone: int,
             clients: list[str]) -> dict[str, Any]:
-    """A run's figures (module doc) from the closes seen and the byte counters at the first close and the end."""
+    """A run's figures (module doc) from the closes seen and the byte counters at the first and the last close."""
     epochs = [e for e in report.get("epochs", []) if e["loss"] is not None and not e["abandoned"]]
     stages = [s for e in epochs for s in e["stages"]]
     result: dict[str, Any] = {

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from p2ptrain.config import CODECS, FAULT_POLICIES, OPTIMIZERS, ConfigError, RunConfig, check_run_id
+from p2ptrain.config import CODECS, FAULT_POLICIES, OPTIMIZERS, ConfigError, RunConfig, RuntimeConfig, check_run_id
 from p2ptrain.models import TRAINABLE
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -104,6 +104,50 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:
     """The RunConfig fields of `add_optimization_flags`."""
     return {name: SWITCH[args.dpu] if name == "dpu" else getattr(args, name) for name in OPTIMIZATION_FIELDS}
+
+
+# RuntimeConfig fields of the deadlines (docs/design.md §5) and the flags that set them; a peer's own, not the recipe's
+DEADLINE_FLAGS = {"rpc_timeout_s": "--rpc-timeout", "averaging_timeout_s": "--averaging-timeout",
+                  "lease_timeout_s": "--lease-timeout", "worker_lost_s": "--worker-lost",
+                  "server_lost_s": "--server-lost", "slowest_uplink_mbit": "--slowest-uplink-mbit",
+                  "deadline_slack": "--deadline-slack"}
+
+
+def add_deadline_flags(parser: argparse.ArgumentParser) -> None:
+    """The floors of the waits that judge a peer gone or a transfer lost; each adds the time the bytes in flight
+    need at the rate measured on the link (docs/design.md §5, "Deadlines that follow the link")."""
+    defaults = RuntimeConfig()
+    group = parser.add_argument_group("deadlines (floors; each adds the bytes' time at the link's measured rate)")
+    group.add_argument("--rpc-timeout", type=positive, default=defaults.rpc_timeout_s,
+                       help="seconds a call may wait beyond its request's transfer time, and between chunks of its "
+                            "reply")
+    group.add_argument("--averaging-timeout", type=positive, default=defaults.averaging_timeout_s,
+                       help="seconds an all-reduce round may take beyond its bytes' time, or a groupmate send "
+                            "nothing; an FS counts a worker gone whose gradient deposit sent nothing this long")
+    group.add_argument("--lease-timeout", type=positive, default=defaults.lease_timeout_s,
+                       help="seconds a task stays with a worker not timed yet, beyond its activations' time at "
+                            "--slowest-uplink-mbit; a timed worker's leases follow its measured speed, up to that")
+    group.add_argument("--worker-lost", type=positive, default=defaults.worker_lost_s,
+                       help="seconds without a poll, a result or any bytes of a worker after which a server counts it "
+                            "gone and has its work redone")
+    group.add_argument("--server-lost", type=positive, default=defaults.server_lost_s,
+                       help="seconds a stage server may not answer before it counts as lost: the data source abandons "
+                            "the open epoch and lays the next one out without it (a restarted server is noticed at "
+                            "once), and workers stop waiting for it to close an epoch")
+    group.add_argument("--slowest-uplink-mbit", type=positive, default=defaults.slowest_uplink_mbit,
+                       help="the rate a link is assumed to have until a transfer on it was timed")
+    group.add_argument("--deadline-slack", type=positive, default=defaults.deadline_slack,
+                       help="how many times the bytes' time at the measured rate a deadline allows")
+
+
+def deadlines_from(args: argparse.Namespace) -> dict[str, float]:
+    """The RuntimeConfig fields of `add_deadline_flags`."""
+    return {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in DEADLINE_FLAGS.items()}
+
+
+def deadline_args(args: argparse.Namespace) -> list[str]:
+    """`add_deadline_flags`' values as a peer's command line takes them."""
+    return [item for name, value in deadlines_from(args).items() for item in (DEADLINE_FLAGS[name], str(value))]
 
 
 def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = RunConfig()) -> None:

@@ -160,8 +160,12 @@ class RuntimeConfig:
     """Timeouts, retries, backoffs, leases and poll periods, in seconds unless named otherwise. The defaults suit a
     loopback swarm and a slow WAN alike; `python -m p2ptrain.peer` sets the lease and averaging timeouts."""
 
+    # deadlines that follow the link (`protocol.deadlines`, docs/design.md §5): a wait for bytes is its floor plus
+    # deadline_slack times their time at the rate measured on the link, or at slowest_uplink_mbit until one was
+    deadline_slack: float = 3.0
+    slowest_uplink_mbit: float = 1.0
     # transport
-    rpc_timeout_s: float = 60.0  # longest one RPC may take, transfer included
+    rpc_timeout_s: float = 60.0  # longest one RPC may go with nothing of it moving (no chunk sent or received)
     push_attempts: int = 3  # a worker pushes a result this many times when its reply is lost in transport
     push_backoff_s: float = 0.2  # every retried call backs off exponentially from this...
     delivery_backoff_max_s: float = 5.0  # ...up to this; a server retries a push to another server until it lands
@@ -171,8 +175,9 @@ class RuntimeConfig:
     no_servers_wait_s: float = 0.5  # a worker that knows no FS of its stage looks again after this
     fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work
     bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
-    averaging_timeout_s: float = 30.0  # longest one all-reduce round may take, and the longest a worker waits for
-    # the global gradient norm after it (clip_norm), asking the data source again every norm_poll_s
+    averaging_timeout_s: float = 30.0  # the floor of an all-reduce round's deadlines (`StageAllReduce`) and of a
+    # worker's wait for the global gradient norm after it (clip_norm), asking the data source again every norm_poll_s;
+    # an FS counts a worker gone whose gradients have not come after its last result, nor bytes of them for this long
     norm_poll_s: float = 0.05
     # servers
     lease_timeout_s: float = 30.0  # the longest a worker may take on a task before it goes back to the pool; a
@@ -205,6 +210,11 @@ class RuntimeConfig:
     probe_timeout_s: float = 10.0  # longest one link measurement may take
     progress_every_s: float = 15.0  # waiting peers and planners log their progress this often
 
+    @property
+    def slowest_uplink(self) -> float:
+        """`slowest_uplink_mbit` in bytes/s."""
+        return self.slowest_uplink_mbit * 1e6 / 8
+
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             minimum = 1 if name in ("push_attempts", "refusals_before_ban", "closures_kept") else 0
@@ -214,6 +224,6 @@ class RuntimeConfig:
             raise ConfigError("record_period_s", self.record_period_s, "need 0 < record_period_s < record_ttl_s, or "
                                                                        "records lapse")
         for name in ("rpc_timeout_s", "lease_timeout_s", "averaging_timeout_s", "plan_timeout_s", "probe_timeout_s",
-                     "liveness_timeout_s"):
+                     "liveness_timeout_s", "slowest_uplink_mbit"):
             if getattr(self, name) <= 0:
                 raise ConfigError(name, getattr(self, name), "must be positive")

@@ -25,8 +25,10 @@ from p2ptrain.cli import (
     LOOPBACK,
     OPTIMIZATION_FIELDS,
     RECIPE_FLAGS,
+    add_deadline_flags,
     add_optimization_flags,
     count,
+    deadline_args,
     existing_file,
     flag_value,
     optimization_from,
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "address and an uplink capped at this many Mbit/s")
     emulated.add_argument("--delay-ms", type=float, default=0.0, help="with --uplink-mbit: added to every packet")
     add_optimization_flags(parser)
+    add_deadline_flags(parser)
     parser.set_defaults(decay_epochs=None)  # the launcher knows the run's length: decay over all of it by default
     return parser
 
@@ -197,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
               config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else []),
               *(["--tokenizer", config.tokenizer] if config.tokenizer else []),
               *(item for name in OPTIMIZATION_FIELDS for item in (RECIPE_FLAGS[name], flag_value(getattr(config, name)))),
-              *(["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)] if args.eval_data else [])]
+              *(["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)] if args.eval_data else []),
+              *deadline_args(args)]
     swarm = Swarm(workdir=workdir)
     interrupted = False
     try:

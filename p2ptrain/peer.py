@@ -22,9 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.cli import (
+    DEADLINE_FLAGS,
+    add_deadline_flags,
     add_recipe_flags,
     check_maddrs,
     count,
+    deadlines_from,
     existing_file,
     fail,
     non_negative,
@@ -46,8 +49,7 @@ if TYPE_CHECKING:
 # NodeOptions and RuntimeConfig fields and the flags that set them
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
-              "lease_timeout_s": "--lease-timeout", "averaging_timeout_s": "--averaging-timeout",
-              "worker_lost_s": "--worker-lost", "server_lost_s": "--server-lost",
+              **DEADLINE_FLAGS,
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
               "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay", "checkpoint_dir": "--checkpoint-dir",
               "checkpoint_every": "--checkpoint-every", "eval_data": "--eval-data", "eval_every": "--eval-every",
@@ -114,20 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="dial out only (behind NAT); in averaging it sends and receives but reduces no part")
     net.add_argument("--maddrs-file", type=writable_file, help="write this peer's visible multiaddrs here once up")
     add_recipe_flags(parser)
+    add_deadline_flags(parser)
     run = parser.add_argument_group("training")
     run.add_argument("--epochs", type=count, default=20, help="global batches the data source feeds")
     run.add_argument("--max-in-flight", type=count, default=4, help="microbatches in the pipeline at once")
     run.add_argument("--compute-power", type=positive, default=None, help="this worker's FLOP/s (default: measured)")
-    run.add_argument("--lease-timeout", type=positive, default=RuntimeConfig.lease_timeout_s,
-                     help="the longest a task stays with a worker before it goes back to the pool (leases follow each worker's measured speed, up to this)")
-    run.add_argument("--averaging-timeout", type=positive, default=RuntimeConfig.averaging_timeout_s,
-                     help="seconds an all-reduce round may take")
-    run.add_argument("--worker-lost", type=positive, default=RuntimeConfig.worker_lost_s,
-                     help="seconds of silence after which a server counts a worker as gone and has its work redone")
-    run.add_argument("--server-lost", type=positive, default=RuntimeConfig.server_lost_s,
-                     help="seconds a stage server may not answer before it counts as lost: the data source abandons "
-                          "the open epoch and lays the next one out without it (a restarted server is noticed at "
-                          "once), and workers stop waiting for it to close an epoch")
     run.add_argument("--checkpoint-dir", type=Path,
                      help="a server: save the stage's parameters, optimizer state, epoch and data position here, and "
                           "resume from them when started again")
@@ -220,9 +213,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, eval_data=args.eval_data,
             eval_every=args.eval_every, eval_rows=args.eval_rows, owner=owner, certificate=certificate)
-        settings = RuntimeConfig(lease_timeout_s=args.lease_timeout, averaging_timeout_s=args.averaging_timeout,
-                                 plan_timeout_s=args.plan_timeout, worker_lost_s=args.worker_lost,
-                                 server_lost_s=args.server_lost)
+        settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, **deadlines_from(args))
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
 

@@ -1,7 +1,12 @@
 """Typed messages over hivemind's libp2p streaming RPCs: a msgpack header plus named tensors.
 
 Tensors always travel as streams of chunks of at most 1 MiB: hivemind refuses unary requests over 4 MiB and a unary
-response over 4 MiB hangs the caller (docs/design.md §7). Streaming stubs take no timeout, so every call is wrapped.
+response over 4 MiB hangs the caller (docs/design.md §7). Streaming stubs take no timeout, so every call is wrapped,
+in a deadline that follows the link (`protocol.deadlines`): the call's timeout plus the time its request's bytes need
+at the rate measured to that peer in earlier calls, times a slack; and each chunk of the reply that arrives moves the
+deadline to at least the timeout from then. A big transfer on a slow link that keeps moving never fails; a silent
+peer fails it as before. (Chunks handed to the local daemon are no measure: it buffers megabytes.) On the serving
+side each chunk that arrives tells the node's `Hearing` that its sender is alive, however slowly it sends.
 
 The caller, not the server, ends every stream. A message's header announces how many tensor chunks follow, so the
 caller knows when it holds the whole reply and closes the stream then; the server keeps its end open until that
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
@@ -35,7 +41,9 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.compression import deserialize, serialize
+from p2ptrain.config import RuntimeConfig
 from p2ptrain.protocol.bans import BanList
+from p2ptrain.protocol.deadlines import Throughput
 from p2ptrain.protocol.messages import Message, MessageError, Request
 from p2ptrain.traffic import METER
 
@@ -141,6 +149,31 @@ async def unpack(stream: AsyncIterator[Proto] | Iterable[Proto]) -> Envelope:
     return Envelope(header=header, tensors=tensors)
 
 
+async def _moving(items: AsyncIterator[Proto], moved: Callable[[Proto], None]) -> AsyncIterator[Proto]:
+    """`items`, calling `moved(item)` as each is taken."""
+    async for item in items:
+        moved(item)
+        yield item
+
+
+class Hearing:
+    """When bytes of a request last arrived from each peer, per service, across the servicers of one node
+    (`Service.serve`): a peer whose transfer is still arriving is alive, however slow its link, and a server's
+    verdicts that a worker is gone ask here too. Times are in `clock`, the servers' own."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._last: dict[tuple[str, str], float] = {}
+        self._any: dict[str, float] = {}
+
+    def heard(self, peer: str, service: str) -> None:
+        self._last[(peer, service)] = self._any[peer] = self.clock()
+
+    def last(self, peer: str, service: str | None = None) -> float:
+        """When bytes from `peer` (to `service`, or to any) last arrived; -inf if never."""
+        return self._any.get(peer, -math.inf) if service is None else self._last.get((peer, service), -math.inf)
+
+
 def handle_name(service: str, method: str, namespace: str | None = None) -> str:
     return f"{namespace}::{service}.{method}" if namespace else f"{service}.{method}"
 
@@ -152,9 +185,11 @@ class Service(ServicerBase):
 
     service: ClassVar[str]
 
-    def __init__(self, *, peer_id: str, name: str, codec: str, bans: BanList | None = None):
+    def __init__(self, *, peer_id: str, name: str, codec: str, bans: BanList | None = None,
+                 hearing: Hearing | None = None):
         self.peer_id, self.name, self.codec = peer_id, name, codec  # name: how logs call this servicer
         self.bans = BanList() if bans is None else bans
+        self.hearing = Hearing() if hearing is None else hearing
         self.logger = logging.getLogger(type(self).__module__)
         self._follow_ups: set[asyncio.Task] = set()
 
@@ -207,7 +242,7 @@ class Service(ServicerBase):
         try:
             if banned_for > 0:  # refused unread: a banned peer costs a reply and a stream, not a decode
                 raise Refused(f"banned for {banned_for:.0f} more s after repeated malformed or forged requests")
-            envelope = await unpack(requests)
+            envelope = await unpack(requests if local else _moving(requests, lambda _: self.hearing.heard(sender, self.service)))
             request = kind.from_header(envelope.header, envelope.tensors)
             reply = await handler(request, sender)
             traffic = reply.traffic_kind() or traffic
@@ -259,9 +294,18 @@ class Caller:
     (`add_local`) go straight to the handler, without the network."""
 
     def __init__(self, *, p2p: P2P | None, peer_id: str, codec: str, timeout: float,
-                 local: dict[tuple[str, str], Service] | None = None):
+                 local: dict[tuple[str, str], Service] | None = None, slack: float = RuntimeConfig.deadline_slack,
+                 assumed_rate: float = RuntimeConfig().slowest_uplink, rates: dict[str, Throughput] | None = None):
         self.p2p, self.peer_id, self.codec, self.timeout = p2p, peer_id, codec, timeout
         self.local = {} if local is None else local  # (peer id, service) -> servicer; tests share one across peers
+        # the rate measured to each peer (module doc), shared by the callers of one node
+        self.slack, self.assumed_rate = slack, assumed_rate
+        self.rates: dict[str, Throughput] = {} if rates is None else rates
+
+    def rate(self, peer: str) -> Throughput:
+        if peer not in self.rates:
+            self.rates[peer] = Throughput(assumed=self.assumed_rate)
+        return self.rates[peer]
 
     def add_local(self, servicer: Service) -> None:
         self.local[(servicer.peer_id, servicer.service)] = servicer
@@ -300,24 +344,39 @@ class Caller:
 
     async def exchange(self, peer: str, service: str, method: str, envelope: Envelope, *,
                        timeout: float | None = None, traffic: str = "control") -> Envelope:
-        """One call with untyped envelopes (benchmarks time the transport with it); its bytes count as `traffic`."""
+        """One call with untyped envelopes (benchmarks time the transport with it); its bytes count as `traffic`.
+        TimeoutError past the deadline the link allows (module doc), `timeout` (the caller's by default) its floor."""
+        floor, loop = timeout or self.timeout, asyncio.get_running_loop()
+        requests = pack(envelope, codec=self.codec, proto=runtime_pb2.ExpertRequest)
+        sent = sum(request.ByteSize() for request in requests)
+        network = (peer, service) not in self.local
+        received, started = 0, loop.time()
+
+        def arrived(response: runtime_pb2.ExpertResponse) -> None:
+            nonlocal received
+            received += response.ByteSize()
+            deadline.reschedule(max(deadline.when(), loop.time() + floor))
+
         # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that comes as the call completes (it returns
         # the reply instead), and a cancelled task then ran on; asyncio.timeout lets every cancellation through
-        async with asyncio.timeout(timeout or self.timeout):
-            return await self._exchange(peer, service, method, envelope, traffic)
+        async with asyncio.timeout(self.rate(peer).deadline_s(sent, floor_s=floor, slack=self.slack)) as deadline:
+            reply = await self._exchange(peer, service, method, requests, traffic, sent=sent, arrived=arrived)
+        if network:
+            self.rate(peer).observe(sent + received, loop.time() - started)
+        return reply
 
-    async def _exchange(self, peer: str, service: str, method: str, envelope: Envelope, traffic: str) -> Envelope:
-        requests = pack(envelope, codec=self.codec, proto=runtime_pb2.ExpertRequest)
+    async def _exchange(self, peer: str, service: str, method: str, requests: list[runtime_pb2.ExpertRequest],
+                        traffic: str, *, sent: int, arrived: Callable[[runtime_pb2.ExpertResponse], None]) -> Envelope:
         servicer = self.local.get((peer, service))
         if servicer is not None:
             responses = getattr(servicer, method)(_aiter(requests), LocalCall(sender=self.peer_id))
         elif self.p2p is None:
             raise ConnectionError(f"no {service} of {peer} in this process, and no network")
         else:
-            METER.count(traffic, sum(request.ByteSize() for request in requests))
+            METER.count(traffic, sent)
             responses = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), handle_name(service, method), _aiter(requests), runtime_pb2.ExpertResponse)
         try:
-            return await unpack(responses)
+            return await unpack(_moving(responses, arrived))
         finally:
             await responses.aclose()  # this side ends the stream, once the whole reply is here (see the docstring)

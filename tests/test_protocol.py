@@ -74,19 +74,20 @@ def test_task_pool_requeues_timed_out_leases_and_counts_them():
     assert pool.complete("0:0") and not pool.complete("0:0")
 
 
-def test_a_lease_lasts_what_the_caller_sizes_it_to_capped_by_the_timeout_and_a_gone_worker_loses_its_leases():
+def test_a_lease_lasts_what_the_caller_sizes_it_to_the_timeout_by_default_and_a_gone_worker_loses_its_leases():
     pool = TaskPool(lease_timeout=5.0)
-    for i in range(3):
+    for i in range(4):
         pool.add(_task(i))
     fast = pool.take("a", now=0.0, lease_s=lambda task: 1.0)
-    slow = pool.take("b", now=0.0, lease_s=lambda task: 60.0)
+    slow = pool.take("b", now=0.0, lease_s=lambda task: 60.0)  # a slow link's: the caller bounds it
+    plain = pool.take("c", now=0.0)
     assert pool.lease(fast.task_id).deadline == 1.0 and pool.lease(fast.task_id).taken == 0.0
-    assert pool.lease(slow.task_id).deadline == 5.0  # capped
+    assert pool.lease(slow.task_id).deadline == 60.0 and pool.lease(plain.task_id).deadline == 5.0
     assert [t.task_id for t in pool.expire(now=1.0)] == [fast.task_id]
     pool.take("b", now=1.0)
     assert pool.leased_to("b") and not pool.leased_to("a")
     assert {t.task_id for t in pool.requeue_worker("b")} == {fast.task_id, slow.task_id}
-    assert pool.leased == 0 and pool.pending == 3
+    assert pool.leased == 1 and pool.pending == 3
 
 
 def test_refused_task_goes_to_another_worker():

@@ -17,6 +17,7 @@ from p2ptrain.live.probe import LinkProbe
 from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.layout import Layout, StageServers
 from p2ptrain.protocol.messages import (
+    GRADIENT_DEPOSITS,
     LINK_PROBE,
     Ack,
     AskEpoch,
@@ -351,6 +352,29 @@ def test_an_fs_counts_a_worker_ready_to_average_only_once_its_gradients_are_depo
     asyncio.run(scenario())
 
 
+def test_a_worker_whose_bytes_keep_arriving_on_a_slow_link_is_never_counted_gone():
+    """Deadlines that follow the link (issue 25): a worker that does not poll while its gradients crawl in (each chunk
+    tells the node's hearing) is neither gone after `worker_lost_s` nor undeposited after the averaging timeout; once
+    its bytes stop for that long, it is, and its rows are redone."""
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock)
+        first, second = await both_results(fs, bs, clock)
+        assert (await deposited(fs, "w1", 0, len(first.rows))).deposit_to == "fs"
+        await poll(fs, "w2", 0)
+        timeout = fs.settings.averaging_timeout_s
+        for _ in range(4):  # twice the averaging timeout, and far past worker_lost_s, with a chunk every few s
+            clock.now += timeout / 2 - 1.0
+            fs.hearing.heard("w2", GRADIENT_DEPOSITS)
+            assert (await deposited(fs, "w1", 0, len(first.rows))).task is None and fs.state.closed_epoch == -1
+            assert not fs.gone("w2")
+        clock.now += timeout  # the deposit stopped moving
+        redo = (await deposited(fs, "w1", 0, len(first.rows))).task
+        assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
+
+    asyncio.run(scenario())
+
+
 def test_a_worker_judged_gone_that_was_alive_after_all_stays_out_of_the_epoch_its_rows_were_redone_in():
     async def scenario() -> None:
         clock = Clock()
@@ -406,7 +430,7 @@ def test_a_killed_worker_is_known_gone_as_soon_as_a_probe_cannot_reach_it():
         first, second = await both_results(fs, bs, clock)
         assert await poll(fs, "w1", 0) is None and fs.state.closed_epoch == -1  # w2 silent 1 s: probed now
         await asyncio.sleep(0.05)  # the probe fails: no process answers
-        assert fs.state.workers["w2"].unreachable > 0 and fs.gone(fs.state.workers["w2"])
+        assert fs.state.workers["w2"].unreachable > 0 and fs.gone("w2")
         redo = await poll(fs, "w1", 0)  # long before worker_lost_s
         assert clock.now - fs.state.workers["w2"].last_seen < fs.settings.worker_lost_s
         assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
@@ -438,7 +462,10 @@ def test_leases_follow_a_workers_measured_speed_and_bans_last_longer_each_time()
         fs, _ = servers(clock=clock)
         await feed(fs, 0)
         task = await poll(fs, "w1", 0)
-        assert fs.state.pool.lease(task.task).deadline == clock.now + fs.settings.lease_timeout_s  # not timed yet
+        # not timed yet: the timeout, plus what the task's activations need at the slowest uplink allowed for
+        settings, (seq, hidden) = fs.settings, fs.hidden_shape
+        bound = settings.lease_timeout_s + settings.deadline_slack * 2 * ROWS * seq * hidden * 4 / settings.slowest_uplink
+        assert fs.state.pool.lease(task.task).deadline == pytest.approx(clock.now + bound)
         clock.now += 0.5
         await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1"))
         assert fs.state.workers["w1"].seconds_per_row == pytest.approx(0.5 / ROWS)

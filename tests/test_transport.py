@@ -23,12 +23,12 @@ def test_a_cancelled_call_is_cancelled_even_when_its_reply_lands_at_that_moment(
         caller = Caller(p2p=None, peer_id="me", codec="none", timeout=5.0)
         release = asyncio.Event()
 
-        async def answer(*_: object) -> Envelope:  # stands for the transport: the reply comes when released
+        async def answer(*_: object, **__: object) -> Envelope:  # stands for the transport: the reply comes when released
             await release.wait()
-            return Envelope({}, [])
+            return Envelope({})
 
         caller._exchange = answer
-        call = asyncio.create_task(caller.exchange("peer", "service", "rpc_method", Envelope({}, [])))
+        call = asyncio.create_task(caller.exchange("peer", "service", "rpc_method", Envelope({})))
         await asyncio.sleep(0)  # the call waits for its reply
         release.set()  # the reply lands...
         call.cancel()  # ...in the same turn of the loop as the caller's cancellation

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -48,15 +49,19 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
 from p2ptrain.compression import BadTensorError, check_tensor
+from p2ptrain.config import RuntimeConfig
 from p2ptrain.live.probe import dial_failure
+from p2ptrain.protocol.deadlines import Throughput, all_reduce_bytes
 from p2ptrain.protocol.messages import GRADIENT_DEPOSITS, Ack, DepositGrads, GroupMember
 from p2ptrain.traffic import METER
-from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
+from p2ptrain.transport import Caller, Hearing, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
 
 # hivemind needs a positive weight; a worker without rows this epoch still takes part and gets the result
 NO_ROWS_WEIGHT = 1e-9
+AVERAGED_ITEMSIZE = 8  # bytes per value in a round: float64 (module doc)
+PART_BYTES = 2**19  # hivemind's default part size, named here because the stall deadline counts on it
 REDUCER_LINGER_S = 5.0  # how long a reducer keeps a sender's stream open after its last part (`rpc_aggregate_part`)
 
 
@@ -79,8 +84,8 @@ class GradientDeposits(Service):
 
     service = GRADIENT_DEPOSITS
 
-    def __init__(self, *, peer_id: str, stage: int, numel: int, kept: int):
-        super().__init__(peer_id=peer_id, name=f"stage {stage} gradient deposits", codec="none")
+    def __init__(self, *, peer_id: str, stage: int, numel: int, kept: int, hearing: Hearing | None = None):
+        super().__init__(peer_id=peer_id, name=f"stage {stage} gradient deposits", codec="none", hearing=hearing)
         self.numel, self.kept = numel, kept
         self._held: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
 
@@ -134,17 +139,23 @@ class MeteredAllReduceRunner(AllReduceRunner):
 class StageAllReduce(ServicerBase):
     """One worker's side of its stage's all-reduce rounds; registered under a per-stage namespace.
 
-    While a round runs, the groupmates' link probes are pinged every `probe_every_s`: hivemind's runner waits for a
-    groupmate that died until `timeout`, and a dead process is known at once (its dial fails), so the round fails
-    then instead."""
+    A round's deadlines follow the link (`protocol.deadlines`): it fails once a groupmate sends no part for `timeout`
+    plus the time a part's bytes need at the rate measured in this member's earlier rounds (`throughput`, assumed
+    slow until one was timed), times `slack` (hivemind's sender and reducer timeouts), or once the whole round took
+    `timeout` plus its bytes' time. While a round runs, the groupmates' link probes are pinged every `probe_every_s`:
+    a dead process is known at once (its dial fails), so the round fails then instead."""
 
     def __init__(self, *, p2p: P2P | None, run_id: str, stage: int, timeout: float, caller: Caller,
+                 throughput: Throughput | None = None, slack: float = RuntimeConfig.deadline_slack,
                  probe_every_s: float = 1.0, probe_timeout_s: float = 2.0,
                  compression: CompressionBase = NoCompression(), deposits: GradientDeposits | None = None):
         self.p2p, self.timeout, self.caller, self.compression = p2p, timeout, caller, compression
+        self.throughput = Throughput(assumed=RuntimeConfig().slowest_uplink) if throughput is None else throughput
+        self.slack = slack
         self.deposits = deposits  # a server's: it brings the deposits of groupmates that died (module doc)
         # deposits travel uncompressed whatever the run's codec: they stand in for a worker's exact gradients
-        self._depositor = Caller(p2p=p2p, peer_id=caller.peer_id, codec="none", timeout=timeout)
+        self._depositor = Caller(p2p=p2p, peer_id=caller.peer_id, codec="none", timeout=timeout, slack=caller.slack,
+                                 assumed_rate=caller.assumed_rate, rates=caller.rates)
         self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
         self.stage, self.prefix = stage, f"{run_id}_stage{stage}_allreduce"
         self._runners: dict[bytes, asyncio.Future] = {}
@@ -240,6 +251,11 @@ class StageAllReduce(ServicerBase):
         parts = flat.split([grad.numel() for grad in grads])
         return [part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total
 
+    def deadline_s(self, numel: int, *, members: int) -> float:
+        """How long a round over `numel` values among `members` may take (class doc)."""
+        sent = all_reduce_bytes(numel, members=members, itemsize=AVERAGED_ITEMSIZE)
+        return self.throughput.deadline_s(sent, floor_s=self.timeout, slack=self.slack)
+
     async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...]
                      ) -> tuple[list[torch.Tensor], float]:
         """One all-reduce among `group`, this member's part weighing `weight` rows: the averaged gradients and the
@@ -255,12 +271,16 @@ class StageAllReduce(ServicerBase):
             logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers not started: every member dials "
                            "out only (client mode), none can reduce")
             raise RoundFailed("every member dials out only (client mode), none can reduce")
+        numel = sum(tensor.numel() for tensor in tensors)
+        deadline = self.deadline_s(numel, members=len(group))
+        # a part on its way while this member's uplink carries one to each groupmate and an average back to each
+        stall = self.throughput.deadline_s(2 * (len(group) - 1) * PART_BYTES, floor_s=self.timeout, slack=self.slack)
         runner = MeteredAllReduceRunner(
             p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
             weight=own,
             ordered_peer_ids=[PeerID.from_base58(m.peer_id) for m in group],
             peer_fractions=tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes), modes=modes,
-            compression=self.compression,
+            compression=self.compression, part_size_bytes=PART_BYTES, sender_timeout=stall, reducer_timeout=2 * stall,
         )
         self._runner(group_id).set_result(runner)
 
@@ -275,8 +295,9 @@ class StageAllReduce(ServicerBase):
         rounds = asyncio.create_task(reduce())
         watched = asyncio.Event()  # set when the round ends: the watch stops even if a cancellation got lost
         watch = asyncio.create_task(self._watch([m.peer_id for m in group], until=watched))
+        started = time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(deadline):
                 await asyncio.wait([rounds, watch], return_when=asyncio.FIRST_COMPLETED)
             if not rounds.done():
                 raise ConnectionError(f"groupmate {watch.result()} cannot be reached")
@@ -301,18 +322,20 @@ class StageAllReduce(ServicerBase):
             # the runner's reducer may still be sending this peer's share to slower groupmates: it finishes in the
             # background, and leaves nothing for the garbage collector to finalize and log from wherever that runs
             # (it once broke an ast.parse in the same thread)
-            self._finishing.add(task := asyncio.create_task(self._finish(runner, updates)))
+            self._finishing.add(task := asyncio.create_task(self._finish(runner, updates, deadline)))
             task.add_done_callback(self._finishing.discard)
+        self.throughput.observe(all_reduce_bytes(numel, members=len(group), itemsize=AVERAGED_ITEMSIZE),
+                                time.monotonic() - started)
         # entry `me` of the averaged marker is this member's weight over the round's total
         total = own / tensors[-1][[member.peer_id for member in group].index(me)].item()
         return [tensor.float() for tensor in tensors[:-1]], total
 
-    async def _finish(self, runner: AllReduceRunner, updates: AsyncIterator[torch.Tensor]) -> None:
+    async def _finish(self, runner: AllReduceRunner, updates: AsyncIterator[torch.Tensor], deadline: float) -> None:
         """Let a round's runner end as hivemind ends it (after its last update it finalizes and awaits its tasks),
-        within the round's timeout; then take the outcome its own future holds, which hivemind gives no public way
+        within the round's `deadline`; then take the outcome its own future holds, which hivemind gives no public way
         to await."""
         try:
-            await asyncio.wait_for(anext(updates, None), self.timeout)
+            await asyncio.wait_for(anext(updates, None), deadline)
         except Exception:  # failed or timed out: the round's result was taken already
             runner.finalize(cancel=True)
         finally:

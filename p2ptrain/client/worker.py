@@ -461,7 +461,7 @@ class Worker:
                         "place of its own step (its previous round failed)")
         else:
             self._stale = False
-            norm = await self._global_norm(averaged, epoch) if self.config.clip_norm else None
+            norm = await self._global_norm(averaged, epoch, members=len(group)) if self.config.clip_norm else None
             self._apply(averaged, epoch=epoch, norm=norm)
             logger.info(f"worker {self.worker_id}: stage {self.stage} stepped epoch {epoch} ({rows} rows, averaged in "
                         f"a group of {result.group_size}, lr {lr:.3g}"
@@ -491,14 +491,17 @@ class Worker:
         self._stale = False
         return True
 
-    async def _global_norm(self, averaged: list[torch.Tensor], epoch: int) -> float | None:
+    async def _global_norm(self, averaged: list[torch.Tensor], epoch: int, *, members: int) -> float | None:
         """The norm of the whole model's averaged gradient: this stage's part goes to the data source, which
-        answers once every stage's has. None if none comes within the averaging timeout (the data source is gone, or
-        a stage never reported): the step is then not clipped, which a warning and the status say (`unclipped`),
-        rather than clipped by a norm the other stages do not share."""
+        answers once every stage's has. None if none comes within the deadline of as many rounds as there are
+        stages, one after another on this member's link (the slowest stage's round ends last; the data source may be
+        gone, or a stage never reported): the step is then not clipped, which a warning and the status say
+        (`unclipped`), rather than clipped by a norm the other stages do not share."""
         squared = math.fsum(grad.double().square().sum().item() for grad in averaged)
         request = ReportNorm(epoch=epoch, stage=self.stage, squared_norm=squared)
-        deadline = time.monotonic() + self.settings.averaging_timeout_s
+        wait_s = self.averager.deadline_s(self.config.num_stages * sum(grad.numel() for grad in averaged),
+                                          members=members)
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             keeper = self.norm_keeper()
             reply = await self._call(keeper, FRONTAL_SERVER, request) if keeper is not None else None
@@ -506,7 +509,7 @@ class Worker:
                 return reply.norm
             await asyncio.sleep(self.settings.norm_poll_s)
         logger.warning(f"worker {self.worker_id}: no global gradient norm of epoch {epoch} within "
-                       f"{self.settings.averaging_timeout_s:.0f} s; stepping unclipped")
+                       f"{wait_s:.0f} s; stepping unclipped")
         return None
 
     def _advance(self, epoch: int) -> None:

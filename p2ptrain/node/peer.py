@@ -29,6 +29,7 @@ from p2ptrain.live.publisher import serve_plan
 from p2ptrain.models import build_stage
 from p2ptrain.node.metrics import publish_metrics
 from p2ptrain.node.options import NodeOptions
+from p2ptrain.protocol.deadlines import Throughput
 from p2ptrain.protocol.layout import Placement
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
@@ -232,7 +233,8 @@ class Peer:
                                      period_s=settings.membership_period_s, retry_s=settings.membership_retry_s,
                                      owner=options.owner)
         self._spawn(membership.run(self._stopping))
-        caller = Caller(p2p=self._p2p, peer_id=self.peer_id, codec=config.compression, timeout=settings.rpc_timeout_s)
+        caller = Caller(p2p=self._p2p, peer_id=self.peer_id, codec=config.compression, timeout=settings.rpc_timeout_s,
+                        slack=settings.deadline_slack, assumed_rate=settings.slowest_uplink)
         if role is not None:
             kind = FrontalServer if role == "fs" else BackwardServer
             self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller,
@@ -279,11 +281,16 @@ class Peer:
         model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
         deposits = None
         if self.options.role == "server":  # it keeps its stage's workers' gradients while they average
+            # deposits still arriving tell the server their sender is alive
+            hearing = self.server.hearing if self.server is not None else None
             deposits = GradientDeposits(peer_id=self.peer_id, stage=placement.stage, kept=self.settings.closures_kept,
-                                        numel=sum(p.numel() for p in model.parameters() if p.requires_grad))
+                                        numel=sum(p.numel() for p in model.parameters() if p.requires_grad),
+                                        hearing=hearing)
             await deposits.add_p2p_handlers(self._p2p)
         averager = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage,
                                   timeout=self.settings.averaging_timeout_s, caller=caller,
+                                  throughput=Throughput(assumed=self.settings.slowest_uplink),
+                                  slack=self.settings.deadline_slack,
                                   probe_every_s=self.settings.probe_silent_s,
                                   probe_timeout_s=self.settings.liveness_timeout_s, deposits=deposits)
         await averager.start()

@@ -1,5 +1,6 @@
 """The task pool of a server (paper §3.2.1 "Task Pool"): tasks not yet done, leased to workers with a deadline
-(the caller sizes each lease, e.g. by the worker's measured speed; `lease_timeout` caps it).
+(the caller sizes each lease, e.g. by the worker's measured speed and its link; `lease_timeout` is the
+default).
 
 A task whose worker does not finish it before its deadline, or whose result was refused, goes back to the pool
 for any worker to take. Time is passed in by the caller, so the pool runs the same in the live runtime, in
@@ -87,7 +88,7 @@ class TaskPool:
         """Lease the oldest task meant for `worker`, else the oldest task at all; None if nothing fits.
 
         With `epoch`, only tasks of that epoch: a worker's gradients must all belong to the epoch it averages.
-        `lease_s(task)`: how long this worker may take on the task (default `lease_timeout`).
+        `lease_s(task)`: how long this worker may take on the task (default `lease_timeout`), bounded by the caller.
         """
         candidates = [
             t for t in self._pending.values()
@@ -97,7 +98,7 @@ class TaskPool:
             return None
         task = min(candidates, key=lambda t: (t.preferred != worker, t.epoch, t.microbatch, t.rows.start))
         del self._pending[task.task_id]
-        duration = self.lease_timeout if lease_s is None else min(lease_s(task), self.lease_timeout)
+        duration = self.lease_timeout if lease_s is None else lease_s(task)
         self._leased[task.task_id] = Lease(task=task, worker=worker, deadline=now + duration, taken=now)
         return task
 

@@ -21,6 +21,7 @@ from hivemind.p2p import P2PContext
 
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.live.probe import dial_failure
+from p2ptrain.protocol.deadlines import transfer_deadline_s
 from p2ptrain.protocol.layout import Layout, ServerRole
 from p2ptrain.protocol.messages import (
     Ack,
@@ -37,7 +38,7 @@ from p2ptrain.protocol.messages import (
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Task, TaskPool
 from p2ptrain.server.state import EpochStats, MicrobatchInputs, MicrobatchOutputs, ServerState, WorkerRecord
-from p2ptrain.transport import Caller, Forbidden, Refused, Requests, Responses, Service
+from p2ptrain.transport import Caller, Forbidden, Hearing, Refused, Requests, Responses, Service
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,11 @@ class StageServer(Service, Generic[S]):
     state_type: ClassVar[type[ServerState]]
 
     def __init__(self, *, peer_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, caller: Caller,
-                 state: S | None = None, clock: Callable[[], float] = time.monotonic, authority: Authority | None = None):
-        super().__init__(peer_id=peer_id, name=f"stage {stage} {self.role.upper()}", codec=config.compression)
+                 state: S | None = None, clock: Callable[[], float] = time.monotonic, authority: Authority | None = None,
+                 hearing: Hearing | None = None):
+        # `hearing`: the node's, shared with its other servicers (gradient deposits), in this server's clock
+        super().__init__(peer_id=peer_id, name=f"stage {stage} {self.role.upper()}", codec=config.compression,
+                         hearing=Hearing(clock=clock) if hearing is None else hearing)
         if not 0 <= stage < config.num_stages:
             raise ValueError(f"stage {stage} is not in 0..{config.num_stages - 1}")
         self.stage, self.config, self.settings, self.caller, self.clock = stage, config, settings, caller, clock
@@ -176,12 +180,18 @@ class StageServer(Service, Generic[S]):
         return True
 
     def lease_for(self, worker: str, task: Task) -> float:
-        """How long `worker` may take on `task`: a few times what its tasks took here per row, or the cap for a
-        worker not timed yet (`TaskPool` caps it at `lease_timeout_s`)."""
+        """How long `worker` may take on `task`: a few times what its tasks took here per row (transfers included,
+        so it follows the worker's link), at most the bound a task's bytes allow, which a worker not timed yet gets:
+        `lease_timeout_s` plus the time the task's activations in and out need at the slowest uplink allowed for."""
+        settings = self.settings
+        seq, hidden = self.hidden_shape
+        moved = 2 * len(task.rows) * seq * hidden * 4  # float32 activations (or their gradients) in and out
+        bound = transfer_deadline_s(moved, rate=settings.slowest_uplink, floor_s=settings.lease_timeout_s,
+                                    slack=settings.deadline_slack)
         record = self.state.workers.get(worker)
         if record is None or record.seconds_per_row is None:
-            return self.settings.lease_timeout_s
-        return max(self.settings.lease_min_s, self.settings.lease_slack * len(task.rows) * record.seconds_per_row)
+            return bound
+        return min(bound, max(settings.lease_min_s, settings.lease_slack * len(task.rows) * record.seconds_per_row))
 
     def active_workers(self, *, within_s: float | None = None) -> dict[str, float]:
         """The compute of each worker that polled within `within_s` and is not excluded (servers that only hold the
@@ -235,17 +245,25 @@ class StageServer(Service, Generic[S]):
             logger.warning(f"{self.name}: task {task.task_id} timed out, back in the pool")
             self.task_added.set()
         for worker, record in self.state.workers.items():
-            if self.gone(record) and pool.leased_to(worker):
+            if self.gone(worker) and pool.leased_to(worker):
                 tasks = pool.requeue_worker(worker)
-                logger.warning(f"{self.name}: worker {worker} gone (silent for {now - record.last_seen:.1f} s); its "
+                silent = now - self.heard(worker, record)
+                logger.warning(f"{self.name}: worker {worker} gone (silent for {silent:.1f} s); its "
                                f"{len(tasks)} task(s) back in the pool")
                 self.task_added.set()
         self.probe_silent()
 
-    def gone(self, record: WorkerRecord) -> bool:
-        """Whether a worker is gone: silent for `worker_lost_s`, or its process could not be reached since it was
-        last heard from (a probe's dial failed)."""
-        return self.clock() - record.last_seen >= self.settings.worker_lost_s or record.unreachable > record.last_seen
+    def heard(self, worker: str, record: WorkerRecord) -> float:
+        """When `worker` was last heard from: its last poll or result, or the last bytes of any request of it to this
+        node, a transfer still arriving on a slow link included (`Hearing`)."""
+        return max(record.last_seen, self.hearing.last(worker))
+
+    def gone(self, worker: str) -> bool:
+        """Whether a known worker is gone: silent for `worker_lost_s` (`heard`), or its process could not be reached
+        since it was last heard from (a probe's dial failed)."""
+        record = self.state.workers[worker]
+        heard = self.heard(worker, record)
+        return self.clock() - heard >= self.settings.worker_lost_s or record.unreachable > heard
 
     def gradient_holders(self) -> set[str]:
         """The workers that hold parameter gradients of rows of an open epoch that this server counts on."""
@@ -256,7 +274,8 @@ class StageServer(Service, Generic[S]):
         gone at once (its dial fails) rather than after `worker_lost_s`."""
         now, holders = self.clock(), None
         for worker, record in self.state.workers.items():
-            if now - record.last_seen < self.settings.probe_silent_s or record.probed > record.last_seen or record.left:
+            heard = self.heard(worker, record)
+            if now - heard < self.settings.probe_silent_s or record.probed > heard or record.left:
                 continue
             if holders is None:
                 holders = self.gradient_holders()
@@ -266,7 +285,7 @@ class StageServer(Service, Generic[S]):
 
     async def _probe(self, worker: str, record: WorkerRecord) -> None:
         error = await dial_failure(self.caller, worker, timeout=self.settings.liveness_timeout_s)
-        if error is None or record.last_seen >= record.probed:
+        if error is None or self.heard(worker, record) >= record.probed:
             return  # it answered (or was only slow), or was heard from meanwhile
         record.unreachable = self.clock()
         logger.warning(f"{self.name}: worker {worker} cannot be reached ({type(error).__name__}: {error}); gone")

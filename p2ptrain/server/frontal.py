@@ -18,6 +18,7 @@ from p2ptrain.protocol.layout import Layout
 from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
+    GRADIENT_DEPOSITS,
     Ack,
     Closure,
     DropResult,
@@ -325,7 +326,7 @@ class FrontalServer(StageServer[FrontalState]):
             # alone matter, so churn among the others never holds the epoch open. The servers that hold the stage's
             # state must be in every group, or they would fall behind the workers
             watched = contributors | holders | (set(state.workers) if len(layout.stages[self.stage].fs) > 1 else set())
-            if any(not self.excluded(state.workers[w]) and not self.gone(state.workers[w]) for w in watched - fresh):
+            if any(not self.excluded(state.workers[w]) and not self.gone(w) for w in watched - fresh):
                 return  # a worker that has not polled since: the next polls here tell whether it is gone
             # a worker one epoch behind steps that one when this poll's reply tells it closed, then this one; one
             # further behind (it joined, or restarted and lost what it held) catches up by loading a mate's state and
@@ -340,13 +341,15 @@ class FrontalServer(StageServer[FrontalState]):
                 # dies in the round loses nothing; one that dies before is gone before the closure, its rows redone
                 undeposited = {w for w in contributors
                                if state.workers[w].epoch != epoch or state.workers[w].deposited < rows[w]}
-                lost = {w for w in undeposited if self.clock() - max(done, state.workers[w].last_result)
+                # a deposit still arriving on a slow link is heard (`heard`): only one that stopped moving counts
+                lost = {w for w in undeposited
+                        if self.clock() - max(done, state.workers[w].last_result, self.hearing.last(w, GRADIENT_DEPOSITS))
                         >= settings.averaging_timeout_s}
                 if undeposited - lost:
                     return
                 for worker in lost:
-                    logger.warning(f"{self.name}: worker {worker} deposited no gradients of epoch {epoch} within "
-                                   f"{settings.averaging_timeout_s:.0f} s of its last result; counting it gone")
+                    logger.warning(f"{self.name}: worker {worker} deposited no gradients of epoch {epoch}, and sent "
+                                   f"nothing for {settings.averaging_timeout_s:.0f} s; counting it gone")
             if not lost and len(ready) > 1 and all(state.workers[w].client_mode for w in ready):
                 return  # nobody in the group could reduce: the servers' replicas, reachable, are in every group
             if lost and self.config.fault_policy == "swarm":
