@@ -37,6 +37,23 @@ def test_the_command_needs_something_to_run():
     assert done.returncode == 2 and "give the command to run after --" in done.stderr
 
 
+def behind_links(uplink_mbit: float, addresses: int, script: str) -> dict:
+    """What `script` prints last (JSON), run with `python -m p2ptrain.links` behind those caps; the test is skipped,
+    with the reason, where the machine allows no network namespace."""
+    skip_without_links()
+    done = subprocess.run([sys.executable, "-m", "p2ptrain.links", "--uplink-mbit", str(uplink_mbit), "--addresses",
+                           str(addresses), "--", sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def skip_without_links() -> None:
+    reason = links.unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
 TRANSFER = textwrap.dedent("""
     import json, socket, threading, time
     from p2ptrain import links
@@ -63,13 +80,7 @@ TRANSFER = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_a_transfer_takes_as_long_as_its_senders_cap_says_and_counts_on_its_senders_address():
-    reason = links.unavailable()
-    if reason:
-        pytest.skip(reason)
-    done = subprocess.run([sys.executable, "-m", "p2ptrain.links", "--uplink-mbit", "8", "--addresses", "4", "--",
-                           sys.executable, "-c", TRANSFER], capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result = behind_links(8, 4, TRANSFER)
     assert result["received"] == 1_000_000 and result["links"] == 8.0
     # 8 Mbit/s is 1 MB/s: the burst (one loopback packet) goes at once, the rest at the cap
     assert 0.8 < result["seconds"] < 1.6, result
@@ -129,13 +140,7 @@ def test_a_call_that_moves_on_a_slow_link_outlasts_its_timeout_and_a_silent_peer
     takes about 3 s and lands although its caller's timeout is 1 s (the deadline adds the bytes' time at the rate the
     link is assumed or measured to have); the server hears its sender at each chunk while the request crawls in; the
     call measures the link's rate; and a peer that sends nothing still fails a call after the timeout."""
-    reason = links.unavailable()
-    if reason:
-        pytest.skip(reason)
-    done = subprocess.run([sys.executable, "-m", "p2ptrain.links", "--uplink-mbit", "8", "--addresses", "2", "--",
-                           sys.executable, "-c", SLOW_CALLS], capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = behind_links(8, 2, SLOW_CALLS)
     assert result["received"] == 3_000_000 and 2.0 < result["slow_s"] < 6.0, result
     assert len(result["chunks"]) >= 3 and result["chunks"][-1] > 1.5, result  # heard all along, not once at the end
     assert 0.4e6 < result["rate"] < 1.2e6, result
@@ -148,9 +153,7 @@ def test_a_swarm_behind_5_mbit_uplinks_averages_every_row_and_judges_no_worker_g
     peer's uplink capped at 5 Mbit/s trains 5 epochs with every row averaged once and no worker gone. The floors are
     cut so that an epoch's transfers last several of them (an all-reduce round about 2 s against 1 s): deadlines that
     were the floors alone (`--deadline-slack 0.001`) failed the rounds of epochs 0-3 here."""
-    reason = links.unavailable()
-    if reason:
-        pytest.skip(reason)
+    skip_without_links()
     report = tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "p2ptrain.launch", "--uplink-mbit", "5", "--epochs", "5",
                            "--averaging-timeout", "1", "--worker-lost", "2", "--rpc-timeout", "2", "--timeout", "300",
