@@ -1,9 +1,10 @@
 """Slow links: how fast the swarm trains when every peer's uplink is capped, and what it sends.
 
-    python benchmarks/wan.py [--quick] [--caps none,100,40,20,10,5] [--duration-s 240] [--variants fp32]
+    python benchmarks/wan.py [--quick] [--caps none,100,40,20,10,5] [--duration-s 240] [--variants fp32,int8]
                              [--model llama-small] [--clients 2] [--delay-ms 0] [--out benchmarks/results]
 
-For each cap (Mbit/s; `none`: no namespace, no cap) and each variant, one run of the README's hand-started swarm
+For each cap (Mbit/s; `none`: no namespace, no cap) and each variant (how the stages average: `fp32`, `fp16`,
+`int8`, the recipe's `--averaging-codec`), one run of the README's hand-started swarm
 shape: 2 stages, an FS and a BS (with --keep-state) per stage, --clients clients per stage, on
 `../shared/data/wikitext-2/valid.txt`. A capped run goes on in a network namespace of its own
 (`python -m p2ptrain.links`), where every peer listens on its own loopback address with its own egress cap, as on
@@ -18,6 +19,7 @@ source starts (or until --epochs closed), and reports:
 - the bound the bytes allow: the cap over the busiest uplink's wire bytes per epoch, in epochs per minute, and
   the least of that and the uncapped run's rate (when it ran): what the swarm would reach if only the busiest link
   and the compute limited it;
+- each variant's averaging bytes per epoch over fp32's at the same cap, where both ran;
 - rows lost (rows of closed epochs not in their stage's averaged step), epochs not fully averaged, epochs
   abandoned, and the "gone" verdicts in the servers' logs (a worker judged gone).
 
@@ -43,7 +45,8 @@ from p2ptrain.config import RunConfig
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 CAPS = ("none", "100", "40", "20", "10", "5")
-VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}}  # name -> RunConfig fields that differ from the base recipe
+# name -> RunConfig fields that differ from the base recipe
+VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}, "fp16": {"averaging_codec": "fp16"}, "int8": {"averaging_codec": "int8"}}
 POLL_S = 2.0
 # how a server's log says it judged a worker gone (p2ptrain/server/base.py, frontal.py)
 GONE = re.compile(r"gone \(silent for|; gone$|gone with the parameter gradients", re.MULTILINE)
@@ -152,6 +155,15 @@ def bound(result: dict[str, Any], cap: str, uncapped: float | None) -> None:
     result["share_of_bound"] = reached / result["bound_per_min"] if reached and result["bound_per_min"] else None
 
 
+def against_fp32(results: list[dict[str, Any]]) -> None:
+    """Adds each run's averaging bytes per epoch over the fp32 run's at the same cap, where both measured some."""
+    fp32 = {r["cap"]: r["bytes_per_epoch"]["averaging"] for r in results
+            if r["variant"] == "fp32" and (r.get("bytes_per_epoch") or {}).get("averaging")}
+    for r in results:
+        per = r.get("bytes_per_epoch") or {}
+        r["averaging_of_fp32"] = per["averaging"] / fp32[r["cap"]] if "averaging" in per and r["cap"] in fp32 else None
+
+
 def markdown(command: str, info: dict, args: argparse.Namespace, results: list[dict]) -> str:
     kinds = ("activations", "averaging", "state", "probes", "control", "other")
     lines = [
@@ -163,14 +175,15 @@ def markdown(command: str, info: dict, args: argparse.Namespace, results: list[d
         f"{args.duration_s:.0f} s per run after the data source starts; every peer's uplink capped alike"
         + (f", {args.delay_ms:g} ms added per packet" if args.delay_ms else "") + ".", "",
         "| variant | cap Mbit/s | epochs | epochs/min | bound/min | reached | first epoch s | longest wait s "
-        "| rows lost | not fully averaged | gone | MB/epoch | " + " | ".join(kinds) + " | busiest uplink MB/epoch |",
-        "|---" * (13 + len(kinds)) + "|",
+        "| rows lost | not fully averaged | gone | MB/epoch | " + " | ".join(kinds) + " | averaging / fp32 "
+        "| busiest uplink MB/epoch |",
+        "|---" * (14 + len(kinds)) + "|",
     ]
     for r in results:
         per = r.get("bytes_per_epoch") or {}
         wire = r.get("wire_bytes_per_epoch") or {}
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['cap']} | {r['error']} |" + " |" * (10 + len(kinds)))
+            lines.append(f"| {r['variant']} | {r['cap']} | {r['error']} |" + " |" * (11 + len(kinds)))
             continue
         lines.append(
             f"| {r['variant']} | {r['cap']} | {r['epochs_closed']} | {fmt(r['epochs_per_min'])} "
@@ -178,11 +191,12 @@ def markdown(command: str, info: dict, args: argparse.Namespace, results: list[d
             f"| {fmt(r['longest_wait_s'], '.0f')} | {r['rows_lost']} | {r['epochs_not_fully_averaged']} "
             f"| {r['gone_verdicts']} | {fmt(sum(per.values()) / 1e6 if per else None)} | "
             + " | ".join(fmt(per[k] / 1e6 if k in per else None) for k in kinds)
-            + f" | {fmt(max(wire.values()) / 1e6 if wire else None)} |")
+            + f" | {fmt(r.get('averaging_of_fp32'), '.3f')} | {fmt(max(wire.values()) / 1e6 if wire else None)} |")
     lines += ["", "MB/epoch and the kinds: messages' bytes by kind from the peers' counters, `other` the wire's "
               "bytes (all uplinks, headers and the DHT included) less the messages'; uncapped runs have no wire "
               "counter. bound/min: the cap over the busiest uplink's wire bytes per epoch, at most the uncapped "
-              "run's rate; reached: epochs/min over the bound."]
+              "run's rate; reached: epochs/min over the bound. averaging / fp32: the variant's averaging bytes per epoch over "
+              "the fp32 run's at the same cap."]
     return "\n".join(lines) + "\n"
 
 
@@ -210,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run: llama-tiny, caps none and 20, 60 s each")
     parser.add_argument("--caps", default=",".join(CAPS), help="Mbit/s per uplink; none: uncapped")
-    parser.add_argument("--variants", default="fp32", help=f"which of {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default="fp32,int8", help=f"which of {','.join(VARIANTS)}")
     parser.add_argument("--duration-s", type=float, default=240.0, help="training seconds per run")
     parser.add_argument("--start-timeout-s", type=float, default=300.0, help="for the clients to come up")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="added to every packet behind a cap")
@@ -274,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
                     bound(result, cap, uncapped)
                 log(f"  {json.dumps({k: v for k, v in result.items() if 'bytes' not in k})}")
                 results.append(result)
+    against_fp32(results)
     info = machine_info()
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(command, info, args, results)

@@ -9,7 +9,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
-from p2ptrain.config import CODECS, FAULT_POLICIES, OPTIMIZERS, ConfigError, RunConfig, RuntimeConfig, check_run_id
+from p2ptrain.config import (
+    AVERAGING_CODECS,
+    CODECS,
+    FAULT_POLICIES,
+    OPTIMIZERS,
+    ConfigError,
+    RunConfig,
+    RuntimeConfig,
+    check_run_id,
+)
 from p2ptrain.models import TRAINABLE
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -66,10 +75,11 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "rows_per_microbatch": "--batch-rows", "microbatches": "--microbatches", "seq_len": "--seq-len",
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
-                "clip_norm": "--clip-norm", "dpu": "--dpu", "compression": "--compression", "data": "--data",
+                "clip_norm": "--clip-norm", "dpu": "--dpu", "averaging_codec": "--averaging-codec", "compression": "--compression", "data": "--data",
                 "tokenizer": "--tokenizer",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
-OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu")
+OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
+                       "averaging_codec")
 SWITCH = {"on": True, "off": False}
 
 
@@ -99,6 +109,9 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
     group.add_argument("--dpu", choices=tuple(SWITCH), default=flag_value(defaults.dpu),
                        help="delayed parameter updates: average and step in the background while the next epoch "
                             "computes on the previous parameters")
+    group.add_argument("--averaging-codec", choices=tuple(AVERAGING_CODECS), default=defaults.averaging_codec,
+                       help="how each stage's all-reduce sends its gradients: fp32 (exact), fp16, or int8 (blockwise, "
+                            "bitsandbytes; about a quarter of fp32's bytes); every member ends with the same average")
 
 
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:

@@ -17,6 +17,8 @@ from pathlib import Path
 from p2ptrain.models import TRAINABLE, ModelConfig, model_config
 
 CODECS: tuple[str, ...] = ("none", "fp16", "int8")  # codecs of activations and gradients on the wire
+# how a stage's all-reduce sends its gradients (`--averaging-codec`), and the wire codec of CODECS that does it
+AVERAGING_CODECS: dict[str, str] = {"fp32": "none", "fp16": "fp16", "int8": "int8"}
 # what the servers do with the rows whose parameter gradients a vanished worker took: "taskpool" redoes them at their
 # stage from the inputs the FS keeps (the paper's task pool); "swarm" drops them, and the data source feeds their
 # microbatches again from stage 0 in a later epoch (what SWARM does), so the two compare on one runtime
@@ -58,6 +60,7 @@ class RunConfig:
     weight_decay: float = 0.01  # on matrices and embeddings only (StageModel.optimizer_groups)
     clip_norm: float = 0.0  # clip the gradient by its global norm across all stages to this (0: no clipping)
     dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
+    averaging_codec: str = "fp32"  # how the stage's all-reduce and its deposits send gradients: one of AVERAGING_CODECS
     compression: str = "none"  # codec of activations and gradients: one of CODECS
     data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
     tokenizer: str | None = None  # a local Hugging Face tokenizer.json; None: byte-level tokens (`data.ByteTokenizer`)
@@ -94,6 +97,9 @@ class RunConfig:
                               f"must be 0 (no decay) or past the warm-up's {self.warmup_epochs} epochs")
         if self.compression not in CODECS:
             raise ConfigError("compression", self.compression, f"unknown codec; choose one of {', '.join(CODECS)}")
+        if self.averaging_codec not in AVERAGING_CODECS:
+            raise ConfigError("averaging_codec", self.averaging_codec,
+                              f"unknown codec; choose one of {', '.join(AVERAGING_CODECS)}")
         if self.fault_policy not in FAULT_POLICIES:
             raise ConfigError("fault_policy", self.fault_policy,
                               f"unknown policy; choose one of {', '.join(FAULT_POLICIES)}")
@@ -121,6 +127,11 @@ class RunConfig:
         if self.tokenizer is None:
             return preset
         return dataclasses.replace(preset, vocab_size=vocab_size(self.tokenizer))
+
+    @property
+    def averaging_wire(self) -> str:
+        """The wire codec (of CODECS) that `averaging_codec` sends with."""
+        return AVERAGING_CODECS[self.averaging_codec]
 
     @property
     def rows_per_epoch(self) -> int:

@@ -23,14 +23,14 @@ itself (its own weight divided by its own marker entry is the round's total weig
 what no deposit brought back (the FS holding them died too). A deposit costs one more transfer of each worker's
 gradients per epoch, to one server, before the round.
 
-The gradients travel as float64, uncompressed, so that every member ends with the same average. hivemind's runner
-hands each member its own tensor plus (average - its tensor), rounded in the tensor's dtype: in float32 the
-members' results differ by a few ulps of their own gradients, which is large where the average cancels, and
-AdamW's early steps move a weight by about ±lr whatever its gradient's size, so stage mates drifted apart (1e-6
-relative after one step here). Summed in float64 from float32 values, each member's result rounds back to the same
-float32 but for a chance of about 1e-9 per entry. This doubles the averaging bytes (the planner's P counts them),
-which delayed parameter updates hide behind the next epoch; a lossy codec here would be the one place where
-workers' steps differ by more than rounding.
+Every member ends with the very same average, bit for bit, whatever the codec (`--averaging-codec`): a reducer hands
+back the average of its share itself, encoded once, the same bytes to every member (`CodecAllReduceRunner`).
+hivemind's runner hands each member its own difference from the average instead, rounded apart: in float32 the
+members' results differed by a few ulps of their own gradients, large where the average cancels, and AdamW's early
+steps move a weight by about ±lr whatever its gradient's size, so stage mates drifted apart (1e-6 relative after
+one step here); under a lossy codec they would drift by the codec's error. fp32 sends the gradients exact, fp16 in
+half the bytes, int8 (blockwise, bitsandbytes, as the activations use) in about a quarter; a member's deposit travels
+in the same codec. The marker always travels exact.
 """
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
-from hivemind.compression import CompressionBase, NoCompression
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.partition import BannedException
+from hivemind.compression import CompressionBase, NoCompression, PerTensorCompression
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import achain, as_aiter
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished
 
-from p2ptrain.compression import BadTensorError, check_tensor
+from p2ptrain.compression import BadTensorError, WireCodec, bytes_per_value, check_tensor, decode
 from p2ptrain.config import RuntimeConfig
 from p2ptrain.live.probe import dial_failure
 from p2ptrain.protocol.deadlines import Throughput, all_reduce_bytes
@@ -60,7 +61,6 @@ logger = logging.getLogger(__name__)
 
 # hivemind needs a positive weight; a worker without rows this epoch still takes part and gets the result
 NO_ROWS_WEIGHT = 1e-9
-AVERAGED_ITEMSIZE = 8  # bytes per value in a round: float64 (module doc)
 PART_BYTES = 2**19  # hivemind's default part size, named here because the stall deadline counts on it
 REDUCER_LINGER_S = 5.0  # how long a reducer keeps a sender's stream open after its last part (`rpc_aggregate_part`)
 
@@ -127,8 +127,99 @@ def missing_parts(marker: torch.Tensor, group: tuple[GroupMember, ...], me: str)
             if member.peer_id != me and not share > 0]
 
 
-class MeteredAllReduceRunner(AllReduceRunner):
-    """hivemind's runner, with the parts this member sends counted as averaging traffic (`p2ptrain.traffic`)."""
+class CodecAllReduceRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce, but a reducer hands back the average of its share itself, encoded once in the
+    share's codec, the same bytes to every member (module doc), and decodes what it receives with
+    `p2ptrain.compression.decode`, which knows the int8 codec. A reducer's own part goes through the codec as a
+    groupmate's does. A part whose reducer failed comes back as this member's own values (counted in
+    `tensor_part_container.failed_size`). The parts this member sends are counted as averaging traffic."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        container = self.tensor_part_container
+        container.return_deltas = False  # what comes back is the average, not this member's difference from it
+        me = self.ordered_peer_ids.index(self.peer_id)
+        # how each share of this member's is encoded; hivemind keeps them beside the parts only
+        self._own_infos = [info for _, info in container._input_parts_by_peer[me]]
+        self._averages: dict[int, asyncio.Future] = {}
+
+    async def _encoded_average(self, part_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
+        """The average of this reducer's part `part_index`, encoded once for every member."""
+        if part_index not in self._averages:
+            codec, info = self.tensor_part_container.compression, self._own_infos[part_index]
+            self._averages[part_index] = asyncio.get_running_loop().run_in_executor(
+                None, codec.compress, averaged, info)
+        return await asyncio.shield(self._averages[part_index])  # one member's stream ending cancels no other's
+
+    def _checked_part(self, message: averaging_pb2.AveragingData, part_index: int) -> torch.Tensor:
+        if part_index >= len(self.parts_for_local_averaging):
+            raise AllreduceException(f"a sender sent more than the {len(self.parts_for_local_averaging)} parts")
+        part = decode(message.tensor_part)
+        check_tensor(part, shape=tuple(self.parts_for_local_averaging[part_index].shape), dtype=torch.float32,
+                     what=f"all-reduce part {part_index}")
+        return part
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                          sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        part_index = 0
+        try:
+            async for message in stream:
+                part = await asyncio.get_running_loop().run_in_executor(None, self._checked_part, message, part_index)
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                              weight=message.weight)
+                except BannedException:  # this sender failed already; its part is not needed
+                    break
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART,
+                                                  tensor_part=await self._encoded_average(part_index - 1, averaged))
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        try:
+            if peer_id == self.peer_id:
+                await self._reduce_own_share(peer_index)
+            else:
+                await self._exchange_with(peer_id, peer_index)
+        except BaseException as e:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            if peer_id == self.peer_id and isinstance(e, Exception):  # the groupmates' parts of it wait for none
+                await self._ban_sender(self.peer_id)
+            raise
+
+    async def _reduce_own_share(self, peer_index: int) -> None:
+        container = self.tensor_part_container
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        for part_index, (part, info) in enumerate(zip(self.parts_for_local_averaging, self._own_infos)):
+            sent = decode(container.compression.compress(part, info))
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent, weight=self.weight)
+            container.register_processed_part(peer_index, part_index,
+                                              decode(await self._encoded_average(part_index, averaged)))
+
+    async def _exchange_with(self, peer_id: PeerID, peer_index: int) -> None:
+        container = self.tensor_part_container
+        done_sending = asyncio.Event()
+        parts = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(parts)
+        if self.should_delay_results(self.peer_id):
+            await done_sending.wait()
+        received = 0
+        async for average in amap_in_executor(self._average_from, aiter_with_timeout(stream, self.reducer_timeout),
+                                              max_prefetch=container.prefetch):
+            container.register_processed_part(peer_index, received, average)
+            received += 1
+        if received != container.num_parts_by_peer[peer_index]:
+            raise AllreduceException(f"{peer_id} sent {received} averaged parts of "
+                                     f"{container.num_parts_by_peer[peer_index]}")
+
+    @staticmethod
+    def _average_from(message: averaging_pb2.AveragingData) -> torch.Tensor:
+        if message.code != averaging_pb2.AVERAGED_PART:
+            raise AllreduceException(f"the reducer sent {averaging_pb2.MessageCode.Name(message.code)}")
+        return decode(message.tensor_part)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -148,13 +239,15 @@ class StageAllReduce(ServicerBase):
     def __init__(self, *, p2p: P2P | None, run_id: str, stage: int, timeout: float, caller: Caller,
                  throughput: Throughput | None = None, slack: float = RuntimeConfig.deadline_slack,
                  probe_every_s: float = 1.0, probe_timeout_s: float = 2.0,
-                 compression: CompressionBase = NoCompression(), deposits: GradientDeposits | None = None):
-        self.p2p, self.timeout, self.caller, self.compression = p2p, timeout, caller, compression
+                 codec: str = "none", deposits: GradientDeposits | None = None):
+        self.p2p, self.timeout, self.caller = p2p, timeout, caller
+        self.wire: CompressionBase = WireCodec(codec)  # how gradients travel (module doc); `codec` is one of CODECS
+        self.itemsize = bytes_per_value(codec)
         self.throughput = Throughput(assumed=RuntimeConfig().slowest_uplink) if throughput is None else throughput
         self.slack = slack
         self.deposits = deposits  # a server's: it brings the deposits of groupmates that died (module doc)
-        # deposits travel uncompressed whatever the run's codec: they stand in for a worker's exact gradients
-        self._depositor = Caller(p2p=p2p, peer_id=caller.peer_id, codec="none", timeout=timeout, slack=caller.slack,
+        # deposits travel in the averaging codec, not the activations'
+        self._depositor = Caller(p2p=p2p, peer_id=caller.peer_id, codec=codec, timeout=timeout, slack=caller.slack,
                                  assumed_rate=caller.assumed_rate, rates=caller.rates)
         self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
         self.stage, self.prefix = stage, f"{run_id}_stage{stage}_allreduce"
@@ -253,7 +346,7 @@ class StageAllReduce(ServicerBase):
 
     def deadline_s(self, numel: int, *, members: int) -> float:
         """How long a round over `numel` values among `members` may take (class doc)."""
-        sent = all_reduce_bytes(numel, members=members, itemsize=AVERAGED_ITEMSIZE)
+        sent = all_reduce_bytes(numel, members=members, itemsize=self.itemsize)
         return self.throughput.deadline_s(sent, floor_s=self.timeout, slack=self.slack)
 
     async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...]
@@ -264,7 +357,7 @@ class StageAllReduce(ServicerBase):
         group_id = hashlib.sha256(f"{self.prefix}:{epoch}:{members}".encode()).digest()
         me = self.caller.peer_id
         marker = torch.tensor([1.0 if member.peer_id == me else 0.0 for member in group])
-        tensors = [grad.detach().double() for grad in grads] + [marker.double()]
+        tensors = [grad.detach().to(torch.float32, copy=True) for grad in grads] + [marker]
         own = float(weight) if weight else NO_ROWS_WEIGHT
         modes = [AveragingMode.CLIENT if m.client_mode else AveragingMode.NODE for m in group]
         if AveragingMode.NODE not in modes:  # hivemind asserts; a round nobody can reduce fails like any other
@@ -275,22 +368,23 @@ class StageAllReduce(ServicerBase):
         deadline = self.deadline_s(numel, members=len(group))
         # a part on its way while this member's uplink carries one to each groupmate and an average back to each
         stall = self.throughput.deadline_s(2 * (len(group) - 1) * PART_BYTES, floor_s=self.timeout, slack=self.slack)
-        runner = MeteredAllReduceRunner(
+        runner = CodecAllReduceRunner(
             p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
             weight=own,
             ordered_peer_ids=[PeerID.from_base58(m.peer_id) for m in group],
             peer_fractions=tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes), modes=modes,
-            compression=self.compression, part_size_bytes=PART_BYTES, sender_timeout=stall, reducer_timeout=2 * stall,
+            compression=PerTensorCompression([self.wire] * len(grads) + [NoCompression()]), part_size_bytes=PART_BYTES,
+            sender_timeout=stall, reducer_timeout=2 * stall,
         )
         self._runner(group_id).set_result(runner)
 
         updates = runner.run()
 
         async def reduce() -> None:
-            # the runner yields one update per tensor, in order (not hivemind's azip: its gather leaves futures whose
+            # the runner yields one average per tensor, in order (not hivemind's azip: its gather leaves futures whose
             # cancellation nobody retrieves when a round is cancelled)
             for tensor in tensors:
-                tensor.add_(await anext(updates))
+                tensor.copy_(await anext(updates))
 
         rounds = asyncio.create_task(reduce())
         watched = asyncio.Event()  # set when the round ends: the watch stops even if a cancellation got lost
@@ -324,11 +418,11 @@ class StageAllReduce(ServicerBase):
             # (it once broke an ast.parse in the same thread)
             self._finishing.add(task := asyncio.create_task(self._finish(runner, updates, deadline)))
             task.add_done_callback(self._finishing.discard)
-        self.throughput.observe(all_reduce_bytes(numel, members=len(group), itemsize=AVERAGED_ITEMSIZE),
+        self.throughput.observe(all_reduce_bytes(numel, members=len(group), itemsize=self.itemsize),
                                 time.monotonic() - started)
         # entry `me` of the averaged marker is this member's weight over the round's total
         total = own / tensors[-1][[member.peer_id for member in group].index(me)].item()
-        return [tensor.float() for tensor in tensors[:-1]], total
+        return tensors[:-1], total
 
     async def _finish(self, runner: AllReduceRunner, updates: AsyncIterator[torch.Tensor], deadline: float) -> None:
         """Let a round's runner end as hivemind ends it (after its last update it finalizes and awaits its tasks),

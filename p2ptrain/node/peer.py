@@ -292,7 +292,8 @@ class Peer:
                                   throughput=Throughput(assumed=self.settings.slowest_uplink),
                                   slack=self.settings.deadline_slack,
                                   probe_every_s=self.settings.probe_silent_s,
-                                  probe_timeout_s=self.settings.liveness_timeout_s, deposits=deposits)
+                                  probe_timeout_s=self.settings.liveness_timeout_s, codec=config.averaging_wire,
+                                  deposits=deposits)
         await averager.start()
         holds_only = not self.options.does_compute
         # what live planning measured was one block; tasks are sized by the speed on the whole stage

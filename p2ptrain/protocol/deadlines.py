@@ -48,9 +48,9 @@ class Throughput:
         return transfer_deadline_s(nbytes, rate=self.rate, floor_s=floor_s, slack=slack)
 
 
-def all_reduce_bytes(numel: int, *, members: int, itemsize: int) -> int:
+def all_reduce_bytes(numel: int, *, members: int, itemsize: float) -> int:
     """What one member of a butterfly all-reduce among `members` equal reducers sends (and receives): its tensors'
     parts for the others' shares, then the average of its own share back to each of them."""
     if members < 2:
         return 0
-    return 2 * (members - 1) * numel * itemsize // members
+    return int(2 * (members - 1) * numel * itemsize / members)
