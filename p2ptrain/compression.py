@@ -29,16 +29,15 @@ from hivemind.compression.serialization import deserialize_torch_tensor, seriali
 from hivemind.proto import runtime_pb2
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from p2ptrain.config import CODECS
+from p2ptrain.config import CODECS, INT8_BLOCKSIZE, WIRE_BYTES
 
 # One message per MiB: far below the 4 MiB per-message limit of hivemind's P2P (docs/design.md §7), and few enough
 # messages that per-message overhead does not matter for activation-sized tensors.
 CHUNK_BYTES = 2**20
 
-# bitsandbytes supports blocks of 64..4096 values. Measured on (8, 128, 256) activations with outlier
+# INT8_BLOCKSIZE: bitsandbytes supports blocks of 64..4096 values. Measured on (8, 128, 256) activations with outlier
 # channels and on Student-t(2) samples: 256 gives ~30% less relative error than 4096 for 1.5% more bytes
 # (0.254x vs 0.250x of fp32); 64 gains little more and costs 6% more bytes.
-INT8_BLOCKSIZE = 256
 
 
 class _KernelsNotice(logging.Filter):
@@ -124,12 +123,6 @@ def deserialize(parts: Sequence[runtime_pb2.Tensor]) -> torch.Tensor:
     return decode(combine_from_streaming(parts))
 
 
-def bytes_per_value(codec: str) -> float:
-    """Bytes a float32 value takes on the wire in `codec`, headers aside (int8: a code plus its block's share of
-    the float32 absmax)."""
-    return {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCKSIZE}[codec]
-
-
 class WireCodec(CompressionBase):
     """A codec of this module as hivemind's `CompressionBase`, for hivemind's averaging runner to send parts with
     (`client.averaging`); whoever receives them decodes with `decode`, since hivemind's own registry knows no int8
@@ -148,7 +141,7 @@ class WireCodec(CompressionBase):
         return decode(serialized_tensor)
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return bytes_per_value(self.codec) / 4.0
+        return WIRE_BYTES[self.codec] / WIRE_BYTES["none"]
 
 
 def encoded_nbytes(parts: Sequence[runtime_pb2.Tensor]) -> int:

@@ -17,6 +17,9 @@ from pathlib import Path
 from p2ptrain.models import TRAINABLE, ModelConfig, model_config
 
 CODECS: tuple[str, ...] = ("none", "fp16", "int8")  # codecs of activations and gradients on the wire
+INT8_BLOCKSIZE = 256  # values that share one float32 absmax in the int8 codec (`p2ptrain.compression` says why)
+# bytes a float32 value takes on the wire in each codec, headers aside (int8: a code plus its block's absmax share)
+WIRE_BYTES: dict[str, float] = {"none": 4.0, "fp16": 2.0, "int8": 1.0 + 4.0 / INT8_BLOCKSIZE}
 # how a stage's all-reduce sends its gradients (`--averaging-codec`), and the wire codec of CODECS that does it
 AVERAGING_CODECS: dict[str, str] = {"fp32": "none", "fp16": "fp16", "int8": "int8"}
 # what the servers do with the rows whose parameter gradients a vanished worker took: "taskpool" redoes them at their

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.cli import check_maddrs, count, index, positive, run_id, writable_file
-from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.config import AVERAGING_CODECS, RunConfig, RuntimeConfig
 from p2ptrain.models import TRAINABLE
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
 from p2ptrain.planner.presets import PRESETS, model_spec
@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", choices=PRESETS, help="model preset (default: the file's [model])")
     parser.add_argument("--batch-tokens", type=count, help="tokens per global batch (default: the file's [batch])")
     parser.add_argument("--microbatches", type=count, help="microbatches per global batch (default: the file's)")
+    parser.add_argument("--averaging-codec", choices=tuple(AVERAGING_CODECS),
+                        help="how the run's stages average (the peers' --averaging-codec): the bytes of a round "
+                             "(default: the file's [model] averaging_codec, else the precision's own width; live: "
+                             f"{PEER_DEFAULTS.averaging_codec})")
     parser.add_argument("--planner", choices=PLANNERS, default="refined")
     parser.add_argument("--stages", type=count, help="force this many stages (paper and refined planners)")
     parser.add_argument("--seed", type=index, default=0)
@@ -95,7 +99,15 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         swarm = load_swarm(args.swarm)
     except SwarmFileError as error:
         parser.error(str(error))
-    model = model_spec(args.model, precision=swarm.precision, offload=swarm.offload) if args.model else swarm.model
+    preset = args.model or (swarm.model.name if swarm.model is not None and swarm.model.name in PRESETS else None)
+    if args.averaging_codec is not None and preset is None:
+        parser.error(f"--averaging-codec: {args.swarm}'s [model] is given by its numbers; fix: pass --model, or fold "
+                     "the codec into its param_bytes_per_layer")
+    if preset is None:
+        model = swarm.model
+    else:
+        model = model_spec(preset, precision=swarm.precision, offload=swarm.offload,
+                           averaging_codec=args.averaging_codec or swarm.averaging_codec)
     if model is None:
         parser.error(f"{args.swarm}: [model]: the file names no model; fix: pass --model or add a [model] section")
     tokens = args.batch_tokens or swarm.batch_tokens
@@ -178,7 +190,7 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
     settings = RuntimeConfig(plan_timeout_s=args.expect_timeout or RuntimeConfig.plan_timeout_s)
     try:
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
-                          planner=args.planner, stages=args.stages, seed=args.seed, expect=expect,
+                          averaging_codec=args.averaging_codec or PEER_DEFAULTS.averaging_codec, planner=args.planner, stages=args.stages, seed=args.seed, expect=expect,
                           settings=settings, stop=stop)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)

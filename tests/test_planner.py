@@ -27,9 +27,23 @@ def test_llama_preset_counts_the_parameters_the_model_builds() -> None:
     spec = model_spec("llama-tiny")
     attention = 4 * config.hidden_size * (config.max_seq_len + 1) / 2
     assert spec.flops_per_token_per_layer == pytest.approx(3 * (2 * params + attention))
-    assert spec.param_bytes_per_layer == 8 * params  # fp32 runs average as float64
+    assert spec.param_bytes_per_layer == 4 * params  # fp32 runs average in fp32
     assert spec.activation_bytes_per_token == 4 * config.hidden_size
     assert spec.memory_bytes_per_layer == 16 * params + 4 * config.hidden_size * config.max_seq_len
+
+
+def test_p_counts_the_bytes_the_runs_averaging_codec_sends() -> None:
+    """P per parameter is what `client.averaging` sends a value in (tests/test_averaging.py measures a round's bytes
+    against the same WIRE_BYTES); without a codec, the precision's width."""
+    params = model_config("llama-tiny").layer_parameters()
+    fp32, fp16, int8 = (model_spec("llama-tiny", averaging_codec=codec).param_bytes_per_layer
+                        for codec in ("fp32", "fp16", "int8"))
+    assert (fp32, fp16) == (4 * params, 2 * params)
+    assert int8 == pytest.approx((1 + 4 / 256) * params) and int8 <= fp32 / 3.5
+    assert model_spec("llama-tiny", precision="fp16").param_bytes_per_layer == 2 * params
+    assert model_spec("llama-tiny", precision="fp16", averaging_codec="int8").param_bytes_per_layer == int8
+    with pytest.raises(ValueError, match="unknown averaging codec"):
+        model_spec("llama-tiny", averaging_codec="int4")
 
 
 def test_albert_and_offload_modes() -> None:

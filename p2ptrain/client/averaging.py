@@ -49,8 +49,8 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished
 
-from p2ptrain.compression import BadTensorError, WireCodec, bytes_per_value, check_tensor, decode
-from p2ptrain.config import RuntimeConfig
+from p2ptrain.compression import BadTensorError, WireCodec, check_tensor, decode
+from p2ptrain.config import WIRE_BYTES, RuntimeConfig
 from p2ptrain.live.probe import dial_failure
 from p2ptrain.protocol.deadlines import Throughput, all_reduce_bytes
 from p2ptrain.protocol.messages import GRADIENT_DEPOSITS, Ack, DepositGrads, GroupMember
@@ -242,7 +242,7 @@ class StageAllReduce(ServicerBase):
                  codec: str = "none", deposits: GradientDeposits | None = None):
         self.p2p, self.timeout, self.caller = p2p, timeout, caller
         self.wire: CompressionBase = WireCodec(codec)  # how gradients travel (module doc); `codec` is one of CODECS
-        self.itemsize = bytes_per_value(codec)
+        self.itemsize = WIRE_BYTES[codec]
         self.throughput = Throughput(assumed=RuntimeConfig().slowest_uplink) if throughput is None else throughput
         self.slack = slack
         self.deposits = deposits  # a server's: it brings the deposits of groupmates that died (module doc)

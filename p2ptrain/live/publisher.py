@@ -46,8 +46,8 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
     return None
 
 
-def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, microbatches: int, planner: str,
-               stages: int | None, seed: int, expect: int, settings: RuntimeConfig,
+def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, microbatches: int, averaging_codec: str,
+               planner: str, stages: int | None, seed: int, expect: int, settings: RuntimeConfig,
                stop: threading.Event) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time.
 
@@ -57,7 +57,7 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, micro
     if peers is None:
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
-    return make_plan(swarm, model_spec(model), batch_tokens=tokens, microbatches=microbatches, planner=planner,
+    return make_plan(swarm, model_spec(model, averaging_codec=averaging_codec), batch_tokens=tokens, microbatches=microbatches, planner=planner,
                      stages=stages, seed=seed)
 
 
@@ -93,7 +93,7 @@ def serve_plan(dht: hivemind.DHT, *, signer: RSASignatureValidator, config: RunC
     expect = expect if expect is not None else 2 * (stages or 1)
     tokens = config.tokens_per_epoch
     plan = plan_swarm(dht, run_id=config.run_id, model=config.model, tokens=tokens, microbatches=config.microbatches,
-                      planner=planner, stages=stages, seed=config.seed, expect=expect, settings=settings,
+                      averaging_codec=config.averaging_codec, planner=planner, stages=stages, seed=config.seed, expect=expect, settings=settings,
                       stop=stop)
     if plan is None:
         if not stop.is_set():

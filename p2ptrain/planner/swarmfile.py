@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from p2ptrain.config import AVERAGING_CODECS
 from p2ptrain.planner.cost import Network
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, model_spec
 
@@ -36,7 +37,7 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "site": ("name", "latency_ms", "bandwidth_mbps"),
     "link": ("sites", "devices", "from", "to", "latency_ms", "bandwidth_mbps"),
     "device": ("id", "count", "site", "reliable", "tflops", "memory_gb", "access_latency_ms", "access_mbps"),
-    "model": ("preset", "precision", "offload", "layers", "flops_per_token_per_layer", "activation_bytes_per_token",
+    "model": ("preset", "precision", "offload", "averaging_codec", "layers", "flops_per_token_per_layer", "activation_bytes_per_token",
               "param_bytes_per_layer", "memory_bytes_per_layer"),
     "batch": ("tokens", "microbatches"),
     "planner": ("stages",),
@@ -73,6 +74,7 @@ class Swarm:
     model: ModelSpec | None = None
     precision: str = "fp32"
     offload: str = "none"
+    averaging_codec: str | None = None  # how the run's stages average (`--averaging-codec`); None: at the precision
     batch_tokens: int | None = None
     microbatches: int | None = None
     stages: int | None = None
@@ -344,6 +346,9 @@ class _Parser:
             raise self.fail("[model]", f"unknown precision {precision!r}", f"use one of {', '.join(PRECISIONS)}")
         if offload not in OFFLOADS:
             raise self.fail("[model]", f"unknown offload {offload!r}", f"use one of {', '.join(OFFLOADS)}")
+        codec = table.get("averaging_codec")
+        if codec is not None and codec not in AVERAGING_CODECS:
+            raise self.fail("[model]", f"unknown averaging_codec {codec!r}", f"use one of {', '.join(AVERAGING_CODECS)}")
         explicit = [key for key in _SPEC_FIELDS if key in table]
         if "preset" in table:
             if explicit:
@@ -351,8 +356,11 @@ class _Parser:
                                 "give either preset or all of " + ", ".join(_SPEC_FIELDS))
             if table["preset"] not in PRESETS:
                 raise self.fail("[model]", f"unknown preset {table['preset']!r}", f"use one of {', '.join(PRESETS)}")
-            return {"model": model_spec(table["preset"], precision=precision, offload=offload),
-                    "precision": precision, "offload": offload}
+            return {"model": model_spec(table["preset"], precision=precision, offload=offload, averaging_codec=codec),
+                    "precision": precision, "offload": offload, "averaging_codec": codec}
+        if codec is not None:
+            raise self.fail("[model]", "sets averaging_codec for a model given by its numbers",
+                            "fold the codec into param_bytes_per_layer, or name a preset")
         values = {key: self.number(table, key, "[model]", required=True) for key in _SPEC_FIELDS}
         if not float(values["layers"]).is_integer():
             raise self.fail("[model]", f"layers = {values['layers']} is not an integer", "write layers as an integer")
