@@ -2,7 +2,7 @@
 
     python benchmarks/convergence.py [--quick] [--model llama-small] [--epochs 120] [--batch-rows 4]
                                      [--microbatches 4] [--seq-len 64] [--eval-every 20] [--clients 2]
-                                     [--churn 0.25] [--runs one,swarm,int8,churn]
+                                     [--churn 0.25] [--runs one,swarm,int8,churn] [--stem convergence]
 
 Runs, one after the other on the same cores, with the same seed, model, global batch, optimizer (AdamW, nanoGPT
 weight-decay groups), learning-rate schedule (linear warm-up, cosine decay to --min-lr at the last epoch, keyed on
@@ -13,6 +13,8 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
 - swarm: a real 2-stage swarm (`harness.LocalSwarm`: a bootstrap peer, an FS, a BS and --clients clients per stage,
   each a `python -m p2ptrain.peer` process on 127.0.0.1);
 - int8: the same swarm with int8 activations and gradients on the wire (`--compression int8`);
+- int8-averaging, fp16-averaging (on request): the same swarm whose stages average in int8 or fp16
+  (`--averaging-codec`; the other swarms average in fp32);
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
 - dpu (on request): the same swarm with delayed parameter updates.
@@ -21,7 +23,7 @@ Train loss: per epoch, the mean token loss of the global batch (the swarm's stat
 Held-out loss: the mean token loss on the first --eval-rows windows of `test.txt` (`TextSource.held_out`), after
 every --eval-every steps; the swarm computes it itself, forward only through its stages' servers (`--eval-data`),
 and reports it in its status as `eval_loss`. Writes benchmarks/results/convergence.md, .json and .png (train and
-held-out loss against steps and against wall time), or the same in --out DIR.
+held-out loss against steps and against wall time), or the same in --out DIR, named --stem.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-RUNS = ("one", "swarm", "int8", "churn", "dpu")
+RUNS = ("one", "swarm", "int8", "churn", "dpu", "int8-averaging", "fp16-averaging")
 DEFAULT_RUNS = ("one", "swarm", "int8", "churn")
 
 
@@ -208,9 +210,10 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                      f"{fmt(row['final_eval_loss'], '.4f')} | {fmt(ratio, '.4f')} | {fmt(row['s_per_epoch'])} | "
                      f"{_count(row['kills'])} | {_count(row['epochs_exact'])} | {_count(row['rows_recomputed'])} | "
                      f"{_count(row['rounds_failed'])} |")
-    lines.append("\nPlot: `convergence.png`. Runs: one = one process; swarm = the swarm; int8 = the swarm with int8 "
-                 "activations and gradients; churn = the swarm with clients SIGKILLed and restarted; dpu = the swarm "
-                 "with delayed parameter updates.")
+    lines.append(f"\nPlot: `{args.stem}.png`. Runs: one = one process; swarm = the swarm (averaging in fp32); int8 = "
+                 "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
+                 "restarted; dpu = the swarm with delayed parameter updates; int8-averaging, fp16-averaging = the "
+                 "swarm whose stages average in int8 or fp16.")
     return "\n".join(lines) + "\n"
 
 
@@ -239,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", type=Path, default=DATA, help="holds valid.txt (train) and test.txt (held out)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per swarm run at most")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--stem", default="convergence", help="the results' file names: STEM.md, .json, .png")
     parser.add_argument("--workdir", type=Path, help="keep the peers' logs here (default: a temporary folder, "
                                                      "removed at the end)")
     return parser
@@ -272,18 +276,20 @@ def main(argv: list[str] | None = None) -> None:
                 results[name] = one_process(base, args.epochs, args.eval_every, windows)
                 continue
             config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}", "dpu": name == "dpu",
-                                  "compression": "int8" if name == "int8" else "none"})
+                                  "compression": "int8" if name == "int8" else "none",
+                                  "averaging_codec": name.removesuffix("-averaging") if name.endswith("-averaging")
+                                  else "fp32"})
             results[name] = swarm_run(config, args=args, churn=args.churn if name == "churn" else 0.0,
                                       workdir=Path(tmp) / name)
     rows = [summarize(name, run, args.epochs) for name, run in results.items()]
     info = machine_info()
     args.out.mkdir(parents=True, exist_ok=True)
     text = markdown(command, info, base, args, rows)
-    (args.out / "convergence.md").write_text(text)
-    (args.out / "convergence.json").write_text(json.dumps(
+    (args.out / f"{args.stem}.md").write_text(text)
+    (args.out / f"{args.stem}.json").write_text(json.dumps(
         {"command": command, "machine": info, "config": dict(vars(base)), "summary": rows, "runs": results},
         indent=1))
-    plot(results, args.out / "convergence.png")
+    plot(results, args.out / f"{args.stem}.png")
     print(text)
 
 

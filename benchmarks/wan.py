@@ -19,7 +19,9 @@ source starts (or until --epochs closed), and reports:
 - the bound the bytes allow: the cap over the busiest uplink's wire bytes per epoch, in epochs per minute, and
   the least of that and the uncapped run's rate (when it ran): what the swarm would reach if only the busiest link
   and the compute limited it;
-- each variant's averaging bytes per epoch over fp32's at the same cap, where both ran;
+- averaging bytes per epoch counted by epoch (`averaging_bytes` of the status: what every peer sent for the epoch's
+  deposits and all-reduce, whenever it was sent), over the epochs that closed before the last one seen closed, and
+  each variant's over fp32's at the same cap, where both ran;
 - rows lost (rows of closed epochs not in their stage's averaged step), epochs not fully averaged, epochs
   abandoned, and the "gone" verdicts in the servers' logs (a worker judged gone).
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +43,7 @@ from typing import Any
 from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info
 
 from p2ptrain import links
-from p2ptrain.config import RunConfig
+from p2ptrain.config import RunConfig, RuntimeConfig
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
@@ -91,6 +94,8 @@ def run_inside(args: argparse.Namespace) -> dict[str, Any]:
             if report["finished"]:
                 break
             time.sleep(POLL_S)
+        time.sleep(RuntimeConfig().metrics_period_s + POLL_S)  # the peers publish the bytes of the last rounds
+        report = swarm.status()
         gone = sum(len(GONE.findall(swarm.log_path(name).read_text(errors="replace"))) for name in swarm.roles)
     return measure(closes=closes, first=first, last=last, report=report, gone=gone, clients=clients)
 
@@ -110,7 +115,12 @@ def measure(*, closes: list[tuple[int, float]], first: dict | None, last: dict, 
         "epochs_abandoned": sum(e["abandoned"] for e in report.get("epochs", [])),
         "workers_lost": sum(s["workers_lost"] for s in stages), "gone_verdicts": gone, "clients": len(clients),
         "epochs_per_min": None, "bytes_per_epoch": None, "wire_bytes_per_epoch": None, "busiest_uplink": None,
+        "averaging_bytes_per_epoch": None,
     }
+    # an epoch's round has ended everywhere once the next epoch closed (without --dpu a worker steps before it works on)
+    settled = [sum(s["averaging_bytes"] for s in e["stages"]) for e in epochs if closes and e["epoch"] < closes[-1][0]]
+    if settled:
+        result["averaging_bytes_per_epoch"] = statistics.mean(settled)
     if first is None or len(closes) < 2:
         return result
     span = closes[-1][0] - closes[0][0]
@@ -156,12 +166,13 @@ def bound(result: dict[str, Any], cap: str, uncapped: float | None) -> None:
 
 
 def against_fp32(results: list[dict[str, Any]]) -> None:
-    """Adds each run's averaging bytes per epoch over the fp32 run's at the same cap, where both measured some."""
-    fp32 = {r["cap"]: r["bytes_per_epoch"]["averaging"] for r in results
-            if r["variant"] == "fp32" and (r.get("bytes_per_epoch") or {}).get("averaging")}
+    """Adds each run's averaging bytes per epoch (counted by epoch) over the fp32 run's at the same cap, where both
+    measured some."""
+    fp32 = {r["cap"]: r["averaging_bytes_per_epoch"] for r in results
+            if r["variant"] == "fp32" and r.get("averaging_bytes_per_epoch")}
     for r in results:
-        per = r.get("bytes_per_epoch") or {}
-        r["averaging_of_fp32"] = per["averaging"] / fp32[r["cap"]] if "averaging" in per and r["cap"] in fp32 else None
+        mine = r.get("averaging_bytes_per_epoch")
+        r["averaging_of_fp32"] = mine / fp32[r["cap"]] if mine and r["cap"] in fp32 else None
 
 
 def markdown(command: str, info: dict, args: argparse.Namespace, results: list[dict]) -> str:
@@ -175,15 +186,15 @@ def markdown(command: str, info: dict, args: argparse.Namespace, results: list[d
         f"{args.duration_s:.0f} s per run after the data source starts; every peer's uplink capped alike"
         + (f", {args.delay_ms:g} ms added per packet" if args.delay_ms else "") + ".", "",
         "| variant | cap Mbit/s | epochs | epochs/min | bound/min | reached | first epoch s | longest wait s "
-        "| rows lost | not fully averaged | gone | MB/epoch | " + " | ".join(kinds) + " | averaging / fp32 "
-        "| busiest uplink MB/epoch |",
-        "|---" * (14 + len(kinds)) + "|",
+        "| rows lost | not fully averaged | gone | MB/epoch | " + " | ".join(kinds) + " | averaging MB/epoch by epoch "
+        "| averaging / fp32 | busiest uplink MB/epoch |",
+        "|---" * (15 + len(kinds)) + "|",
     ]
     for r in results:
         per = r.get("bytes_per_epoch") or {}
         wire = r.get("wire_bytes_per_epoch") or {}
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['cap']} | {r['error']} |" + " |" * (11 + len(kinds)))
+            lines.append(f"| {r['variant']} | {r['cap']} | {r['error']} |" + " |" * (12 + len(kinds)))
             continue
         lines.append(
             f"| {r['variant']} | {r['cap']} | {r['epochs_closed']} | {fmt(r['epochs_per_min'])} "
@@ -191,12 +202,15 @@ def markdown(command: str, info: dict, args: argparse.Namespace, results: list[d
             f"| {fmt(r['longest_wait_s'], '.0f')} | {r['rows_lost']} | {r['epochs_not_fully_averaged']} "
             f"| {r['gone_verdicts']} | {fmt(sum(per.values()) / 1e6 if per else None)} | "
             + " | ".join(fmt(per[k] / 1e6 if k in per else None) for k in kinds)
+            + f" | {fmt(r['averaging_bytes_per_epoch'] / 1e6 if r.get('averaging_bytes_per_epoch') else None)}"
             + f" | {fmt(r.get('averaging_of_fp32'), '.3f')} | {fmt(max(wire.values()) / 1e6 if wire else None)} |")
     lines += ["", "MB/epoch and the kinds: messages' bytes by kind from the peers' counters, `other` the wire's "
               "bytes (all uplinks, headers and the DHT included) less the messages'; uncapped runs have no wire "
               "counter. bound/min: the cap over the busiest uplink's wire bytes per epoch, at most the uncapped "
-              "run's rate; reached: epochs/min over the bound. averaging / fp32: the variant's averaging bytes per epoch over "
-              "the fp32 run's at the same cap."]
+              "run's rate; reached: epochs/min over the bound. The kinds' bytes are read between the first and the last "
+              "epoch seen closed, so a round running at either end counts in part; averaging MB/epoch by epoch: what "
+              "the peers sent for each epoch's averaging, whenever they sent it, over the epochs closed before the "
+              "last; averaging / fp32: that, over the fp32 run's at the same cap."]
     return "\n".join(lines) + "\n"
 
 
@@ -212,6 +226,9 @@ def plot(results: list[dict], path: Path) -> None:
         ax.plot(caps, [r["epochs_per_min"] for r in rows], "o-", label=f"{variant}: reached")
         ax.plot(caps, [r["bound_per_min"] for r in rows], "x--", label=f"{variant}: bound")
     ax.set_xscale("log")
+    caps = sorted({float(r["cap"]) for r in results if r["cap"] != "none"})
+    ax.set_xticks(caps, [f"{cap:g}" for cap in caps])
+    ax.minorticks_off()
     ax.set_xlabel("uplink cap per peer, Mbit/s")
     ax.set_ylabel("epochs per minute")
     ax.legend()

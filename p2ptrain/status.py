@@ -30,7 +30,8 @@ JSON fields (stable; later tools and outside checks read them):
   epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained, lr, eval_loss,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
                                      rows_dropped, workers_lost, workers_joined, rounds_failed, steps_unclipped,
-                                     digests, digests_agree}]}] oldest first (lr: the learning rate of its step),
+                                     digests, digests_agree, averaging_bytes}]}] oldest first (lr: the learning
+                           rate of its step),
                            of the epochs the peers' records carry: each keeps its newest epochs that fit in a small
                            DHT value (20 or more; a reader that polls keeps the rest, `History`):
                            rows_in_batch: rows of the global batch that entered the stage;
@@ -52,6 +53,9 @@ JSON fields (stable; later tools and outside checks read them):
                            digests: workers that published a digest of the parameters they stepped to;
                            digests_agree: whether those digests are of the same parameters up to the rounding an
                              all-reduce leaves (`protocol.optimization.digests_agree`; null: no digest);
+                           averaging_bytes: what the stage's workers and server replicas sent for the epoch's
+                             averaging (deposits, all-reduce parts and averages; message bytes, `p2ptrain.traffic`),
+                             as of their last records;
                          abandoned: the data source ended the epoch without a step because a stage server of its
                            layout restarted or was lost before all its rows were back: no stage stepped on it (its
                            rows_averaged are 0 and it never counts as closed), and its batch of data was fed again
@@ -178,6 +182,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
     failed: dict[tuple[int, int], int] = defaultdict(int)
     unclipped: dict[tuple[int, int], int] = defaultdict(int)
     died: dict[tuple[int, int], int] = defaultdict(int)
+    averaging_bytes: dict[tuple[int, int], int] = defaultdict(int)
     digests: dict[tuple[int, int], list[Digest]] = defaultdict(list)
     rates: dict[int, float] = {}
     evals: dict[int, float] = {}
@@ -208,6 +213,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             failed[key] += entry.round_failed
             unclipped[key] += entry.unclipped
             died[key] = max(died[key], entry.rows_lost)  # every survivor of the round reports the same rows
+            averaging_bytes[key] += entry.averaging_bytes
             if entry.digest is not None:
                 digests[key].append(tuple(entry.digest))
             if entry.lr is not None:
@@ -233,7 +239,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                         "workers_joined": joined[(epoch, stage)], "rounds_failed": failed[(epoch, stage)],
                         "steps_unclipped": unclipped[(epoch, stage)],
                         "digests": len(digests[(epoch, stage)]),
-                        "digests_agree": digests_agree(digests[(epoch, stage)]) if digests[(epoch, stage)] else None}
+                        "digests_agree": digests_agree(digests[(epoch, stage)]) if digests[(epoch, stage)] else None,
+                        "averaging_bytes": averaging_bytes[(epoch, stage)]}
                        for stage in range(num_stages)],
         }
         for epoch in all_epochs

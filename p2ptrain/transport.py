@@ -238,12 +238,13 @@ class Service(ServicerBase):
         local = isinstance(context, LocalCall)  # this process's own code: never banned
         sender = context.sender if local else context.remote_id.to_base58()
         banned_for = 0.0 if local else self.bans.banned_for(sender, now=time.monotonic())
-        traffic = kind.traffic  # what the reply's bytes count as (`p2ptrain.traffic`)
+        traffic, epoch = kind.traffic, None  # what the reply's bytes count as (`p2ptrain.traffic`), and for which epoch
         try:
             if banned_for > 0:  # refused unread: a banned peer costs a reply and a stream, not a decode
                 raise Refused(f"banned for {banned_for:.0f} more s after repeated malformed or forged requests")
             envelope = await unpack(requests if local else _moving(requests, lambda _: self.hearing.heard(sender, self.service)))
             request = kind.from_header(envelope.header, envelope.tensors)
+            epoch = getattr(request, "epoch", None)
             reply = await handler(request, sender)
             traffic = reply.traffic_kind() or traffic
             responses = self.pack(reply)
@@ -260,7 +261,7 @@ class Service(ServicerBase):
             self.logger.exception(f"{self.name}: failed on {kind.__name__} from {sender}")
             responses = self.refusal(f"internal error: {e!r}")
         if not local:
-            METER.count(traffic, sum(response.ByteSize() for response in responses))
+            METER.count(traffic, sum(response.ByteSize() for response in responses), epoch=epoch)
         for response in responses:
             yield response
         if not local:  # the caller closes the stream once it holds the reply; that cancels this
@@ -314,7 +315,7 @@ class Caller:
         """The typed reply (of type ``request.reply``); Refused if the peer refused, MessageError if its reply is not
         one, ConnectionError or TimeoutError if the transport failed."""
         envelope = await self.exchange(peer, service, request.method, Envelope(request.to_header(), request.tensors()),
-                                       timeout=timeout, traffic=request.traffic)
+                                       timeout=timeout, traffic=request.traffic, epoch=getattr(request, "epoch", None))
         if REFUSED in envelope.header:
             retry = envelope.header.get(RETRY_AFTER)
             raise Refused(str(envelope.header[REFUSED]),
@@ -343,8 +344,9 @@ class Caller:
             backoff_s, attempt = min(2 * backoff_s, backoff_max_s), attempt + 1
 
     async def exchange(self, peer: str, service: str, method: str, envelope: Envelope, *,
-                       timeout: float | None = None, traffic: str = "control") -> Envelope:
-        """One call with untyped envelopes (benchmarks time the transport with it); its bytes count as `traffic`.
+                       timeout: float | None = None, traffic: str = "control", epoch: int | None = None) -> Envelope:
+        """One call with untyped envelopes (benchmarks time the transport with it); its bytes count as `traffic`, and
+        as bytes for `epoch` when it is for one.
         TimeoutError past the deadline the link allows (module doc), `timeout` (the caller's by default) its floor."""
         floor, loop = timeout or self.timeout, asyncio.get_running_loop()
         requests = pack(envelope, codec=self.codec, proto=runtime_pb2.ExpertRequest)
@@ -360,20 +362,22 @@ class Caller:
         # not asyncio.wait_for: on Python 3.11 it swallows a cancellation that comes as the call completes (it returns
         # the reply instead), and a cancelled task then ran on; asyncio.timeout lets every cancellation through
         async with asyncio.timeout(self.rate(peer).deadline_s(sent, floor_s=floor, slack=self.slack)) as deadline:
-            reply = await self._exchange(peer, service, method, requests, traffic, sent=sent, arrived=arrived)
+            reply = await self._exchange(peer, service, method, requests, traffic, sent=sent, arrived=arrived,
+                                         epoch=epoch)
         if network:
             self.rate(peer).observe(sent + received, loop.time() - started)
         return reply
 
     async def _exchange(self, peer: str, service: str, method: str, requests: list[runtime_pb2.ExpertRequest],
-                        traffic: str, *, sent: int, arrived: Callable[[runtime_pb2.ExpertResponse], None]) -> Envelope:
+                        traffic: str, *, sent: int, arrived: Callable[[runtime_pb2.ExpertResponse], None],
+                        epoch: int | None) -> Envelope:
         servicer = self.local.get((peer, service))
         if servicer is not None:
             responses = getattr(servicer, method)(_aiter(requests), LocalCall(sender=self.peer_id))
         elif self.p2p is None:
             raise ConnectionError(f"no {service} of {peer} in this process, and no network")
         else:
-            METER.count(traffic, sent)
+            METER.count(traffic, sent, epoch=epoch)
             responses = await self.p2p.iterate_protobuf_handler(
                 PeerID.from_base58(peer), handle_name(service, method), _aiter(requests), runtime_pb2.ExpertResponse)
         try:

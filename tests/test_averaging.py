@@ -16,7 +16,7 @@ from hivemind.p2p import P2P
 
 from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts
 from p2ptrain.compression import int8_error_bound
-from p2ptrain.config import AVERAGING_CODECS, WIRE_BYTES
+from p2ptrain.config import AVERAGING_CODECS, WIRE_BYTES, RunConfig
 from p2ptrain.live.probe import LinkProbe
 from p2ptrain.models import build_stage, model_config
 from p2ptrain.protocol.deadlines import all_reduce_bytes
@@ -107,9 +107,11 @@ def test_every_member_ends_with_the_very_same_average_in_every_codec(averaging_c
 def test_int8_averaging_sends_under_a_third_and_a_half_of_fp32s_bytes():
     async def sent(codec: str) -> int:
         async with members(3, codec) as averagers:
-            before = METER.snapshot()["averaging"]
+            before, before_epoch = METER.snapshot()["averaging"], METER.of_epoch("averaging", 3)
             await one_round(averagers, draws(3), [4, 1, 3])
-            return METER.snapshot()["averaging"] - before
+            nbytes = METER.snapshot()["averaging"] - before
+            assert METER.of_epoch("averaging", 3) - before_epoch == nbytes  # all of it counted as the round's epoch
+            return nbytes
 
     async def scenario() -> None:
         sent_by = {codec: await sent(AVERAGING_CODECS[codec]) for codec in AVERAGING_CODECS}
@@ -229,4 +231,15 @@ def test_a_swarm_averaging_in_int8_keeps_stage_mates_equal_and_learns(make_swarm
     assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
     losses = [e["loss"] for e in epochs_closed]
     assert losses[-1] < losses[0] - 0.3, losses
+    # per stage and epoch: each of its 3 members (2 clients, the FS's replica) sends 2/3 of its values and gets as
+    # many averages back, and each client deposits its values once, every value at int8's bytes
+    config = RunConfig(model="llama-tiny", num_stages=2)
+    for epoch in epochs_closed[:-1]:  # the last epoch's records may not carry their last bytes yet
+        for stage in epoch["stages"]:
+            start, end = config.stage_layers(stage["stage"])
+            model = build_stage(config.model_config, start=start, end=end, seed=0)
+            numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            expected = (3 * all_reduce_bytes(numel, members=3, itemsize=WIRE_BYTES["int8"])
+                        + 2 * numel * WIRE_BYTES["int8"])
+            assert expected <= stage["averaging_bytes"] <= 1.03 * expected, (epoch["epoch"], stage, expected)
     assert swarm.failed() == []

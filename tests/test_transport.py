@@ -83,6 +83,23 @@ def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_the
     asyncio.run(main())
 
 
+def test_bytes_for_an_epoch_are_counted_apart_and_only_the_newest_epochs_are_kept():
+    from p2ptrain.traffic import Traffic
+
+    traffic = Traffic(epochs_kept=2)
+    traffic.count("averaging", 10, epoch=3)
+    traffic.count("averaging", 5, epoch=3)
+    traffic.count("averaging", 7)
+    traffic.count("control", 1, epoch=3)
+    assert traffic.of_epoch("averaging", 3) == 15 and traffic.of_epoch("control", 3) == 1
+    assert traffic.snapshot()["averaging"] == 22
+    traffic.count("averaging", 1, epoch=4)
+    traffic.count("averaging", 2, epoch=5)
+    assert (traffic.of_epoch("averaging", 3), traffic.of_epoch("averaging", 5)) == (0, 2)
+    with pytest.raises(ValueError, match="unknown traffic kind"):
+        traffic.count("gossip", 1)
+
+
 @pytest.mark.timeout(120)
 def test_a_call_over_the_network_counts_its_request_and_reply_bytes_by_kind_and_a_local_call_counts_none():
     from hivemind.proto import runtime_pb2

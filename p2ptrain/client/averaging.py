@@ -134,8 +134,9 @@ class CodecAllReduceRunner(AllReduceRunner):
     groupmate's does. A part whose reducer failed comes back as this member's own values (counted in
     `tensor_part_container.failed_size`). The parts this member sends are counted as averaging traffic."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, epoch: int, **kwargs):
         super().__init__(**kwargs)
+        self.epoch = epoch  # the bytes this member sends are counted as this epoch's (`p2ptrain.traffic`)
         container = self.tensor_part_container
         container.return_deltas = False  # what comes back is the average, not this member's difference from it
         me = self.ordered_peer_ids.index(self.peer_id)
@@ -191,13 +192,13 @@ class CodecAllReduceRunner(AllReduceRunner):
             raise
 
     async def _reduce_own_share(self, peer_index: int) -> None:
-        container = self.tensor_part_container
+        container, loop = self.tensor_part_container, asyncio.get_running_loop()
         sender_index = self.sender_peer_ids.index(self.peer_id)
         for part_index, (part, info) in enumerate(zip(self.parts_for_local_averaging, self._own_infos)):
-            sent = decode(container.compression.compress(part, info))
+            sent = await loop.run_in_executor(None, lambda: decode(container.compression.compress(part, info)))
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent, weight=self.weight)
-            container.register_processed_part(peer_index, part_index,
-                                              decode(await self._encoded_average(part_index, averaged)))
+            average = await loop.run_in_executor(None, decode, await self._encoded_average(part_index, averaged))
+            container.register_processed_part(peer_index, part_index, average)
 
     async def _exchange_with(self, peer_id: PeerID, peer_index: int) -> None:
         container = self.tensor_part_container
@@ -223,7 +224,7 @@ class CodecAllReduceRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
-            METER.count("averaging", message.ByteSize())
+            METER.count("averaging", message.ByteSize(), epoch=self.epoch)
             yield message
 
 
@@ -272,7 +273,7 @@ class StageAllReduce(ServicerBase):
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
         async for message in runner.rpc_aggregate_part(achain(as_aiter(request), stream), context):
-            METER.count("averaging", message.ByteSize())
+            METER.count("averaging", message.ByteSize(), epoch=runner.epoch)
             yield message
         # hivemind's handler ends its stream right after the last averaged part, and p2pd resets a stream that one
         # side closes, dropping what the other side's daemon had not yet handed on: under load the sender lost that
@@ -369,7 +370,7 @@ class StageAllReduce(ServicerBase):
         # a part on its way while this member's uplink carries one to each groupmate and an average back to each
         stall = self.throughput.deadline_s(2 * (len(group) - 1) * PART_BYTES, floor_s=self.timeout, slack=self.slack)
         runner = CodecAllReduceRunner(
-            p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
+            epoch=epoch, p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
             weight=own,
             ordered_peer_ids=[PeerID.from_base58(m.peer_id) for m in group],
             peer_fractions=tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes), modes=modes,

@@ -81,6 +81,7 @@ class EpochMetricsModel(_Strict):
     eval_loss: Optional[pydantic.StrictFloat] = None
     rows_lost: _NonNegInt = 0
     unclipped: pydantic.StrictBool = False
+    averaging_bytes: _NonNegInt = 0
 
 
 class MetricsModel(_Strict):
@@ -220,6 +221,8 @@ class EpochMetrics:
     eval_loss: float | None = None  # held-out loss of the parameters after the epoch's step (the data source)
     rows_lost: int = 0  # rows of groupmates that died in the worker's round, missing from its average (a worker)
     unclipped: bool = False  # with clip_norm: no global norm came in time, the worker stepped unclipped (a worker)
+    averaging_bytes: int = 0  # what the worker's process sent for the epoch's averaging: its deposit, its parts and
+    # the averages it reduced (`p2ptrain.traffic`), so far (a worker)
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)
