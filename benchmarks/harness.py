@@ -66,6 +66,12 @@ def mean(values: Iterable[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this process as Ctrl-C does, through its `with LocalSwarm(...)` blocks, which stop the
+    peers: they run in sessions of their own and would outlive a benchmark killed outright."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def fmt(value: float | None, spec: str = ".2f", none: str = "-") -> str:
     """`value` formatted with `spec`, or `none` for a missing value."""
     return none if value is None else format(value, spec)

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import ROOT, LocalSwarm, command_line, fmt, log, machine_info
+from harness import ROOT, LocalSwarm, command_line, exit_on_sigterm, fmt, log, machine_info
 
 from p2ptrain import links
 from p2ptrain.config import RunConfig, RuntimeConfig
@@ -143,12 +143,17 @@ def one_run(args: argparse.Namespace, variant: str, cap: str, workdir: Path) -> 
     command = inner if cap == "none" else links.command(
         links.Links(uplink_mbit=float(cap), delay_ms=args.delay_ms), inner)
     timeout = args.duration_s + args.start_timeout_s + 120
-    try:
-        done = subprocess.run(command, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s; logs in {workdir}"}
-    if done.returncode != 0 or not out.exists():
-        return {"error": f"exited with {done.returncode}; logs in {workdir}"}
+    with subprocess.Popen(command) as run:
+        try:
+            returncode = run.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result within {timeout:.0f} s; logs in {workdir}"}
+        finally:
+            if run.poll() is None:  # timed out, or this benchmark was stopped: the run stops its peers first
+                run.terminate()
+                run.wait(timeout=60)
+    if returncode != 0 or not out.exists():
+        return {"error": f"exited with {returncode}; logs in {workdir}"}
     return json.loads(out.read_text())
 
 
@@ -270,6 +275,7 @@ RECIPE_ARGS = ("model", "clients", "epochs", "batch_rows", "microbatches", "seq_
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    exit_on_sigterm()
     if args.inner:
         result = run_inside(args)
         args.result.write_text(json.dumps(result))

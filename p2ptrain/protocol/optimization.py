@@ -11,9 +11,9 @@ from dataclasses import dataclass
 # torch.nn.utils.clip_grad_norm_ adds this to the norm, so that a zero gradient divides safely; one process and the
 # swarm must clip with the same coefficient
 CLIP_EPS = 1e-6
-# how far two workers' digests of the same stage may differ, relative to the digest's scale: the all-reduce leaves
-# each worker with its own rounding of the average (local + (average - local)), a few float32 ulps, which the
-# optimizer carries on; a worker that missed a round differs by orders of magnitude more
+# how far two workers' digests of the same stage may differ, relative to the digest's scale: every member of a round
+# ends with the very same average (`client.averaging`), so stage mates that stepped alike agree well within it; a
+# worker that missed a round differs by orders of magnitude more
 DIGEST_TOLERANCE = 1e-4
 
 
