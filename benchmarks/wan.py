@@ -49,7 +49,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 CAPS = ("none", "100", "40", "20", "10", "5")
 # name -> RunConfig fields that differ from the base recipe
-VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}, "fp16": {"averaging_codec": "fp16"}, "int8": {"averaging_codec": "int8"}}
+VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}, "fp16": {"averaging_codec": "fp16"},
+                                       "int8": {"averaging_codec": "int8"}}
 POLL_S = 2.0
 # how a server's log says it judged a worker gone (p2ptrain/server/base.py, frontal.py)
 GONE = re.compile(r"gone \(silent for|; gone$|gone with the parameter gradients", re.MULTILINE)
@@ -212,10 +213,10 @@ def markdown(command: str, info: dict, args: argparse.Namespace, results: list[d
     lines += ["", "MB/epoch and the kinds: messages' bytes by kind from the peers' counters, `other` the wire's "
               "bytes (all uplinks, headers and the DHT included) less the messages'; uncapped runs have no wire "
               "counter. bound/min: the cap over the busiest uplink's wire bytes per epoch, at most the uncapped "
-              "run's rate; reached: epochs/min over the bound. The kinds' bytes are read between the first and the last "
-              "epoch seen closed, so a round running at either end counts in part; averaging MB/epoch by epoch: what "
-              "the peers sent for each epoch's averaging, whenever they sent it, over the epochs closed before the "
-              "last; averaging / fp32: that, over the fp32 run's at the same cap."]
+              "run's rate; reached: epochs/min over the bound. The kinds' bytes are read between the first and the "
+              "last epoch seen closed, so a round running at either end counts in part; averaging MB/epoch by "
+              "epoch: what the peers sent for each epoch's averaging, whenever they sent it, over the epochs closed "
+              "before the last; averaging / fp32: that, over the fp32 run's at the same cap."]
     return "\n".join(lines) + "\n"
 
 

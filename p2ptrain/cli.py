@@ -75,7 +75,8 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "rows_per_microbatch": "--batch-rows", "microbatches": "--microbatches", "seq_len": "--seq-len",
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
-                "clip_norm": "--clip-norm", "dpu": "--dpu", "averaging_codec": "--averaging-codec", "compression": "--compression", "data": "--data",
+                "clip_norm": "--clip-norm", "dpu": "--dpu", "averaging_codec": "--averaging-codec",
+                "compression": "--compression", "data": "--data",
                 "tokenizer": "--tokenizer",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",

@@ -85,10 +85,14 @@ class BadTensorError(ValueError):
     """A tensor received from a peer does not have the shape, dtype or finite values it must have."""
 
 
-def encode(tensor: torch.Tensor, codec: str) -> runtime_pb2.Tensor:
-    """Encode `tensor` with `codec` into one message (integer and bool tensors always travel exact)."""
+def _check_codec(codec: str) -> None:
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def encode(tensor: torch.Tensor, codec: str) -> runtime_pb2.Tensor:
+    """Encode `tensor` with `codec` into one message (integer and bool tensors always travel exact)."""
+    _check_codec(codec)
     tensor = tensor.detach().cpu()
     if tensor.dtype not in _FLOAT_DTYPES:
         codec = "none"  # ids, labels, masks must arrive exact
@@ -129,8 +133,7 @@ class WireCodec(CompressionBase):
     codec that works on this stack."""
 
     def __init__(self, codec: str):
-        if codec not in CODECS:
-            raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+        _check_codec(codec)
         self.codec = codec
         self.compression_type = _PROTO_CODEC[codec]
 

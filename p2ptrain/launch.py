@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
         parser.error(f"--workdir {args.workdir}: is a file; give a folder")
     try:
-        plan = make_plan(swarm_file, model_spec(args.model, averaging_codec=config.averaging_codec), batch_tokens=tokens, microbatches=microbatches,
-                         planner="refined", stages=args.stages).to_json()
+        plan = make_plan(swarm_file, model_spec(args.model, averaging_codec=config.averaging_codec),
+                         batch_tokens=tokens, microbatches=microbatches, planner="refined",
+                         stages=args.stages).to_json()
     except PlanningError as e:
         parser.error(f"{args.peers}: {e}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-"))

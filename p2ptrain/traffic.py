@@ -2,10 +2,10 @@
 all-reduce parts), counted where they are serialized, before libp2p's framing and TCP/IP headers.
 
 One `Traffic` per process (`METER`): every peer runs in a process of its own, so it is that peer's uplink. A message
-for an epoch (a request or reply whose message names one, an all-reduce part of that epoch's round) also counts
-as that epoch's, so that a swarm's averaging bytes per epoch are exact, whatever is in flight when they are read. The DHT's
-own traffic is not here (hivemind sends it); an emulated link's counter (`p2ptrain.links.bytes_sent`) holds all of
-it, headers included.
+for an epoch (a request or reply whose message names one, an all-reduce part of that epoch's round) also counts as
+that epoch's, so that a swarm's averaging bytes per epoch are exact, whatever is in flight when they are read. The
+DHT's own traffic is not here (hivemind sends it); an emulated link's counter (`p2ptrain.links.bytes_sent`) holds
+all of it, headers included.
 """
 from __future__ import annotations
 

@@ -135,7 +135,8 @@ BAD = {
     "no link and no defaults": (EXAMPLE.replace("latency_ms = 1.0\nbandwidth_mbps = 10000\n", "", 1),
                                 "[defaults]", "no latency_ms for links inside site 'home-1'"),
     "unknown preset": (EXAMPLE.replace('"llama-33b"', '"llama-34b"'), "[model]", "unknown preset"),
-    "unknown averaging codec": (EXAMPLE.replace('preset = "llama-33b"', 'preset = "llama-33b"\naveraging_codec = "int4"'),
+    "unknown averaging codec": (EXAMPLE.replace('preset = "llama-33b"',
+                                                'preset = "llama-33b"\naveraging_codec = "int4"'),
                                 "[model]", "unknown averaging_codec 'int4'"),
     "zero tflops": (EXAMPLE.replace("tflops = 5", "tflops = 0"), "[[device]] #4 (loner)", "tflops = 0"),
 }
@@ -186,7 +187,8 @@ def test_the_averaging_codec_of_the_file_or_the_flag_sets_the_rounds_bytes(tmp_p
     """int8 averaging, in the file's [model] or by --averaging-codec, makes P and every stage's averaging time
     smaller than fp32's; the flag wins over the file."""
     local = (Path(__file__).parent.parent / "peers" / "local.toml").read_text()
-    int8_file = write(tmp_path, local.replace('preset = "llama-tiny"', 'preset = "llama-tiny"\naveraging_codec = "int8"'))
+    int8_file = write(tmp_path, local.replace('preset = "llama-tiny"',
+                                              'preset = "llama-tiny"\naveraging_codec = "int8"'))
     plain = write(tmp_path, local, name="plain.toml")
     assert load_swarm(int8_file).averaging_codec == "int8" and load_swarm(plain).averaging_codec is None
     assert load_swarm(int8_file).model.param_bytes_per_layer <= load_swarm(plain).model.param_bytes_per_layer / 3.5

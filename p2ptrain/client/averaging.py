@@ -196,7 +196,8 @@ class CodecAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(self.peer_id)
         for part_index, (part, info) in enumerate(zip(self.parts_for_local_averaging, self._own_infos)):
             sent = await loop.run_in_executor(None, lambda: decode(container.compression.compress(part, info)))
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent, weight=self.weight)
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, sent,
+                                                                      weight=self.weight)
             average = await loop.run_in_executor(None, decode, await self._encoded_average(part_index, averaged))
             container.register_processed_part(peer_index, part_index, average)
 
@@ -370,8 +371,8 @@ class StageAllReduce(ServicerBase):
         # a part on its way while this member's uplink carries one to each groupmate and an average back to each
         stall = self.throughput.deadline_s(2 * (len(group) - 1) * PART_BYTES, floor_s=self.timeout, slack=self.slack)
         runner = CodecAllReduceRunner(
-            epoch=epoch, p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id, tensors=tensors,
-            weight=own,
+            epoch=epoch, p2p=self.p2p, servicer_type=StageAllReduce, prefix=self.prefix, group_id=group_id,
+            tensors=tensors, weight=own,
             ordered_peer_ids=[PeerID.from_base58(m.peer_id) for m in group],
             peer_fractions=tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes), modes=modes,
             compression=PerTensorCompression([self.wire] * len(grads) + [NoCompression()]), part_size_bytes=PART_BYTES,

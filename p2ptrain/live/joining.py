@@ -92,8 +92,8 @@ async def join_by_probing(*, dht: hivemind.DHT, p2p: P2P, peer_id: str, config: 
     joiner = Joiner(peer_id=peer_id, flops=compute, memory=float(memory),
                     links={s: LinkEstimate(latency_s=x.latency_s, bandwidth_bps=x.bandwidth_bps)
                            for s, x in links.items()})
-    workload = Workload(model=model_spec(config.model, averaging_codec=config.averaging_codec), batch_tokens=config.tokens_per_epoch,
-                        microbatches=config.microbatches)
+    workload = Workload(model=model_spec(config.model, averaging_codec=config.averaging_codec),
+                        batch_tokens=config.tokens_per_epoch, microbatches=config.microbatches)
     choice = choose_stage(view, joiner, workload=workload, rule=stage_choice)
     logger.info(describe(choice, stages, links))
     k = choice.stage

@@ -57,8 +57,8 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, micro
     if peers is None:
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
-    return make_plan(swarm, model_spec(model, averaging_codec=averaging_codec), batch_tokens=tokens, microbatches=microbatches, planner=planner,
-                     stages=stages, seed=seed)
+    return make_plan(swarm, model_spec(model, averaging_codec=averaging_codec), batch_tokens=tokens,
+                     microbatches=microbatches, planner=planner, stages=stages, seed=seed)
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,
@@ -93,8 +93,8 @@ def serve_plan(dht: hivemind.DHT, *, signer: RSASignatureValidator, config: RunC
     expect = expect if expect is not None else 2 * (stages or 1)
     tokens = config.tokens_per_epoch
     plan = plan_swarm(dht, run_id=config.run_id, model=config.model, tokens=tokens, microbatches=config.microbatches,
-                      averaging_codec=config.averaging_codec, planner=planner, stages=stages, seed=config.seed, expect=expect, settings=settings,
-                      stop=stop)
+                      averaging_codec=config.averaging_codec, planner=planner, stages=stages, seed=config.seed,
+                      expect=expect, settings=settings, stop=stop)
     if plan is None:
         if not stop.is_set():
             raise TimeoutError(f"--plan: {expect} servers did not announce their measurements within "

@@ -92,7 +92,8 @@ def _spec(*, name: str, layers: int, params: int, hidden: int, seq: int, attende
     forward = 2.0 * params + 4.0 * hidden * attended
     return ModelSpec(
         name=name, layers=layers, flops_per_token_per_layer=3.0 * forward,
-        activation_bytes_per_token=float(hidden * width), param_bytes_per_layer=params * averaged_bytes(precision, averaging_codec),
+        activation_bytes_per_token=float(hidden * width),
+        param_bytes_per_layer=params * averaged_bytes(precision, averaging_codec),
         memory_bytes_per_layer=float(params * _state_bytes_per_param(precision, offload) + hidden * seq * width),
     )
 

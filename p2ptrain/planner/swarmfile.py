@@ -37,8 +37,8 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "site": ("name", "latency_ms", "bandwidth_mbps"),
     "link": ("sites", "devices", "from", "to", "latency_ms", "bandwidth_mbps"),
     "device": ("id", "count", "site", "reliable", "tflops", "memory_gb", "access_latency_ms", "access_mbps"),
-    "model": ("preset", "precision", "offload", "averaging_codec", "layers", "flops_per_token_per_layer", "activation_bytes_per_token",
-              "param_bytes_per_layer", "memory_bytes_per_layer"),
+    "model": ("preset", "precision", "offload", "averaging_codec", "layers", "flops_per_token_per_layer",
+              "activation_bytes_per_token", "param_bytes_per_layer", "memory_bytes_per_layer"),
     "batch": ("tokens", "microbatches"),
     "planner": ("stages",),
 }
@@ -348,7 +348,8 @@ class _Parser:
             raise self.fail("[model]", f"unknown offload {offload!r}", f"use one of {', '.join(OFFLOADS)}")
         codec = table.get("averaging_codec")
         if codec is not None and codec not in AVERAGING_CODECS:
-            raise self.fail("[model]", f"unknown averaging_codec {codec!r}", f"use one of {', '.join(AVERAGING_CODECS)}")
+            raise self.fail("[model]", f"unknown averaging_codec {codec!r}",
+                            f"use one of {', '.join(AVERAGING_CODECS)}")
         explicit = [key for key in _SPEC_FIELDS if key in table]
         if "preset" in table:
             if explicit:
