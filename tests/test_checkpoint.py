@@ -180,7 +180,7 @@ class RestartableSwarm(Swarm):
                                             *(["--keep-state"] if role == "bs" else []),
                                             "--identity-path", str(self.workdir / f"{name}.key"),
                                             "--checkpoint-dir", str(self.workdir / "ckpt" / name),
-                                            "--checkpoint-every", "2"])
+                                            "--checkpoint-every", "4" if name == "fs0" else "2"])
         for stage in ("0", "1"):
             self.commands.setdefault(f"client{stage}", [*common, "--role", "client", "--stage", stage])
         for name, command in self.commands.items():
@@ -207,6 +207,12 @@ class RestartableSwarm(Swarm):
         return (self.workdir / f"{name}.log").read_text()
 
 
+def remove_newest(folder: Path) -> None:
+    epoch, manifest = manifests(folder)[0]
+    manifest.unlink()
+    (folder / f"state-{epoch}.safetensors").unlink()
+
+
 def with_flag(command: list[str], flag: str, value: str) -> list[str]:
     at = command.index(flag)
     return [*command[: at + 1], value, *command[at + 2:]]
@@ -231,16 +237,17 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         swarm.start_all(0)
         before = wait_for(swarm, lambda r: r["epoch"] >= 7, "the swarm did not train 8 epochs")
         swarm.kill_all()  # at once: the losses before the kill are those `before` saw
-        # servers save when their own stage steps, so a swarm killed whole may leave its stages' newest checkpoints
-        # at different epochs; stage 0's newest are removed so that it always stands further back than stage 1
-        for name in ("fs0", "bs0"):
-            epoch, manifest = manifests(tmp_path / "ckpt" / name)[0]
-            manifest.unlink()
-            (tmp_path / "ckpt" / name / f"state-{epoch}.safetensors").unlink()
+        # servers save when their own stage steps, so a swarm killed whole may leave its servers' newest checkpoints at
+        # different epochs, even two of one stage. Checkpoints are removed so that stage 0 stands further back than
+        # stage 1 (its epochs between are abandoned), and its FS (saving every 4 epochs) further back than its BS: the
+        # FS takes the BS's newer state, as the holders of one stage must agree
+        remove_newest(tmp_path / "ckpt" / "bs0")
+        if manifests(tmp_path / "ckpt" / "fs0")[0][0] >= manifests(tmp_path / "ckpt" / "bs0")[0][0]:
+            remove_newest(tmp_path / "ckpt" / "fs0")
         saved = {name: json.loads(manifests(tmp_path / "ckpt" / name)[0][1].read_text())["epoch"]
                  for name, _, _ in SERVERS}
         assert all(epoch >= 4 and epoch % 2 == 0 for epoch in saved.values()), saved
-        assert max(saved["fs0"], saved["bs0"]) < min(saved["fs1"], saved["bs1"]), saved
+        assert saved["fs0"] < saved["bs0"] < min(saved["fs1"], saved["bs1"]), saved
         losses = {e["epoch"]: e["loss"] for e in before["epochs"] if e["loss"] is not None}
 
         # a truncated copy of a server's checkpoints is refused at start, naming the file; the swarm never sees it
@@ -255,6 +262,7 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         after = wait_for(swarm, lambda r: r["epoch"] >= resume + 3, f"the swarm did not train past epoch {resume + 2}")
         for name, _, _ in SERVERS:
             assert re.search(rf"restored stage \d at epoch {saved[name]} ", swarm.log(f"{name}.1")), name
+        assert f"other servers stand past epoch {saved['bs0'] - 1} " in swarm.log("fs0.1")
         resumed = {e["epoch"]: e["loss"] for e in after["epochs"] if e["loss"] is not None and e["epoch"] >= resume}
         first = min(resumed)
         assert first == resume, f"the swarm resumed at epoch {first}, its checkpoints are of epoch {resume}"

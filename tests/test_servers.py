@@ -25,6 +25,7 @@ from p2ptrain.protocol.messages import (
     EndEpoch,
     GroupMember,
     Leave,
+    MessageError,
     MicrobatchRef,
     PushInputGrads,
     PushOutputs,
@@ -566,5 +567,26 @@ def test_a_restarted_server_takes_the_swarms_epoch_and_an_abandon_waits_for_the_
         assert fs.state.closed_epoch == 7
         assert members(fs.state.closures[6]) == ["w1"]
         assert fs.state.closures[7].abandoned
+
+    asyncio.run(scenario())
+
+
+def test_a_server_restored_behind_its_stage_mates_closes_the_epochs_between_and_its_workers_catch_up():
+    async def scenario() -> None:
+        fs, _ = servers()
+        fs.resume(epoch=4, batch=3)  # its checkpoint is of epoch 4; a stage mate's is of epoch 7
+        fs.expect_replica("fs")
+        assert (await fs.ask_epoch(AskEpoch(epoch=0), "fs")).state_epoch == 4
+        with pytest.raises(Refused, match="not the data source"):
+            await fs.end_epoch(EndEpoch(epoch=6, abandoned=False, caught_up=True, layout=LAYOUT), "w1")
+        assert await fs.end_epoch(EndEpoch(epoch=6, abandoned=False, caught_up=True, layout=LAYOUT), "fs") == Ack()
+        assert fs.state.closed_epoch == 6 and not fs.state.closures
+        assert await fs.end_epoch(EndEpoch(epoch=5, abandoned=False, caught_up=True, layout=LAYOUT), "fs") == \
+            Ack(again=True)
+        # its replica, at epoch 4, finds no group of epochs 4 to 6: it loads a mate's state of epoch 7
+        reply = await fs.take_task(TakeTask(worker="fs", compute=1.0, epoch=4, holds_state=True), "fs")
+        assert judge(4, {"fs": reply}) == Verdict(epoch_fs=(), catch_up_to=7)
+        with pytest.raises(MessageError, match="either abandoned or caught up"):
+            EndEpoch.from_header({**EndEpoch(epoch=6, abandoned=True, layout=LAYOUT).to_header(), "caught_up": True})
 
     asyncio.run(scenario())

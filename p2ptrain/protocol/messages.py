@@ -452,14 +452,16 @@ class Leave(Request):
 @dataclass(frozen=True, kw_only=True)
 class EpochState(Message):
     """Whether a server has every row of its segment of an epoch back (or closed the epoch already), and where it
-    stands: the last epoch it closed, whether that one was abandoned, the last epoch it holds rows of, and (an FS)
-    the global batch of data of the last epoch committed to it; -1 for none."""
+    stands: the last epoch it closed, whether that one was abandoned, the last epoch it holds rows of, (an FS) the
+    global batch of data of the last epoch committed to it, and (a server that keeps the stage's state) the epoch its
+    replica's state is current for; -1 for none."""
 
     complete: bool
     closed_epoch: ClosedEpoch = -1
     abandoned: bool = False
     held_epoch: ClosedEpoch = -1
     batch: ClosedEpoch = -1
+    state_epoch: ClosedEpoch = -1
     # fault policy swarm, an FS: the microbatches of its recent epochs whose rows it dropped with a vanished worker
     dropped: tuple[MicrobatchRef, ...] = ()
 
@@ -484,7 +486,10 @@ class EndEpoch(Request):
     """From the data source to the stage servers of an epoch's `layout`: the epoch is committed (every row came back
     at stage 0, so every FS may close it once its own rows are back, and it is never abandoned after), or
     `abandoned` (a server of the layout restarted or was lost first: every server drops what it holds of it, its
-    workers drop their gradients of it, and its data is fed again as the next epoch)."""
+    workers drop their gradients of it, and its data is fed again as the next epoch), or `caught_up` (a server
+    restored from an older checkpoint than its stage mates': the stage stands past every epoch through this one in
+    their state, so the server closes them without a step, and its replica and workers catch up by loading a mate's
+    state)."""
 
     method: ClassVar[str] = "rpc_end_epoch"
     reply: ClassVar[type[Message]] = Ack
@@ -493,6 +498,11 @@ class EndEpoch(Request):
     abandoned: bool
     layout: Layout
     batch: ClosedEpoch = -1  # committed: the global batch of data the epoch trained on
+    caught_up: bool = False
+
+    def check(self, path: str) -> None:
+        if self.abandoned and self.caught_up:
+            raise MessageError(f"{path}: an epoch is either abandoned or caught up, not both")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -396,6 +396,8 @@ class StageServer(Service, Generic[S]):
             raise Refused(f"this server is no {self.role.upper()} of stage {self.stage} in epoch {epoch}'s layout")
         if {mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch} - {layout}:
             raise Refused(f"epoch {epoch} came here with another layout")
+        if request.caught_up:
+            return self.catch_up(epoch)
         if not request.abandoned:
             return self.commit(epoch, batch=request.batch)
         if self.ended(epoch):
@@ -414,6 +416,23 @@ class StageServer(Service, Generic[S]):
         state.abandoned[epoch] = layout.stages[self.stage].fs
         logger.warning(f"{self.name}: epoch {epoch} abandoned by the data source; what was held of it is dropped")
         self.close_ready()  # at once, unless an earlier epoch is still closing here
+        self.task_added.set()  # long polls waiting on the epoch answer now
+        return Ack()
+
+    def catch_up(self, epoch: int) -> Ack:
+        """Its stage mates' state stands past `epoch` (restored from a newer checkpoint than this server's): every
+        epoch through it closes here without a closure, so the workers polling here, this server's replica among
+        them, find the stage further on and load a mate's state, as a late joiner does (`protocol.closure`)."""
+        state = self.state
+        if state.closed_epoch >= epoch:
+            return Ack(again=True)
+        if any(key[0] <= epoch for key in state.microbatches):
+            raise Refused(f"epoch {epoch} cannot be skipped here: rows of it or of an epoch before are held")
+        logger.warning(f"{self.name}: the stage's other servers stand past epoch {epoch} (a newer checkpoint than "
+                       f"this server's, through epoch {state.closed_epoch}); closing the epochs between without a "
+                       "step, the stage's state comes from them")
+        state.closed_epoch = epoch
+        self.close_ready()
         self.task_added.set()  # long polls waiting on the epoch answer now
         return Ack()
 
@@ -436,10 +455,12 @@ class StageServer(Service, Generic[S]):
     async def ask_epoch(self, request: AskEpoch, sender: str) -> EpochState:
         state = self.state
         stats = state.epochs.get(state.closed_epoch)
+        replica = state.workers.get(self.peer_id)
         return EpochState(complete=state.closed_epoch >= request.epoch or self.has_all_rows(request.epoch),
                           closed_epoch=state.closed_epoch, abandoned=bool(stats and stats.abandoned),
                           held_epoch=max((key[0] for key in state.microbatches), default=state.closed_epoch),
-                          batch=self.committed_batch(), dropped=self.dropped_microbatches())
+                          batch=self.committed_batch(), dropped=self.dropped_microbatches(),
+                          state_epoch=replica.epoch if replica is not None and replica.holds_state else -1)
 
     def has_all_rows(self, epoch: int) -> bool:
         """Whether every row of this server's segment of an open epoch is back."""

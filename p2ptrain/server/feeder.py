@@ -218,9 +218,10 @@ class DataFeeder:
         """The epoch and batch to feed first. A data source that restarted finds the swarm further on: it asks
         every server where it stands, ends the last epoch an FS closed again as it ended (the old data source may have
         died telling the others), abandons every epoch after it (their rows died with it), and goes on with the batch
-        after the last committed one. A server that stands further back (restored from an older checkpoint than the
-        others: servers save when their own stage steps) has the epochs between abandoned: its stage trains on from
-        its checkpoint's parameters."""
+        after the last committed one. Servers save when their own stage steps, so they may restore checkpoints of
+        different epochs: within a stage, one that stands further back than a stage mate catches up to it (`catch_up`:
+        it takes its mate's newer state, which holders of one stage must share); a whole stage that stands further
+        back than the swarm has the epochs between abandoned: it trains on from its newest checkpoint's parameters."""
         servers = layout.servers()
 
         async def ask(peer: str, role: ServerRole) -> EpochState | None:
@@ -232,25 +233,41 @@ class DataFeeder:
                 return None
 
         answers = dict(zip(servers, await asyncio.gather(*(ask(*server) for server in servers))))
-        fs = [answer for (_, role), answer in answers.items() if role == "fs" and answer is not None]
         top = max((answer.held_epoch for answer in answers.values() if answer is not None), default=-1)
         if top < 0:
             return 0, 0  # a new swarm
-        closed = max((answer.closed_epoch for answer in fs), default=-1)
-        batch = max((answer.batch for answer in fs), default=-1)
+        stands = {peer: answer.closed_epoch for (peer, _), answer in answers.items() if answer is not None}
+        for stage in layout.stages:
+            mates = [(peer, role) for role in ("fs", "bs") for peer in stage.of(role) if peer in stands]
+            # the last epoch the stage's newest state stepped on (a server closes an epoch before its replica steps)
+            newest = max((answers[peer, role].state_epoch - 1 for peer, role in mates), default=-1)
+            behind = [(peer, role) for peer, role in mates if stands[peer] < newest]
+            await asyncio.gather(*(self._catch_up(peer, role, newest, layout, stop) for peer, role in behind))
+            stands.update((peer, newest) for peer, _ in behind)
+        fs = {peer: answer for (peer, role), answer in answers.items() if role == "fs" and answer is not None}
+        closed = max((stands[peer] for peer in fs), default=-1)
+        batch = max((answer.batch for answer in fs.values()), default=-1)
         logger.warning(f"data source: the swarm is at epoch {top} (closed through {closed}, batch {batch}); "
                        f"resuming at epoch {top + 1}, batch {batch + 1}")
         if closed >= 0:
-            abandoned = any(answer.abandoned for answer in fs if answer.closed_epoch == closed)
+            abandoned = any(answer.abandoned for answer in fs.values() if answer.closed_epoch == closed)
             await self._end(closed, layout, abandoned=abandoned, batch=batch, stop=stop)
         for epoch in range(closed + 1, top + 1):
             await self._end(epoch, layout, abandoned=True, stop=stop)
-        behind = min((answer.closed_epoch for answer in answers.values() if answer is not None), default=closed)
-        for epoch in range(behind + 1, closed + 1):
+        for epoch in range(min(stands.values(), default=closed) + 1, closed + 1):
             await self._end(epoch, layout, abandoned=True, stop=stop,
-                            only={peer for (peer, _), answer in answers.items()
-                                  if answer is not None and answer.closed_epoch < epoch})
+                            only={peer for peer, stood in stands.items() if stood < epoch})
         return top + 1, batch + 1
+
+    async def _catch_up(self, peer: str, role: ServerRole, epoch: int, layout: Layout, stop: asyncio.Event) -> None:
+        """Tell a server that its stage mates' state stands past `epoch` (`EndEpoch.caught_up`)."""
+        request = EndEpoch(epoch=epoch, abandoned=False, caught_up=True, layout=layout)
+        try:
+            await self.server.retrying(peer, SERVICE[role], request, attempts=None,
+                                       what=f"catching up through epoch {epoch}",
+                                       moot=lambda: peer in self.watch.lost or stop.is_set())
+        except Exception as e:
+            logger.warning(f"data source: could not have {peer} catch up through epoch {epoch}: {e!r}")
 
     async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1,
                    only: set[str] | None = None) -> None:
