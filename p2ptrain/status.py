@@ -187,7 +187,11 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
     rates: dict[int, float] = {}
     evals: dict[int, float] = {}
     closed_at: dict[int, set[int]] = defaultdict(set)
+    # abandoned by the data source: some server dropped the epoch, and no stage stepped on it. A stage whose servers
+    # stand further back than the swarm's, or whose FS restarted empty after the epoch was committed, drops epochs
+    # that other stages stepped on; those count as trained, without that stage's rows
     abandoned: set[int] = set()
+    stepped: set[int] = set()
     loss, speed, seconds, retrained = {}, {}, {}, {}
     for record in metrics:
         servers = record.per_epoch if record.role in ("fs", "bs") else []
@@ -207,6 +211,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                 loss[entry.epoch] = entry.loss
             if entry.abandoned:
                 abandoned.add(entry.epoch)
+            elif record.role == "fs":
+                stepped.add(entry.epoch)
         for entry in workers:  # a worker whose round failed stepped on its own gradients
             key = (entry.epoch, record.stage)
             averaged[key] -= entry.rows_in_batch - entry.rows_averaged
@@ -224,6 +230,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                 evals[entry.epoch] = entry.eval_loss
             retrained[entry.epoch] = entry.microbatches_retrained
             speed[entry.epoch] = entry.tokens / entry.seconds if entry.seconds else None
+    abandoned -= stepped
     all_epochs = sorted({key[0] for key in rows_in} | set(loss) | set(speed))
     return [
         {

@@ -55,3 +55,15 @@ def test_a_history_keeps_the_epochs_of_peers_whose_records_are_gone():
     merged = history.merge([record(range(3, 6), role="fs", lists=1)])
     assert {m.peer_id: [e.epoch for e in m.per_epoch] for m in merged} == {"gone": [0, 1, 2],
                                                                          PEER: [0, 1, 2, 3, 4, 5]}
+
+
+def test_an_epoch_counts_as_abandoned_only_if_no_stage_stepped_on_it():
+    # epoch 1: abandoned everywhere (its batch came again); epoch 2: stage 1 stepped on it, and stage 0's FS, which
+    # restarted empty after the data source had committed it, dropped it (its rows died with the old FS)
+    fs0 = Metrics(peer_id="fs0", stage=0, role="fs", epoch=2, updated=1.0,
+                  per_epoch=[entry(0), entry(1, abandoned=True), entry(2, abandoned=True)])
+    fs1 = Metrics(peer_id="fs1", stage=1, role="fs", epoch=2, updated=1.0,
+                  per_epoch=[entry(0), entry(1, abandoned=True), entry(2)])
+    epochs = _epochs([fs0, fs1], 2)
+    assert [(e["epoch"], e["abandoned"], e["closed"]) for e in epochs] == [(0, False, True), (1, True, False),
+                                                                         (2, False, True)]
