@@ -232,14 +232,16 @@ def test_a_swarm_averaging_in_int8_keeps_stage_mates_equal_and_learns(make_swarm
     losses = [e["loss"] for e in epochs_closed]
     assert losses[-1] < losses[0] - 0.3, losses
     # per stage and epoch: each of its 3 members (2 clients, the FS's replica) sends 2/3 of its values and gets as
-    # many averages back, and each client deposits its values once, every value at int8's bytes
+    # many averages back, and each client that holds rows of the epoch deposits its values once (one may hold none:
+    # the other took every task, as at the start while one is still joining), every value at int8's bytes
     config = RunConfig(model="llama-tiny", num_stages=2)
     for epoch in epochs_closed[:-1]:  # the last epoch's records may not carry their last bytes yet
         for stage in epoch["stages"]:
             start, end = config.stage_layers(stage["stage"])
             model = build_stage(config.model_config, start=start, end=end, seed=0)
             numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            expected = (3 * all_reduce_bytes(numel, members=3, itemsize=WIRE_BYTES["int8"])
-                        + 2 * numel * WIRE_BYTES["int8"])
-            assert expected <= stage["averaging_bytes"] <= 1.03 * expected, (epoch["epoch"], stage, expected)
+            expected = [3 * all_reduce_bytes(numel, members=3, itemsize=WIRE_BYTES["int8"])
+                        + depositors * numel * WIRE_BYTES["int8"] for depositors in (1, 2)]
+            assert any(bound <= stage["averaging_bytes"] <= 1.03 * bound for bound in expected), \
+                (epoch["epoch"], stage, expected)
     assert swarm.failed() == []
