@@ -237,13 +237,15 @@ class DataFeeder:
         if top < 0:
             return 0, 0  # a new swarm
         stands = {peer: answer.closed_epoch for (peer, _), answer in answers.items() if answer is not None}
+        state_epochs = {peer: answer.state_epoch for (peer, _), answer in answers.items() if answer is not None}
         for stage in layout.stages:
-            mates = [(peer, role) for role in ("fs", "bs") for peer in stage.of(role) if peer in stands]
+            mates = [peer for peer in (*stage.fs, *stage.bs) if peer in stands]
             # the last epoch the stage's newest state stepped on (a server closes an epoch before its replica steps)
-            newest = max((answers[peer, role].state_epoch - 1 for peer, role in mates), default=-1)
-            behind = [(peer, role) for peer, role in mates if stands[peer] < newest]
-            await asyncio.gather(*(self._catch_up(peer, role, newest, layout, stop) for peer, role in behind))
-            stands.update((peer, newest) for peer, _ in behind)
+            newest = max((state_epochs[peer] - 1 for peer in mates), default=-1)
+            behind = {peer for peer in mates if stands[peer] < newest}
+            if behind:
+                await self._end(newest, layout, abandoned=False, caught_up=True, stop=stop, only=behind)
+                stands.update(dict.fromkeys(behind, newest))
         fs = {peer: answer for (peer, role), answer in answers.items() if role == "fs" and answer is not None}
         closed = max((stands[peer] for peer in fs), default=-1)
         batch = max((answer.batch for answer in fs.values()), default=-1)
@@ -259,23 +261,14 @@ class DataFeeder:
                             only={peer for peer, stood in stands.items() if stood < epoch})
         return top + 1, batch + 1
 
-    async def _catch_up(self, peer: str, role: ServerRole, epoch: int, layout: Layout, stop: asyncio.Event) -> None:
-        """Tell a server that its stage mates' state stands past `epoch` (`EndEpoch.caught_up`)."""
-        request = EndEpoch(epoch=epoch, abandoned=False, caught_up=True, layout=layout)
-        try:
-            await self.server.retrying(peer, SERVICE[role], request, attempts=None,
-                                       what=f"catching up through epoch {epoch}",
-                                       moot=lambda: peer in self.watch.lost or stop.is_set())
-        except Exception as e:
-            logger.warning(f"data source: could not have {peer} catch up through epoch {epoch}: {e!r}")
-
     async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1,
-                   only: set[str] | None = None) -> None:
+                   only: set[str] | None = None, caught_up: bool = False) -> None:
         """Tell the servers of the epoch's layout (those in `only`, if given) that it is committed (every FS; `batch`:
-        its global batch of data) or abandoned (every server); a server lost for good is skipped."""
-        request = EndEpoch(epoch=epoch, abandoned=abandoned, layout=layout, batch=batch)
-        verb = "abandon" if abandoned else "commit"
-        targets = [(peer, role) for peer, role in (layout.servers() if abandoned else layout.servers("fs"))
+        its global batch of data), abandoned (every server), or that their stage mates' state stands past it
+        (`caught_up`: every server); a server lost for good is skipped."""
+        request = EndEpoch(epoch=epoch, abandoned=abandoned, caught_up=caught_up, layout=layout, batch=batch)
+        verb = "abandon" if abandoned else "catch up through" if caught_up else "commit"
+        targets = [(peer, role) for peer, role in (layout.servers() if abandoned or caught_up else layout.servers("fs"))
                    if only is None or peer in only]
 
         async def end(peer: str, role: ServerRole) -> None:
