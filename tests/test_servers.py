@@ -496,6 +496,45 @@ def end(epoch: int, *, abandoned: bool) -> EndEpoch:
     return EndEpoch(epoch=epoch, abandoned=abandoned, layout=LAYOUT)
 
 
+def test_a_replica_announced_before_its_first_poll_is_in_the_first_group_and_one_that_never_polls_is_waited_for_once():
+    """The data source may feed epoch 0 before a BS's replica has found its FS in the DHT: the FS, told which servers
+    of its stage announced that they hold the state, waits for such a replica's first poll, as for its own, for
+    `worker_lost_s` at most; one that stayed silent is not waited for again while its record stays in the DHT."""
+    async def scenario() -> None:
+        clock = Clock()
+        fs, _ = servers(clock=clock)
+        fs.expect_replicas({"bs"})
+        clock.now += 1.0
+
+        async def run_epoch(epoch: int) -> None:
+            await feed(fs, epoch)
+            task = await take(fs, "w1", epoch)
+            assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+            clock.now += 0.5
+            await deposited(fs, "w1", epoch)
+
+        await run_epoch(0)
+        assert fs.state.closed_epoch == -1  # every row deposited, but the replica has not polled yet
+        replica = TakeTask(worker="bs", compute=1.0, epoch=0, holds_state=True)
+        await fs.take_task(replica, "bs")
+        assert fs.state.closed_epoch == 0 and members(fs.state.closures[0]) == ["bs", "w1"]
+        fs.expect_replicas({"bs", "bs2"})  # bs2 announced itself, then died before its first poll
+        clock.now += 1.0
+        await run_epoch(1)
+        await fs.take_task(dataclasses.replace(replica, epoch=1), "bs")
+        assert fs.state.closed_epoch == 0
+        clock.now += fs.settings.worker_lost_s
+        await fs.take_task(dataclasses.replace(replica, epoch=1), "bs")
+        await deposited(fs, "w1", 1)
+        assert fs.state.closed_epoch == 1 and members(fs.state.closures[1]) == ["bs", "w1"]
+        fs.expect_replicas({"bs", "bs2"})  # its record lingers in the DHT
+        await run_epoch(2)
+        await fs.take_task(dataclasses.replace(replica, epoch=2), "bs")
+        assert fs.state.closed_epoch == 2 and members(fs.state.closures[2]) == ["bs", "w1"]
+
+    asyncio.run(scenario())
+
+
 def test_an_fs_closes_an_epoch_only_once_the_data_source_committed_it():
     async def scenario() -> None:
         fs, _ = servers()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import hivemind
 
@@ -29,22 +29,31 @@ class MembershipCache:
         self.dht, self.run_id, self.num_stages, self.owner = dht, run_id, num_stages, owner
         self.period_s, self.retry_s = period_s, retry_s
         self.stages: list[StageServers] = [StageServers(fs=(), bs=()) for _ in range(num_stages)]
+        self.holders: list[frozenset[str]] = [frozenset() for _ in range(num_stages)]  # servers that hold the state
+        self._holder_listeners: list[tuple[int, Callable[[frozenset[str]], None]]] = []
         self.unauthorized: list[set[str]] = [set() for _ in range(num_stages)]  # servers the owner did not authorize
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                self.stages = await asyncio.to_thread(self.read)
+                self.stages, self.holders = await asyncio.to_thread(self.read)
             except Exception as e:
                 logger.warning(f"could not read stage membership: {e!r}")
+            for stage, listener in self._holder_listeners:
+                listener(self.holders[stage])
             period = self.period_s if self.layout() is not None else min(self.period_s, self.retry_s)
             try:
                 await asyncio.wait_for(stop.wait(), period)
             except asyncio.TimeoutError:
                 pass
 
-    def read(self) -> list[StageServers]:
-        stages = []
+    def on_holders(self, stage: int, listener: Callable[[frozenset[str]], None]) -> None:
+        """Call `listener` with the servers of `stage` that hold its state, after every read."""
+        self._holder_listeners.append((stage, listener))
+
+    def read(self) -> tuple[list[StageServers], list[frozenset[str]]]:
+        """Each stage's FS and BS, and the ones among them that hold the stage's state."""
+        stages, holders = [], []
         for stage in range(self.num_stages):
             members, unauthorized = get_authorized_members(self.dht, self.run_id, stage, owner=self.owner)
             for peer in set(unauthorized) - self.unauthorized[stage]:
@@ -57,7 +66,8 @@ class MembershipCache:
                                 key=lambda peer: (peer not in named, peer))),
                 bs=tuple(sorted(m.peer_id for m in members if m.role == "bs")),
             ))
-        return stages
+            holders.append(frozenset(m.peer_id for m in members if m.role != "worker" and m.holds_state))
+        return stages, holders
 
     def all_servers(self) -> set[str]:
         return {peer for peer, _ in Layout(tuple(self.stages)).servers()}

@@ -240,6 +240,8 @@ class Peer:
             self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller,
                                authority=membership if options.owner is not None else None)
             await self.server.add_p2p_handlers(self._p2p)
+            if isinstance(self.server, FrontalServer):  # it forms the averaging groups, which its stage's replicas are in
+                membership.on_holders(stage, self.server.expect_replicas)
         if options.holds_state(role):  # an FS (and a BS told to) holds the stage's state even if it computes nothing
             self.worker = await self._make_worker(caller, membership)  # a bad checkpoint stops it here, unannounced
             if self.server is not None and not options.does_compute:

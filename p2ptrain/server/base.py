@@ -157,10 +157,10 @@ class StageServer(Service, Generic[S]):
         return "training"
 
     def expect_replica(self, peer_id: str) -> None:
-        """This server's own replica of the stage's state (a worker that holds it and takes no tasks) is counted from
-        the start: an epoch that completes before the replica's first poll (it finds its own server in the DHT only
-        once announced) waits for that poll, unless it stays silent for `worker_lost_s`, instead of closing without
-        it and leaving the replica to catch up by download."""
+        """A replica of the stage's state (a worker that holds it and takes no tasks: this server's own, or another
+        server's that announced itself) is counted from the start: an epoch that completes before the replica's first
+        poll (it finds this server in the DHT only once announced) waits for that poll, unless it stays silent for
+        `worker_lost_s`, instead of closing without it and leaving the replica to catch up by download."""
         record = self._worker(peer_id, self.state.closed_epoch + 1)
         record.last_seen, record.holds_state = self.clock(), True
 

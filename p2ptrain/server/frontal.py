@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from functools import cached_property
 
 import torch
@@ -292,6 +293,14 @@ class FrontalServer(StageServer[FrontalState]):
             # the worker whose result completed the epoch was seen then; every other must poll again
             self.epoch_stats(epoch).completed = at
         self.close_ready()
+
+    def expect_replicas(self, peer_ids: Iterable[str]) -> None:
+        """`expect_replica` for each server of the stage that announced it holds the state and has not polled here
+        yet, so that a BS's replica is in the averaging group from the first epoch (the data source may feed it
+        before the replica found this FS). One that went silent is not waited for again while its record stays."""
+        for peer_id in peer_ids:
+            if peer_id not in self.state.workers:
+                self.expect_replica(peer_id)
 
     def close_ready(self) -> None:
         """Close every epoch whose rows are all back and which the data source committed (`EndEpoch`: so no
