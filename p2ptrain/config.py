@@ -64,6 +64,11 @@ class RunConfig:
     clip_norm: float = 0.0  # clip the gradient by its global norm across all stages to this (0: no clipping)
     dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
     averaging_codec: str = "fp32"  # how the stage's all-reduce and its deposits send gradients: one of AVERAGING_CODECS
+    # DiLoCo: each worker steps on its own gradients, and the stage averages once every `average_every` epochs, the
+    # difference its parameters moved since the last round, on which an outer SGD with Nesterov momentum steps
+    average_every: int = 1  # 1: average the gradients at every epoch
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     compression: str = "none"  # codec of activations and gradients: one of CODECS
     data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
     tokenizer: str | None = None  # a local Hugging Face tokenizer.json; None: byte-level tokens (`data.ByteTokenizer`)
@@ -103,6 +108,17 @@ class RunConfig:
         if self.averaging_codec not in AVERAGING_CODECS:
             raise ConfigError("averaging_codec", self.averaging_codec,
                               f"unknown codec; choose one of {', '.join(AVERAGING_CODECS)}")
+        if self.average_every < 1:
+            raise ConfigError("average_every", self.average_every, "must be at least 1 (1: average at every epoch)")
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ConfigError("outer_lr", self.outer_lr, "must be a positive number")
+        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ConfigError("outer_momentum", self.outer_momentum, "must be in [0, 1)")
+        if self.average_every > 1 and self.clip_norm:
+            # a worker's own gradients between rounds have no global norm that all stages share
+            raise ConfigError("clip_norm", self.clip_norm, "cannot clip with average_every > 1; set it to 0")
+        if self.average_every > 1 and self.dpu:
+            raise ConfigError("dpu", self.dpu, "delayed updates are for average_every = 1; turn one of them off")
         if self.fault_policy not in FAULT_POLICIES:
             raise ConfigError("fault_policy", self.fault_policy,
                               f"unknown policy; choose one of {', '.join(FAULT_POLICIES)}")
@@ -135,6 +151,10 @@ class RunConfig:
     def averaging_wire(self) -> str:
         """The wire codec (of CODECS) that `averaging_codec` sends with."""
         return AVERAGING_CODECS[self.averaging_codec]
+
+    def averages_at(self, epoch: int) -> bool:
+        """Whether the stage averages when `epoch` closes: every epoch, or the last of every `average_every`."""
+        return (epoch + 1) % self.average_every == 0
 
     @property
     def rows_per_epoch(self) -> int:

@@ -58,6 +58,11 @@ def test_the_norm_book_answers_once_every_stage_reported_and_the_first_report_co
     ({"warmup_epochs": 5, "decay_epochs": 5}, "decay_epochs", "past the warm-up"),
     ({"clip_norm": -1.0}, "clip_norm", "0 or more"),
     ({"warmup_epochs": -1}, "warmup_epochs", "0 or more"),
+    ({"average_every": 0}, "average_every", "at least 1"),
+    ({"outer_lr": 0.0}, "outer_lr", "positive"),
+    ({"outer_momentum": 1.0}, "outer_momentum", r"\[0, 1\)"),
+    ({"average_every": 4, "clip_norm": 1.0}, "clip_norm", "cannot clip with average_every > 1"),
+    ({"average_every": 4, "dpu": True}, "dpu", "for average_every = 1"),
 ])
 def test_the_recipe_refuses_optimization_settings_that_cannot_work(fields, field, problem):
     with pytest.raises(ConfigError, match=problem) as error:

@@ -3,19 +3,22 @@ step and stays so, and an encoded state loads into another holder bit for bit.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
+import pytest
 import torch
 
 from p2ptrain.config import RunConfig
 from p2ptrain.models import build_stage
+from p2ptrain.state.codec import StateMismatch
 from p2ptrain.state.params import StageParams
 
 CONFIG = RunConfig(model="llama-tiny", num_stages=2, rows_per_microbatch=2, microbatches=2, seq_len=16, lr=1e-2)
 
 
-def holder() -> StageParams:
-    start, end = CONFIG.stage_layers(0)
-    return StageParams(model=build_stage(CONFIG.model_config, start=start, end=end, seed=CONFIG.seed), config=CONFIG)
+def holder(config: RunConfig = CONFIG) -> StageParams:
+    start, end = config.stage_layers(0)
+    return StageParams(model=build_stage(config.model_config, start=start, end=end, seed=config.seed), config=config)
 
 
 def grads(params: StageParams, seed: int) -> list[torch.Tensor]:
@@ -71,3 +74,62 @@ def test_reached_waits_for_a_step_in_flight_and_no_longer_than_told():
         assert await params.reached(0, timeout=0.0)
 
     asyncio.run(main())
+
+
+DILOCO = dataclasses.replace(CONFIG, average_every=4, outer_lr=0.7, outer_momentum=0.9)
+
+
+def test_an_outer_step_moves_every_holders_anchor_alike_as_torchs_nesterov_sgd_and_puts_the_parameters_there():
+    """DiLoCo (`--average-every` > 1): holders step apart on their own gradients; the outer step on their averaged
+    pseudo-gradients is SGD's with Nesterov momentum, leaves every holder at the same anchor, and the digest (of the
+    anchor) agrees between rounds even while the parameters differ."""
+    a, b = holder(DILOCO), holder(DILOCO)
+    reference = [p.detach().clone().requires_grad_(True) for p in a.trainable]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    for round_ in range(2):
+        for epoch in range(4 * round_, 4 * round_ + 4):
+            a.step(grads(a, epoch), epoch=epoch)
+            b.step(grads(b, 100 + epoch), epoch=epoch)
+        assert a.digest() == b.digest()  # of the anchor: the parameters moved apart
+        assert any(not torch.equal(x, y) for x, y in zip(a.trainable, b.trainable))
+        averaged = [(x + 3 * y) / 4 for x, y in zip(a.pseudo_gradient(), b.pseudo_gradient())]  # 1 : 3 rows
+        for param, grad in zip(reference, averaged):
+            param.grad = grad.clone()
+        sgd.step()
+        before = a.digest()
+        a.outer_step([g.clone() for g in averaged])
+        b.outer_step([g.clone() for g in averaged])
+        assert a.digest() == b.digest() != before
+        for x, y, expected, anchor in zip(a.trainable, b.trainable, reference, a.outer.anchor):
+            assert torch.equal(x, y) and torch.equal(x, anchor)
+            assert torch.allclose(x, expected.detach(), rtol=0, atol=1e-6)
+
+
+def test_an_encoded_state_carries_the_anchor_and_momentum_and_a_joiner_starts_its_interval_at_the_anchor():
+    async def main() -> None:
+        a, b = holder(DILOCO), holder(DILOCO)
+        for epoch in range(4):
+            a.step(grads(a, epoch), epoch=epoch)
+        a.outer_step(a.pseudo_gradient())
+        a.step(grads(a, 4), epoch=4)  # between rounds: its parameters stand apart from its anchor
+        epoch, blob = await a.encoded()
+        model_state, optimizer_state = b.decode(blob)
+        b.load(model_state=model_state, optimizer_state=optimizer_state, epoch=epoch)
+        assert b.epoch == 5 and b.digest() == a.digest()
+        for mine, theirs in zip([*b.outer.anchor, *b.outer.momentum], [*a.outer.anchor, *a.outer.momentum]):
+            assert torch.equal(mine, theirs)
+        assert all(torch.equal(param, anchor) for param, anchor in zip(b.trainable, b.outer.anchor))
+        assert not any(pg.any() for pg in b.pseudo_gradient())
+        with pytest.raises(StateMismatch, match="outer.anchor_0"):  # a holder of a run that averages every epoch
+            holder().decode(blob)
+
+    asyncio.run(main())
+
+
+def test_a_holder_with_no_rows_holds_its_epoch_without_a_step():
+    a = holder(DILOCO)
+    before = [p.detach().clone() for p in a.trainable]
+    a.hold(0)
+    assert a.epoch == 1 and all(torch.equal(x, y) for x, y in zip(before, a.trainable)) and not a.optimizer.state
+    a.hold(0)  # once only
+    assert a.epoch == 1

@@ -8,6 +8,13 @@ exactly as the workers do. What goes in and out of a `StageParams` goes through 
 averaged gradients, a snapshot taken in one piece, the state encoded for a stage mate or a checkpoint
 (`state.codec`), a downloaded or saved state checked and loaded, and the digest that shows the stage's copies agree.
 
+With `--average-every H` > 1 (DiLoCo) the holder also keeps the outer optimizer's state (`OuterState`): the anchor,
+the stage's parameters as its last averaging round left them, alike on every holder, and the outer momentum. Between
+rounds each worker steps its own parameters on its own gradients (inner steps); at a round the stage averages how
+far each moved from the anchor (`pseudo_gradient`), and the outer step moves the anchor by that average with
+Nesterov momentum and puts every holder's parameters there (`outer_step`). The digest is then of the anchor, which
+the holders share between rounds too.
+
 The optimizer steps synchronously in the event loop, and a snapshot is taken there too, with no await in between:
 so a snapshot never holds half a step, and no lock is needed beside the loop itself.
 """
@@ -25,6 +32,27 @@ from p2ptrain.protocol.optimization import Digest, LRSchedule
 from p2ptrain.state.codec import OptimizerState, decode_state, encode_state
 
 
+class OuterState(torch.nn.Module):
+    """The anchor and the outer momentum of one stage (module doc), one pair of buffers per trainable parameter, in
+    their order. A child of the master module (`StageParams`), so that its state dict, and thus the state codec,
+    checkpoints and state downloads, carry them beside the parameters (`outer.anchor_<k>`, `outer.momentum_<k>`)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        super().__init__()
+        for k, param in enumerate(params):
+            self.register_buffer(f"anchor_{k}", param.detach().clone())
+            self.register_buffer(f"momentum_{k}", torch.zeros_like(param))
+        self.count = len(params)
+
+    @property
+    def anchor(self) -> list[torch.Tensor]:
+        return [getattr(self, f"anchor_{k}") for k in range(self.count)]
+
+    @property
+    def momentum(self) -> list[torch.Tensor]:
+        return [getattr(self, f"momentum_{k}") for k in range(self.count)]
+
+
 class StageParams:
     """The master copy of one stage, its optimizer and schedule, and the epoch they are current for.
 
@@ -39,6 +67,10 @@ class StageParams:
         self.schedule = LRSchedule(lr=config.lr, warmup_epochs=config.warmup_epochs,
                                    decay_epochs=config.decay_epochs, min_lr=config.min_lr)
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.outer_lr, self.outer_momentum = config.outer_lr, config.outer_momentum
+        self.outer: OuterState | None = None
+        if config.average_every > 1:
+            self.outer = self.module.outer = OuterState(self.trainable)
         self.epoch = 0
         self.loaded = False  # it holds a mate's or a checkpoint's state, not the seed's, even before its first step
         self._moved = asyncio.Event()  # set, and replaced, whenever `epoch` changes (`reached`)
@@ -61,6 +93,30 @@ class StageParams:
         self._set_epoch(epoch + 1)
         return lr
 
+    def pseudo_gradient(self) -> list[torch.Tensor]:
+        """How far the parameters moved from the anchor since the last round, anchor − parameters: what the stage
+        averages at a round (DiLoCo's outer gradient)."""
+        with torch.no_grad():
+            return [anchor - param for anchor, param in zip(self.outer.anchor, self.trainable)]
+
+    def outer_step(self, averaged: list[torch.Tensor]) -> None:
+        """Move the anchor by the stage's averaged pseudo-gradient, with SGD's Nesterov momentum (as
+        `torch.optim.SGD(nesterov=True)`: momentum ← μ·momentum + g, anchor ← anchor − lr·(g + μ·momentum)), and
+        put the parameters there; the inner optimizer's state stays the holder's."""
+        mu = self.outer_momentum
+        with torch.no_grad():
+            for anchor, momentum, grad, param in zip(self.outer.anchor, self.outer.momentum, averaged,
+                                                     self.trainable):
+                momentum.mul_(mu).add_(grad)
+                anchor.sub_(grad.add(momentum, alpha=mu), alpha=self.outer_lr)
+                param.copy_(anchor)
+
+    def hold(self, epoch: int) -> None:
+        """`epoch` closed with no step here: a holder with no rows of its own between rounds (a server's replica)
+        takes no inner step, and its state is current for the next epoch."""
+        if self.epoch == epoch:
+            self._set_epoch(epoch + 1)
+
     def skip(self, epoch: int) -> None:
         """`epoch` was abandoned: no step on it, so a state current for it is current for the next one too (a stage
         restored from an older checkpoint than the swarm's, whose epochs in between are abandoned, serves its
@@ -72,6 +128,10 @@ class StageParams:
         """Take a state current for `epoch`, already checked against this stage (`decode`)."""
         self.module.load_state_dict(model_state)
         self.optimizer.load_state_dict(optimizer_state)
+        if self.outer is not None:  # a holder that joins between rounds starts from the anchor: its own rows alone
+            with torch.no_grad():  # then make its pseudo-gradient, not a mate's too
+                for param, anchor in zip(self.trainable, self.outer.anchor):
+                    param.copy_(anchor)
         self.loaded = True
         self._set_epoch(epoch)
 
@@ -96,7 +156,8 @@ class StageParams:
         return epoch, await asyncio.to_thread(encode_state, model_state, optimizer_state)
 
     def digest(self) -> Digest:
-        return parameter_digest(self.trainable)
+        """Of the parameters; with an outer optimizer, of the anchor, which the holders share between rounds."""
+        return parameter_digest(self.outer.anchor if self.outer is not None else self.trainable)
 
     def copy_to(self, model: torch.nn.Module) -> None:
         """Give `model` (the one its holder computes with) the master's parameters."""
