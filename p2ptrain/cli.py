@@ -43,6 +43,7 @@ count = _checked(int, lambda value: value >= 1, "must be at least 1")
 index = _checked(int, lambda value: value >= 0, "must be 0 or more")
 positive = _checked(float, lambda value: value > 0, "must be positive")
 non_negative = _checked(float, lambda value: value >= 0, "must be 0 or more")
+fraction = _checked(float, lambda value: 0 <= value < 1, "must be in [0, 1)")
 
 
 def run_id(text: str) -> str:
@@ -76,11 +77,12 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
                 "clip_norm": "--clip-norm", "dpu": "--dpu", "averaging_codec": "--averaging-codec",
+                "average_every": "--average-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
                 "compression": "--compression", "data": "--data",
                 "tokenizer": "--tokenizer",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
-                       "averaging_codec")
+                       "averaging_codec", "average_every", "outer_lr", "outer_momentum")
 SWITCH = {"on": True, "off": False}
 
 
@@ -113,6 +115,14 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
     group.add_argument("--averaging-codec", choices=tuple(AVERAGING_CODECS), default=defaults.averaging_codec,
                        help="how each stage's all-reduce sends its gradients: fp32 (exact), fp16, or int8 (blockwise, "
                             "bitsandbytes; about a quarter of fp32's bytes); every member ends with the same average")
+    group.add_argument("--average-every", type=count, default=defaults.average_every, metavar="H",
+                       help="average each stage once every H epochs (DiLoCo): each worker steps on its own gradients "
+                            "meanwhile, and the round averages how far they moved, for an outer SGD step with Nesterov "
+                            "momentum (1: average the gradients at every epoch)")
+    group.add_argument("--outer-lr", type=positive, default=defaults.outer_lr,
+                       help="the outer step's learning rate (with --average-every > 1)")
+    group.add_argument("--outer-momentum", type=fraction, default=defaults.outer_momentum,
+                       help="the outer step's Nesterov momentum, in [0, 1) (with --average-every > 1)")
 
 
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:

@@ -39,6 +39,10 @@ JSON fields (stable; later tools and outside checks read them):
                              rows the FS handed to the epoch's averaging group, less those of any worker that
                              reports its round failed (a worker's own record may be gone, a server's stays) and
                              those of groupmates that died in the round (its survivors averaged without them);
+                             with --average-every H > 1 a worker steps on its own rows between rounds, and the
+                             stage averages how far each moved after epochs H-1, 2H-1, ...: a row counts at its
+                             own epoch, and a worker that dies between rounds takes its part of the interval with
+                             it (not counted here);
                            tasks_redone: tasks handed out again (refused results, timed-out or vanished workers,
                              rows redone);
                            rows_recomputed: rows whose forward and backward were done again because the worker
@@ -50,7 +54,9 @@ JSON fields (stable; later tools and outside checks read them):
                            rounds_failed: workers whose all-reduce round of the epoch failed or averaged nothing;
                            steps_unclipped: workers (and server replicas) that stepped unclipped: with --clip-norm,
                              the global norm of the epoch did not come within the averaging timeout;
-                           digests: workers that published a digest of the parameters they stepped to;
+                           digests: workers that published a digest of the parameters they stepped to (with
+                             --average-every H > 1: of the anchor, the parameters of the last round, which the
+                             stage's holders share between rounds);
                            digests_agree: whether those digests are of the same parameters up to the rounding an
                              all-reduce leaves (`protocol.optimization.digests_agree`; null: no digest);
                            averaging_bytes: what the stage's workers and server replicas sent for the epoch's
@@ -239,7 +245,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             "eval_loss": evals.get(epoch),
             "closed": len(closed_at[epoch]) == num_stages and epoch in loss and epoch not in abandoned,
             "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
-                        "rows_averaged": averaged[(epoch, stage)] - died[(epoch, stage)],
+                        # a round's rows lost are of its interval with --average-every: never below 0
+                        "rows_averaged": max(averaged[(epoch, stage)] - died[(epoch, stage)], 0),
                         "tasks_redone": redone[(epoch, stage)],
                         "rows_recomputed": recomputed[(epoch, stage)], "rows_dropped": dropped[(epoch, stage)],
                         "workers_lost": lost[(epoch, stage)],

@@ -245,3 +245,36 @@ def test_a_swarm_averaging_in_int8_keeps_stage_mates_equal_and_learns(make_swarm
             assert any(bound <= stage["averaging_bytes"] <= 1.03 * bound for bound in expected), \
                 (epoch["epoch"], stage, expected)
     assert swarm.failed() == []
+
+
+@pytest.mark.timeout(420)
+def test_a_swarm_averaging_every_4_epochs_sends_a_quarter_of_the_rounds_keeps_its_anchors_equal_and_learns(make_swarm):
+    """`--average-every 4` (DiLoCo): each worker steps on its own gradients and the stage averages only after epochs
+    3 and 7, one round of the parameters' moves with no deposits; no bytes are sent for averaging in between, every
+    holder's anchor (the digest) agrees at every epoch, every row reaches a step, and the loss falls."""
+    epochs = 8
+    swarm = make_swarm("diloco", ["--model", "llama-tiny", "--num-stages", "2", "--batch-rows", "8",
+                                  "--microbatches", "4", "--seq-len", "64", "--seed", "3", "--average-every", "4"])
+    swarm.start_two_stages({"c0a": "0", "c0b": "0", "c1a": "1", "c1b": "1"}, epochs=epochs)
+    report = swarm.wait_finished(timeout=300)
+    assert [e["epoch"] for e in report["epochs"]] == list(range(epochs))
+    assert all(not e["abandoned"] for e in report["epochs"])
+    for epoch in report["epochs"]:
+        for stage in epoch["stages"]:
+            assert stage["rows_in_batch"] == 8 * 4 == stage["rows_averaged"], epoch
+            assert stage["rounds_failed"] == 0 and stage["digests_agree"] is not False, epoch
+    assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
+    losses = [e["loss"] for e in report["epochs"]]
+    assert losses[-1] < losses[0] - 0.3, losses
+    config = RunConfig(model="llama-tiny", num_stages=2)
+    for epoch in report["epochs"][:-1]:  # the last epoch's records may not carry their last bytes yet
+        for stage in epoch["stages"]:
+            if epoch["epoch"] != 3:
+                assert stage["averaging_bytes"] == 0, (epoch["epoch"], stage)
+                continue
+            start, end = config.stage_layers(stage["stage"])
+            model = build_stage(config.model_config, start=start, end=end, seed=0)
+            numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            bound = 3 * all_reduce_bytes(numel, members=3, itemsize=WIRE_BYTES[AVERAGING_CODECS["fp32"]])  # 2 clients, FS
+            assert bound <= stage["averaging_bytes"] <= 1.03 * bound, (stage, bound)
+    assert swarm.failed() == []

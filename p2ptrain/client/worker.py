@@ -10,6 +10,9 @@ stages, at the learning rate of the epoch); the model takes the master's paramet
 delayed parameter updates (`RunConfig.dpu`, the paper's §3.2.1) the averaging and the step run in the background
 while the next epoch computes on the parameters from before them, and the model takes them at the end of that next
 epoch: one epoch of staleness, and no stall at the boundary. Without, the worker waits for them before it goes on.
+With `RunConfig.average_every` H > 1 (DiLoCo) a worker steps the master copy on its own gradients at every epoch, and
+the stage averages only at the last epoch of every H: how far each holder moved since the last round, weighted by
+the rows it computed meanwhile, on which the outer optimizer steps (`StageParams.outer_step`).
 """
 from __future__ import annotations
 
@@ -108,6 +111,7 @@ class Worker:
         self.download_state = download_state  # loads the stage's state from a mate before the first task
         self._stepping: int | None = None  # the epoch this worker is averaging and stepping, while it does
         self._deposited: tuple[int, int] = (-1, 0)  # the epoch and rows of the gradients it last deposited
+        self._interval_rows = 0  # with average_every > 1: the rows its own steps took since the stage's last round
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulated = [torch.zeros_like(p) for p in self.params]
         self.rows_accumulated = 0
@@ -167,6 +171,7 @@ class Worker:
         (`client.state_sync`, `state.checkpoint`); the caller settled any update in flight first (`settle`), which
         would step over them."""
         self.master.load(model_state=model_state, optimizer_state=optimizer_state, epoch=epoch)
+        self._interval_rows = 0  # with an outer optimizer, its parameters are the anchor now
         if self._update is None:  # not loaded by the update in flight, whose parameters the model takes at `settle`
             self.master.copy_to(self.model)
             if epoch > self.epoch:  # never backwards: the stage may have closed the epoch a lagging mate served
@@ -409,6 +414,9 @@ class Worker:
         seconds = time.monotonic() - self._epoch_started
         self._epoch_started = time.monotonic()
         self._advance(epoch + 1)
+        if self.master.outer is not None:
+            await self._local_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
+            return
         self._averaging_with = frozenset(member.peer_id for member in group)
         update = self._average_and_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
         if self.config.dpu:
@@ -417,6 +425,29 @@ class Worker:
             await update
             self.master.copy_to(self.model)
 
+    async def _local_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
+                          seconds: float) -> None:
+        """DiLoCo (module doc): step on this worker's own gradients of `epoch` (a holder with no rows takes no
+        step); at a round epoch, then average how far the master moved since the last round with the group and
+        take the outer step."""
+        if rows:
+            lr = self.master.step(grads, epoch=epoch)
+        else:
+            lr = self.master.schedule.at(epoch)
+            self.master.hold(epoch)
+        self._interval_rows += rows
+        if self.config.averages_at(epoch):
+            weight, self._interval_rows = self._interval_rows, 0
+            self._averaging_with = frozenset(member.peer_id for member in group)
+            await self._average_and_step(self.master.pseudo_gradient(), epoch=epoch, rows=rows, group=group,
+                                         seconds=seconds, weight=weight)
+        else:
+            self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=True,
+                                            seconds=seconds, digest=self.master.digest(), lr=lr))
+            if self.after_step is not None:
+                await self.after_step(self)
+        self.master.copy_to(self.model)
+
     def _mean_gradients(self) -> list[torch.Tensor]:
         """What this worker hands in for its epoch (to the round, and deposited before it): its mean gradient per
         token, which the round weights by its rows, so that the average is the batch mean."""
@@ -424,22 +455,26 @@ class Worker:
         return [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
 
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
-                                group: tuple[GroupMember, ...], seconds: float) -> None:
-        logger.info(f"worker {self.worker_id}: averaging epoch {epoch} ({rows} rows) in a group of {len(group)}")
+                                group: tuple[GroupMember, ...], seconds: float, weight: int | None = None) -> None:
+        """Average `grads` (weighing `weight` rows: by default the epoch's `rows`; the interval's with an outer
+        optimizer, whose step then follows) and step."""
+        weight = rows if weight is None else weight
+        logger.info(f"worker {self.worker_id}: averaging epoch {epoch} ({weight} rows) in a group of {len(group)}")
         self._stepping = epoch
         try:
-            await self._average_and_step_now(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
+            await self._average_and_step_now(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
+                                             weight=weight)
         finally:
             self._stepping = None
 
     async def _average_and_step_now(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
-                                    group: tuple[GroupMember, ...], seconds: float) -> None:
+                                    group: tuple[GroupMember, ...], seconds: float, weight: int) -> None:
         try:
             if self.fault == "slow-averaging":
                 await asyncio.sleep(SLOW_AVERAGING_S)
             if self.fault == "failed-averaging" and epoch == FAILED_AVERAGING_EPOCH:
                 raise RuntimeError(f"fault failed-averaging: the round of epoch {epoch} fails here on purpose")
-            averaged, result = await self.averager.average(grads, epoch=epoch, rows=rows, group=group)
+            averaged, result = await self.averager.average(grads, epoch=epoch, rows=weight, group=group)
         except Exception as e:  # whatever went wrong, no averaging failure ends the worker: a failed round
             averaged, result = grads, RoundResult(group_size=0, ok=False, reason=repr(e))
         finally:
@@ -474,10 +509,14 @@ class Worker:
             await self.after_step(self)
 
     def _apply(self, averaged: list[torch.Tensor], *, epoch: int, norm: float | None) -> None:
-        """Step the master copy on the stage's averaged gradients, clipped by the global norm."""
+        """Step the master copy on the stage's averaged gradients, clipped by the global norm; with an outer
+        optimizer, the outer step on the averaged pseudo-gradients (its inner step on `epoch` was taken already)."""
         scale = clip_coefficient(norm, self.config.clip_norm) if norm is not None else 1.0
         grads = [grad * scale for grad in averaged] if scale < 1.0 else averaged
-        self.master.step(grads, epoch=epoch)
+        if self.master.outer is not None:
+            self.master.outer_step(grads)
+        else:
+            self.master.step(grads, epoch=epoch)
         if self.dump_dir is not None:
             self._dump_step(epoch, grads)
 

@@ -148,6 +148,8 @@ class FrontalServer(StageServer[FrontalState]):
         and, being in every round, brings the deposits of groupmates that die in it (`client.averaging`)."""
         if epoch != self.state.closed_epoch + 1 or not self.has_all_rows(epoch) or self.ended(epoch):
             return None
+        if self.config.average_every > 1:  # DiLoCo: a worker's part of a round is its own steps' sum, held by it alone
+            return None
         layout = self._layout_of(epoch)
         return layout.stages[self.stage].fs[0] if layout is not None else None
 
@@ -345,7 +347,7 @@ class FrontalServer(StageServer[FrontalState]):
             for result in state.results.get(epoch, ()):
                 rows[result.worker] = rows.get(result.worker, 0) + len(result.rows)
             lost = contributors - ready
-            if not lost:
+            if not lost and self.config.average_every == 1:
                 # a contributor is ready only once its gradients are deposited (`_depository`): a worker that then
                 # dies in the round loses nothing; one that dies before is gone before the closure, its rows redone
                 undeposited = {w for w in contributors
@@ -367,6 +369,15 @@ class FrontalServer(StageServer[FrontalState]):
             if lost:
                 self._redo(epoch, lost)
                 return
+            if self.config.average_every > 1:
+                # DiLoCo: between rounds each worker steps on its own rows; a round weighs its part by all of them
+                for worker in ready:
+                    state.interval_rows[worker] = state.interval_rows.get(worker, 0) + rows.get(worker, 0)
+                rows = {worker: state.interval_rows.get(worker, 0) for worker in ready}
+                if self.config.averages_at(epoch):
+                    state.interval_rows = {}
+                else:
+                    state.interval_rows = {w: n for w, n in state.interval_rows.items() if w in ready}
             state.closures[epoch] = Closure(
                 epoch=epoch, fs=layout.stages[self.stage].fs,
                 # servers that hold the state can be dialed: they reduce a share, so a group of survivors, or of

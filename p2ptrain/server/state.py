@@ -227,6 +227,8 @@ class FrontalState(ServerState):
     # epoch -> workers judged gone while holding its parameter gradients: their rows went to others, so one that was
     # alive after all is kept out of the epoch's group and its later results of the epoch are refused
     lost: dict[int, set[str]] = field(default_factory=dict)
+    # with average_every > 1: the rows each worker handed in since the stage's last round, which weigh its part there
+    interval_rows: dict[str, int] = field(default_factory=dict)
 
     def _snapshot_role(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         microbatches = []
@@ -250,6 +252,7 @@ class FrontalState(ServerState):
             "committed": sorted(self.committed), "batch": self.batch,
             "dropped": [[epoch, sorted(indices)] for epoch, indices in self.dropped.items()],
             "lost": [[epoch, sorted(workers)] for epoch, workers in self.lost.items()],
+            "interval_rows": sorted(self.interval_rows.items()),
         }
 
     @classmethod
@@ -278,6 +281,7 @@ class FrontalState(ServerState):
             "committed": set(meta["committed"]), "batch": meta["batch"],
             "dropped": {epoch: set(indices) for epoch, indices in meta["dropped"]},
             "lost": {epoch: set(workers) for epoch, workers in meta["lost"]},
+            "interval_rows": dict(meta.get("interval_rows", [])),
         }
 
 
