@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         plan = make_plan(swarm_file, model_spec(args.model, averaging_codec=config.averaging_codec),
                          batch_tokens=tokens, microbatches=microbatches, planner="refined",
-                         stages=args.stages).to_json()
+                         stages=args.stages, average_every=config.average_every).to_json()
     except PlanningError as e:
         parser.error(f"{args.peers}: {e}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-"))

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the run's stages average (the peers' --averaging-codec): the bytes of a round "
                              "(default: the file's [model] averaging_codec, else the precision's own width; live: "
                              f"{PEER_DEFAULTS.averaging_codec})")
+    parser.add_argument("--average-every", type=count, default=PEER_DEFAULTS.average_every, metavar="H",
+                        help="the run's stages average once every H global batches (the peers' --average-every): "
+                             "a batch carries 1/H of a round's time")
     parser.add_argument("--planner", choices=PLANNERS, default="refined")
     parser.add_argument("--stages", type=count, help="force this many stages (paper and refined planners)")
     parser.add_argument("--seed", type=index, default=0)
@@ -127,7 +130,7 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                      f"{model.layers} layers; fix: use --stages between 1 and {min(reliable // 2, model.layers)}")
     try:
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
-                         stages=stages, seed=args.seed)
+                         stages=stages, seed=args.seed, average_every=args.average_every)
     except PlanningError as error:
         print(f"{args.swarm}: {error}", file=sys.stderr)
         return 1
@@ -192,7 +195,7 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           averaging_codec=args.averaging_codec or PEER_DEFAULTS.averaging_codec,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
-                          stop=stop)
+                          stop=stop, average_every=args.average_every)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

@@ -93,7 +93,8 @@ async def join_by_probing(*, dht: hivemind.DHT, p2p: P2P, peer_id: str, config: 
                     links={s: LinkEstimate(latency_s=x.latency_s, bandwidth_bps=x.bandwidth_bps)
                            for s, x in links.items()})
     workload = Workload(model=model_spec(config.model, averaging_codec=config.averaging_codec),
-                        batch_tokens=config.tokens_per_epoch, microbatches=config.microbatches)
+                        batch_tokens=config.tokens_per_epoch, microbatches=config.microbatches,
+                        average_every=config.average_every)
     choice = choose_stage(view, joiner, workload=workload, rule=stage_choice)
     logger.info(describe(choice, stages, links))
     k = choice.stage

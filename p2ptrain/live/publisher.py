@@ -48,7 +48,7 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
 
 def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, microbatches: int, averaging_codec: str,
                planner: str, stages: int | None, seed: int, expect: int, settings: RuntimeConfig,
-               stop: threading.Event) -> Plan | None:
+               stop: threading.Event, average_every: int = 1) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time.
 
     Raises SwarmFileError or PlanningError when the announced swarm cannot be planned.
@@ -58,7 +58,7 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, micro
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
     return make_plan(swarm, model_spec(model, averaging_codec=averaging_codec), batch_tokens=tokens,
-                     microbatches=microbatches, planner=planner, stages=stages, seed=seed)
+                     microbatches=microbatches, planner=planner, stages=stages, seed=seed, average_every=average_every)
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,
@@ -94,7 +94,7 @@ def serve_plan(dht: hivemind.DHT, *, signer: RSASignatureValidator, config: RunC
     tokens = config.tokens_per_epoch
     plan = plan_swarm(dht, run_id=config.run_id, model=config.model, tokens=tokens, microbatches=config.microbatches,
                       averaging_codec=config.averaging_codec, planner=planner, stages=stages, seed=config.seed,
-                      expect=expect, settings=settings, stop=stop)
+                      expect=expect, settings=settings, stop=stop, average_every=config.average_every)
     if plan is None:
         if not stop.is_set():
             raise TimeoutError(f"--plan: {expect} servers did not announce their measurements within "

@@ -23,8 +23,10 @@ class PlanningError(ValueError):
 
 
 def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
-              stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES) -> Plan:
-    """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only).
+              stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
+              average_every: int = 1) -> Plan:
+    """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
+    ``average_every``: the run's rounds come once every that many global batches (`--average-every`).
 
     Deterministic for a given seed. Raises ``PlanningError`` when no valid plan is found.
     """
@@ -35,7 +37,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
                             f"has {int(reliable.sum())} reliable devices and the model {model.layers} layers")
     net = swarm.network()
-    engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches), reliable)
+    engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches,
+                                   average_every=average_every), reliable)
     if planner in ("paper", "refined"):
         paper = paper_plan(engine, seed=seed, stages=stages)
         paper_layouts = None if paper is None else [g.layout(n) for g, n in zip(paper.groups, paper.layers)]

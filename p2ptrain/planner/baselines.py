@@ -125,8 +125,9 @@ class DTFM:
         self.devices = devices
         net, wl = engine.net, engine.wl
         stage_params = wl.model.param_bytes_per_layer * wl.model.layers / k
-        self.dp = 2 * (net.latency + stage_params * net.inv_bandwidth)      # pairwise, before dividing by D_DP
-        self.dp_lat = 2 * net.latency
+        # pairwise, before dividing by D_DP; a round every H batches
+        self.dp = 2 * (net.latency + stage_params * net.inv_bandwidth) / wl.average_every
+        self.dp_lat = 2 * net.latency / wl.average_every
         self.pp = 2 * (net.latency + wl.message_bytes * net.inv_bandwidth)  # pipeline edge weight, Eq. 3
         self.classes = [devices[engine.reliable[devices]], devices[~engine.reliable[devices]]]
 

@@ -47,15 +47,19 @@ class Network:
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
-    """A model and a global batch: ``D`` tokens in ``d`` microbatches of ``m = D/d`` tokens, messages ``A = t·m``."""
+    """A model and a global batch: ``D`` tokens in ``d`` microbatches of ``m = D/d`` tokens, messages ``A = t·m``;
+    each stage averages once every ``H`` global batches (`--average-every`), so a batch carries ``1/H`` of a round."""
 
     model: ModelSpec
     batch_tokens: int
     microbatches: int
+    average_every: int = 1
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1 or self.microbatches < 1 or self.microbatches > self.batch_tokens:
             raise ValueError(f"need 1 <= microbatches ({self.microbatches}) <= batch tokens ({self.batch_tokens})")
+        if self.average_every < 1:
+            raise ValueError(f"average_every must be >= 1, got {self.average_every}")
 
     @property
     def microbatch_tokens(self) -> float:
@@ -161,12 +165,14 @@ def link_extremes(net: Network, workers: np.ndarray) -> tuple[float, float]:
 
 
 def averaging_time(net: Network, wl: Workload, workers: np.ndarray, layers: int) -> float:
-    """AR_k = 2(n-1)/n · L_k·P / b_min + 2(n-1)·a_max; 0 for a single worker."""
+    """AR_k = (2(n-1)/n · L_k·P / b_min + 2(n-1)·a_max) / H: a round's time, over the H batches between rounds;
+    0 for a single worker."""
     n = len(workers)
     if n <= 1:
         return 0.0
     a_max, inv_b_min = link_extremes(net, workers)
-    return 2 * (n - 1) / n * layers * wl.model.param_bytes_per_layer * inv_b_min + 2 * (n - 1) * a_max
+    return (2 * (n - 1) / n * layers * wl.model.param_bytes_per_layer * inv_b_min + 2 * (n - 1) * a_max) \
+        / wl.average_every
 
 
 def layer_capacity(net: Network, wl: Workload, workers: np.ndarray) -> int:

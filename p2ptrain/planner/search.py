@@ -73,8 +73,8 @@ class Group:
 class GroupStats:
     comm: float            # max over workers of the link part of T_w, compute-proportional shares
     speed: float           # Σ c over workers
-    ar_fixed: float        # 2(n-1)·a_max
-    ar_per_layer: float    # 2(n-1)/n · P / b_min
+    ar_fixed: float        # 2(n-1)·a_max / H
+    ar_per_layer: float    # 2(n-1)/n · P / b_min / H
     cap: int               # layers every worker can hold
     worst: int             # worker with the largest link time
     far: tuple[int, ...]   # workers at the ends of the highest-latency and of the lowest-bandwidth link
@@ -194,8 +194,8 @@ class Engine:
         n = len(workers)
         lat, inv = block(net.latency, workers, workers), block(net.inv_bandwidth, workers, workers)
         a_max, inv_max = float(lat.max()), float(inv.max())
-        ar_fixed = 2 * (n - 1) * a_max
-        ar_per_layer = 2 * (n - 1) / n * wl.model.param_bytes_per_layer * inv_max
+        ar_fixed = 2 * (n - 1) * a_max / wl.average_every  # `cost.averaging_time`'s parts
+        ar_per_layer = 2 * (n - 1) / n * wl.model.param_bytes_per_layer * inv_max / wl.average_every
         i, j = np.unravel_index(int(np.argmax(lat)), lat.shape)
         u, v = np.unravel_index(int(np.argmax(inv)), inv.shape)
         memory = net.memory[workers]
