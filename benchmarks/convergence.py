@@ -17,7 +17,10 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
   (`--averaging-codec`; the other swarms average in fp32);
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
-- dpu (on request): the same swarm with delayed parameter updates.
+- dpu (on request): the same swarm with delayed parameter updates;
+- average-every-8 (on request): the same swarm whose stages average once every 8 epochs (`--average-every 8`,
+  DiLoCo: each worker steps on its own gradients between rounds, an outer SGD with Nesterov momentum at a round,
+  the recipe's --outer-lr and --outer-momentum defaults); without clipping, which needs a global norm every epoch.
 
 Train loss: per epoch, the mean token loss of the global batch (the swarm's status; the one process's own).
 Held-out loss: the mean token loss on the first --eval-rows windows of `test.txt` (`TextSource.held_out`), after
@@ -47,7 +50,7 @@ from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-RUNS = ("one", "swarm", "int8", "churn", "dpu", "int8-averaging", "fp16-averaging")
+RUNS = ("one", "swarm", "int8", "churn", "dpu", "int8-averaging", "fp16-averaging", "average-every-8")
 DEFAULT_RUNS = ("one", "swarm", "int8", "churn")
 
 
@@ -213,7 +216,8 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
     lines.append(f"\nPlot: `{args.stem}.png`. Runs: one = one process; swarm = the swarm (averaging in fp32); int8 = "
                  "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
                  "restarted; dpu = the swarm with delayed parameter updates; int8-averaging, fp16-averaging = the "
-                 "swarm whose stages average in int8 or fp16.")
+                 "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "
+                 "epochs (DiLoCo, outer lr 0.7, Nesterov momentum 0.9), unclipped.")
     return "\n".join(lines) + "\n"
 
 
@@ -278,7 +282,8 @@ def main(argv: list[str] | None = None) -> None:
             config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}", "dpu": name == "dpu",
                                   "compression": "int8" if name == "int8" else "none",
                                   "averaging_codec": name.removesuffix("-averaging") if name.endswith("-averaging")
-                                  else "fp32"})
+                                  else "fp32",
+                                  **({"average_every": 8, "clip_norm": 0.0} if name == "average-every-8" else {})})
             results[name] = swarm_run(config, args=args, churn=args.churn if name == "churn" else 0.0,
                                       workdir=Path(tmp) / name)
     rows = [summarize(name, run, args.epochs) for name, run in results.items()]

@@ -4,7 +4,8 @@
                              [--model llama-small] [--clients 2] [--delay-ms 0] [--out benchmarks/results]
 
 For each cap (Mbit/s; `none`: no namespace, no cap) and each variant (how the stages average: `fp32`, `fp16`,
-`int8`, the recipe's `--averaging-codec`), one run of the README's hand-started swarm
+`int8`, the recipe's `--averaging-codec`; `h8`, `int8-h8`: once every 8 epochs, `--average-every 8`, in fp32 or
+int8), one run of the README's hand-started swarm
 shape: 2 stages, an FS and a BS (with --keep-state) per stage, --clients clients per stage, on
 `../shared/data/wikitext-2/valid.txt`. A capped run goes on in a network namespace of its own
 (`python -m p2ptrain.links`), where every peer listens on its own loopback address with its own egress cap, as on
@@ -20,8 +21,9 @@ source starts (or until --epochs closed), and reports:
   the least of that and the uncapped run's rate (when it ran): what the swarm would reach if only the busiest link
   and the compute limited it;
 - averaging bytes per epoch counted by epoch (`averaging_bytes` of the status: what every peer sent for the epoch's
-  deposits and all-reduce, whenever it was sent), over the epochs that closed before the last one seen closed, and
-  each variant's over fp32's at the same cap, where both ran;
+  deposits and all-reduce, whenever it was sent), over the epochs that closed before the last one seen closed (with
+  --average-every H, over whole intervals of H epochs only), and each variant's over fp32's at the same cap, where
+  both ran;
 - rows lost (rows of closed epochs not in their stage's averaged step), epochs not fully averaged, epochs
   abandoned, and the "gone" verdicts in the servers' logs (a worker judged gone).
 
@@ -50,7 +52,8 @@ DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 CAPS = ("none", "100", "40", "20", "10", "5")
 # name -> RunConfig fields that differ from the base recipe
 VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}, "fp16": {"averaging_codec": "fp16"},
-                                       "int8": {"averaging_codec": "int8"}}
+                                       "int8": {"averaging_codec": "int8"}, "h8": {"average_every": 8},
+                                       "int8-h8": {"averaging_codec": "int8", "average_every": 8}}
 POLL_S = 2.0
 # how a server's log says it judged a worker gone (p2ptrain/server/base.py, frontal.py)
 GONE = re.compile(r"gone \(silent for|; gone$|gone with the parameter gradients", re.MULTILINE)
@@ -98,11 +101,12 @@ def run_inside(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(RuntimeConfig().metrics_period_s + POLL_S)  # the peers publish the bytes of the last rounds
         report = swarm.status()
         gone = sum(len(GONE.findall(swarm.log_path(name).read_text(errors="replace"))) for name in swarm.roles)
-    return measure(closes=closes, first=first, last=last, report=report, gone=gone, clients=clients)
+    return measure(closes=closes, first=first, last=last, report=report, gone=gone, clients=clients,
+                   average_every=config.average_every)
 
 
 def measure(*, closes: list[tuple[int, float]], first: dict | None, last: dict, report: dict, gone: int,
-            clients: list[str]) -> dict[str, Any]:
+            clients: list[str], average_every: int = 1) -> dict[str, Any]:
     """A run's figures (module doc) from the closes seen and the byte counters at the first and the last close."""
     epochs = [e for e in report.get("epochs", []) if e["loss"] is not None and not e["abandoned"]]
     stages = [s for e in epochs for s in e["stages"]]
@@ -119,7 +123,9 @@ def measure(*, closes: list[tuple[int, float]], first: dict | None, last: dict, 
         "averaging_bytes_per_epoch": None,
     }
     # an epoch's round has ended everywhere once the next epoch closed (without --dpu a worker steps before it works on)
-    settled = [sum(s["averaging_bytes"] for s in e["stages"]) for e in epochs if closes and e["epoch"] < closes[-1][0]]
+    # with --average-every H: whole intervals only, each with its one round
+    whole = closes[-1][0] // average_every * average_every if closes else 0
+    settled = [sum(s["averaging_bytes"] for s in e["stages"]) for e in epochs if e["epoch"] < whole]
     if settled:
         result["averaging_bytes_per_epoch"] = statistics.mean(settled)
     if first is None or len(closes) < 2:
