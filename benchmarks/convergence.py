@@ -20,7 +20,8 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
 - dpu (on request): the same swarm with delayed parameter updates;
 - average-every-8 (on request): the same swarm whose stages average once every 8 epochs (`--average-every 8`,
   DiLoCo: each worker steps on its own gradients between rounds, an outer SGD with Nesterov momentum at a round,
-  the recipe's --outer-lr and --outer-momentum defaults); without clipping, which needs a global norm every epoch.
+  --outer-lr and --outer-momentum, the recipe's defaults unless given); without clipping, which needs a global
+  norm every epoch.
 
 Train loss: per epoch, the mean token loss of the global batch (the swarm's status; the one process's own).
 Held-out loss: the mean token loss on the first --eval-rows windows of `test.txt` (`TextSource.held_out`), after
@@ -217,7 +218,8 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                  "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
                  "restarted; dpu = the swarm with delayed parameter updates; int8-averaging, fp16-averaging = the "
                  "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "
-                 "epochs (DiLoCo, outer lr 0.7, Nesterov momentum 0.9), unclipped.")
+                 f"epochs (DiLoCo, outer lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}), "
+                 "unclipped.")
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-epochs", type=int, default=10)
     parser.add_argument("--min-lr", type=float, default=3e-4)
     parser.add_argument("--clip-norm", type=float, default=1.0)
+    parser.add_argument("--outer-lr", type=float, default=RunConfig.outer_lr,
+                        help="the average-every-8 run's outer learning rate")
+    parser.add_argument("--outer-momentum", type=float, default=RunConfig.outer_momentum,
+                        help="the average-every-8 run's outer Nesterov momentum (0: plain parameter averaging with "
+                             "--outer-lr 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-rows", type=int, default=64)
@@ -283,7 +290,8 @@ def main(argv: list[str] | None = None) -> None:
                                   "compression": "int8" if name == "int8" else "none",
                                   "averaging_codec": name.removesuffix("-averaging") if name.endswith("-averaging")
                                   else "fp32",
-                                  **({"average_every": 8, "clip_norm": 0.0} if name == "average-every-8" else {})})
+                                  **({"average_every": 8, "clip_norm": 0.0, "outer_lr": args.outer_lr,
+                                      "outer_momentum": args.outer_momentum} if name == "average-every-8" else {})})
             results[name] = swarm_run(config, args=args, churn=args.churn if name == "churn" else 0.0,
                                       workdir=Path(tmp) / name)
     rows = [summarize(name, run, args.epochs) for name, run in results.items()]
