@@ -129,7 +129,7 @@ def test_an_encoded_state_carries_the_anchor_and_momentum_and_a_joiner_starts_it
 def test_a_holder_with_no_rows_holds_its_epoch_without_a_step():
     a = holder(DILOCO)
     before = [p.detach().clone() for p in a.trainable]
-    a.hold(0)
+    a.skip(0)
     assert a.epoch == 1 and all(torch.equal(x, y) for x, y in zip(before, a.trainable)) and not a.optimizer.state
-    a.hold(0)  # once only
+    a.skip(0)  # once only
     assert a.epoch == 1

@@ -434,7 +434,7 @@ class Worker:
             lr = self.master.step(grads, epoch=epoch)
         else:
             lr = self.master.schedule.at(epoch)
-            self.master.hold(epoch)
+            self.master.skip(epoch)
         self._interval_rows += rows
         if self.config.averages_at(epoch):
             weight, self._interval_rows = self._interval_rows, 0

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import hivemind
 
-from p2ptrain.dht.readers import get_authorized_members
+from p2ptrain.dht.readers import get_authorized_members, holding_servers
 from p2ptrain.protocol.layout import Layout, StageServers
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class MembershipCache:
                                 key=lambda peer: (peer not in named, peer))),
                 bs=tuple(sorted(m.peer_id for m in members if m.role == "bs")),
             ))
-            holders.append(frozenset(m.peer_id for m in members if m.role != "worker" and m.holds_state))
+            holders.append(holding_servers(members))
         return stages, holders
 
     def all_servers(self) -> set[str]:

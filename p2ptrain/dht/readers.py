@@ -53,12 +53,18 @@ def get_authorized_members(dht: hivemind.DHT, run_id: str, stage: int, *, owner:
             [m.peer_id for m in members if m.role != "worker" and not certified(m)])
 
 
+def holding_servers(members: list[Membership]) -> frozenset[str]:
+    """The peer ids of the servers among a stage's `members` that hold its state (every FS, a BS given --keep-state
+    or that computes)."""
+    return frozenset(m.peer_id for m in members if m.role != "worker" and m.holds_state)
+
+
 def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int, *, owner: Owner | None = None
                       ) -> tuple[list[str], list[str]]:
     """The peer ids of the peers that hold `stage`'s state and can be dialed for it: its servers that hold it (every
     FS, a BS given --keep-state or that computes) and, apart, its workers (clients) not in client mode."""
     members = get_stage_members(dht, run_id, stage, owner=owner)
-    servers = {m.peer_id for m in members if m.role != "worker" and m.holds_state}
+    servers = holding_servers(members)
     workers = {m.peer_id for m in members if m.role == "worker" and not m.client_mode}
     return sorted(servers), sorted(workers - servers)
 

@@ -371,13 +371,8 @@ class FrontalServer(StageServer[FrontalState]):
                 return
             if self.config.average_every > 1:
                 # DiLoCo: between rounds each worker steps on its own rows; a round weighs its part by all of them
-                for worker in ready:
-                    state.interval_rows[worker] = state.interval_rows.get(worker, 0) + rows.get(worker, 0)
-                rows = {worker: state.interval_rows.get(worker, 0) for worker in ready}
-                if self.config.averages_at(epoch):
-                    state.interval_rows = {}
-                else:
-                    state.interval_rows = {w: n for w, n in state.interval_rows.items() if w in ready}
+                rows = {worker: state.interval_rows.get(worker, 0) + rows.get(worker, 0) for worker in ready}
+                state.interval_rows = {} if self.config.averages_at(epoch) else rows
             state.closures[epoch] = Closure(
                 epoch=epoch, fs=layout.stages[self.stage].fs,
                 # servers that hold the state can be dialed: they reduce a share, so a group of survivors, or of

@@ -111,16 +111,11 @@ class StageParams:
                 anchor.sub_(grad.add(momentum, alpha=mu), alpha=self.outer_lr)
                 param.copy_(anchor)
 
-    def hold(self, epoch: int) -> None:
-        """`epoch` closed with no step here: a holder with no rows of its own between rounds (a server's replica)
-        takes no inner step, and its state is current for the next epoch."""
-        if self.epoch == epoch:
-            self._set_epoch(epoch + 1)
-
     def skip(self, epoch: int) -> None:
-        """`epoch` was abandoned: no step on it, so a state current for it is current for the next one too (a stage
-        restored from an older checkpoint than the swarm's, whose epochs in between are abandoned, serves its
-        state to joiners at the swarm's epoch)."""
+        """No step on `epoch` here, so a state current for it is current for the next one too: `epoch` was abandoned
+        (a stage restored from an older checkpoint than the swarm's, whose epochs in between are abandoned, serves its
+        state to joiners at the swarm's epoch), or, between rounds of an outer optimizer, this holder had no rows of
+        its own to step on (a server's replica)."""
         if self.epoch == epoch:
             self._set_epoch(epoch + 1)
 
