@@ -3,6 +3,7 @@ naming the flag (argparse exits 2), the flags of the run's recipe, and turning a
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -188,10 +189,12 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
     recipe.add_argument("--seed", type=index, default=defaults.seed)
     recipe.add_argument("--compression", choices=CODECS, default=defaults.compression,
                         help="codec for activations and gradients")
-    recipe.add_argument("--data", help="a local text file to train on (default: the embedded corpus)")
+    recipe.add_argument("--data", help="what to train on: a local UTF-8 text file, a folder of .txt files, or a "
+                                       "datasets folder written by save_to_disk (its text column) (default: the "
+                                       "embedded corpus)")
     recipe.add_argument("--tokenizer", metavar="PATH",
-                        help="a local Hugging Face tokenizer.json to tokenize the text with; the model's vocabulary "
-                             "takes its size (default: byte-level tokens, 256)")
+                        help="a local Hugging Face tokenizer.json, or a transformers tokenizer folder, to tokenize the "
+                             "text with; the model's vocabulary takes its size (default: byte-level tokens, 256)")
     recipe.add_argument("--fault-policy", choices=FAULT_POLICIES, default=defaults.fault_policy,
                         help="rows whose gradients a vanished worker took: 'taskpool' redoes them at their stage from "
                              "the inputs its FS keeps; 'swarm' drops them and feeds their microbatches again from "
@@ -205,6 +208,19 @@ def recipe_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Ru
                          rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
                          seed=args.seed, compression=args.compression, data=args.data,
                          tokenizer=args.tokenizer, fault_policy=args.fault_policy, **optimization_from(args))
+
+
+def given_recipe(parser: argparse.ArgumentParser, args: argparse.Namespace, config: RunConfig,
+                 argv: list[str] | None) -> dict[str, object]:
+    """The RunConfig fields whose flags the command line `argv` gives (a value equal to the default counts: it was
+    asked for), with their values in `config`."""
+    shadow = copy.deepcopy(parser)
+    for action in shadow._actions:  # parse again with no defaults: what is left was typed
+        action.default = argparse.SUPPRESS
+    typed = vars(shadow.parse_args(argv))
+    dests = {name: flag[2:].replace("-", "_") for name, flag in RECIPE_FLAGS.items()}
+    return {name: getattr(config, name) for name, dest in dests.items()
+            if dest in typed and hasattr(config, name) and hasattr(args, dest)}
 
 
 @contextmanager

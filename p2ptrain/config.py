@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p2ptrain.models import TRAINABLE, ModelConfig, model_config
+from p2ptrain.models.configs import even_split
+from p2ptrain.models.registry import trainable
 
 CODECS: tuple[str, ...] = ("none", "fp16", "int8")  # codecs of activations and gradients on the wire
 INT8_BLOCKSIZE = 256  # values that share one float32 absmax in the int8 codec (`p2ptrain.compression` says why)
@@ -28,12 +30,12 @@ AVERAGING_CODECS: dict[str, str] = {"fp32": "none", "fp16": "fp16", "int8": "int
 FAULT_POLICIES: tuple[str, ...] = ("taskpool", "swarm")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
 
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def check_run_id(run_id: str) -> None:
     """A run id prefixes DHT keys: letters, digits and a few marks only."""
-    if not _RUN_ID.fullmatch(run_id):
+    if not RUN_ID_PATTERN.fullmatch(run_id):
         raise ConfigError("run_id", run_id, "use 1 to 64 letters, digits, '.', '_' or '-'")
 
 
@@ -73,11 +75,17 @@ class RunConfig:
     data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
     tokenizer: str | None = None  # a local Hugging Face tokenizer.json; None: byte-level tokens (`data.ByteTokenizer`)
     fault_policy: str = "taskpool"  # one of FAULT_POLICIES
+    # the model's whole config, when it is no preset's (a swarm's carried recipe, a Hugging Face checkpoint); `model`
+    # then only names it
+    architecture: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        if self.model not in TRAINABLE:
+        if self.architecture is None and self.model not in TRAINABLE:
             raise ConfigError("model", self.model, f"unknown model; choose one of {', '.join(TRAINABLE)}")
+        if self.architecture is not None and not trainable(self.architecture):
+            raise ConfigError("model", self.model, f"a {self.architecture.family} model cannot be trained by a swarm "
+                                                   "yet")
         layers = self.model_config.num_layers
         if not 1 <= self.num_stages <= layers:
             raise ConfigError("num_stages", self.num_stages, f"must be between 1 and the model's {layers} layers")
@@ -123,13 +131,19 @@ class RunConfig:
             raise ConfigError("fault_policy", self.fault_policy,
                               f"unknown policy; choose one of {', '.join(FAULT_POLICIES)}")
         if self.tokenizer is not None:
-            vocab_size(self.tokenizer)  # a ConfigError if it is no tokenizer
+            tokens = vocab_size(self.tokenizer)  # a ConfigError if it is no tokenizer
+            if tokens > self.model_config.vocab_size:
+                raise ConfigError("tokenizer", self.tokenizer, f"has {tokens} tokens, more than the model's "
+                                                               f"vocabulary of {self.model_config.vocab_size}")
         if self.data is not None:
             self._check_data(Path(self.data))
 
     def _check_data(self, path: Path) -> None:
+        if path.is_dir():
+            return  # a folder's documents are read and checked where they are trained on (`data.load_documents`)
         if not path.is_file():
-            raise ConfigError("data", self.data, "no such file; give a local UTF-8 text file")
+            raise ConfigError("data", self.data, "no such file or folder; give a local UTF-8 text file, a folder of "
+                                                 ".txt files or a datasets folder (save_to_disk)")
         try:
             with path.open("rb") as f:
                 size = len(f.read(self.seq_len + 1))
@@ -141,7 +155,9 @@ class RunConfig:
 
     @property
     def model_config(self) -> ModelConfig:
-        """The model's preset; with a tokenizer, its vocabulary the tokenizer's size."""
+        """The model's config: `architecture` as it is, else the preset's, with a tokenizer's size for vocabulary."""
+        if self.architecture is not None:
+            return self.architecture
         preset = model_config(self.model)
         if self.tokenizer is None:
             return preset
@@ -168,25 +184,20 @@ class RunConfig:
         """Layers [start, end) of a stage when the layers are split evenly (a plan may set them instead)."""
         if not 0 <= stage < self.num_stages:
             raise ConfigError("stage", stage, f"not in 0..{self.num_stages - 1} (the run has {self.num_stages} stages)")
-        base, extra = divmod(self.model_config.num_layers, self.num_stages)
-        start = stage * base + min(stage, extra)
-        return start, start + base + (1 if stage < extra else 0)
+        return even_split(self.model_config.num_layers, self.num_stages)[stage]
 
 
 @functools.lru_cache(maxsize=8)
 def vocab_size(tokenizer: str) -> int:
-    """The number of token ids of a local Hugging Face tokenizer.json (added tokens included); a ConfigError says
-    what is wrong with the file. Nothing is downloaded: a name that is no local file is refused."""
-    path = Path(tokenizer)
-    if not path.is_file():
-        raise ConfigError("tokenizer", tokenizer, "no such file; give the path of a local tokenizer.json (a Hugging "
-                                                  "Face tokenizers file; nothing is downloaded from a hub)")
-    from tokenizers import Tokenizer
+    """The number of token ids of a local Hugging Face tokenizer (a tokenizer.json, or a transformers tokenizer
+    folder; added tokens included); a ConfigError says what is wrong with it. Nothing is downloaded: a name that is
+    no local file or folder is refused."""
+    from p2ptrain.data import load_tokenizer
 
     try:
-        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
-    except Exception as e:  # the Rust side raises a bare Exception for any file it cannot parse
-        raise ConfigError("tokenizer", tokenizer, f"not a tokenizers file ({e})") from None
+        return load_tokenizer(tokenizer)[1]
+    except (OSError, ValueError) as e:
+        raise ConfigError("tokenizer", tokenizer, str(e)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,6 +249,9 @@ class RuntimeConfig:
     membership_period_s: float = 5.0  # a peer re-reads who serves each stage this often...
     membership_retry_s: float = 0.5  # ...and this often while a stage lacks an FS or a BS
     metrics_period_s: float = 3.0  # a peer publishes its training metrics this often when they changed
+    # the carried recipe (`p2ptrain.recipe`)
+    recipe_timeout_s: float = 300.0  # a peer given no recipe waits this long for the swarm's (and for its run)
+    recipe_poll_s: float = 1.0  # ...reading the DHT this often
     # live planning
     plan_timeout_s: float = 600.0  # a peer waits this long for a plan that places it, a planner for the servers
     plan_poll_s: float = 2.0  # a peer waiting for a plan reads the DHT this often

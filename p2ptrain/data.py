@@ -9,10 +9,15 @@ plenty to learn quickly (spelling, word order, the facts) while staying far from
 asks for the same batch gets the same tokens, which the runtime relies on (the stage-0 FS and the
 single-process reference read the same rows).
 
-Tokens are UTF-8 bytes (`ByteTokenizer`) unless the recipe names a tokenizer (`--tokenizer PATH`, a local
-`tokenizer.json` read with Hugging Face's `tokenizers`). Either way the whole text becomes one stream of tokens,
-documents one after the other, and every row is a window of `seq_len + 1` tokens of it: documents are packed into
-rows, and a row may span the end of one and the start of the next, as GPT-style pretraining packs them.
+`--data PATH` is a UTF-8 text file, a folder of them (every `*.txt` under it, in path order), or a Hugging Face
+`datasets` folder written by `save_to_disk` (its `text` column; of a DatasetDict, the `train` split). Each file or
+row is a document.
+
+Tokens are UTF-8 bytes (`ByteTokenizer`) unless the recipe names a tokenizer (`--tokenizer PATH`: a local
+`tokenizer.json` read with Hugging Face's `tokenizers`, or a local `transformers` tokenizer folder). Either way the
+whole text becomes one stream of tokens, documents one after the other (a blank line between two), and every row is
+a window of `seq_len + 1` tokens of it: documents are packed into rows, and a row may span the end of one and the
+start of the next, as GPT-style pretraining packs them.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from p2ptrain.tokenizer import load_tokenizer
 
 
 class ByteTokenizer:
@@ -38,12 +45,46 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
+DOCUMENT_BREAK = "\n\n"
+
+
 def load_text(path: str) -> str:
-    """Read a UTF-8 text file; the error names the path the user gave."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"data file {path!r} does not exist or is not a file")
-    return file.read_text(encoding="utf-8", errors="replace")
+    """The documents of `path` (a text file, a folder of them, or a saved `datasets` folder) as one text; a
+    ValueError names the path the user gave and what is wrong with it."""
+    return DOCUMENT_BREAK.join(load_documents(path))
+
+
+def load_documents(path: str) -> list[str]:
+    where = Path(path)
+    if where.is_file():
+        return [where.read_text(encoding="utf-8", errors="replace")]
+    if not where.is_dir():
+        raise FileNotFoundError(f"data {path!r} does not exist; give a text file, a folder of .txt files or a "
+                                "datasets folder (save_to_disk)")
+    if (where / "dataset_dict.json").is_file() or (where / "state.json").is_file():
+        return _dataset_documents(where)
+    files = sorted(file for file in where.rglob("*.txt") if file.is_file())
+    if not files:
+        raise ValueError(f"data folder {path!r} holds no .txt files and is no datasets folder (save_to_disk)")
+    return [file.read_text(encoding="utf-8", errors="replace") for file in files]
+
+
+def _dataset_documents(folder: Path) -> list[str]:
+    """The `text` column of a dataset saved with `save_to_disk` (of a DatasetDict, its `train` split)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"data {str(folder)!r} is a datasets folder; reading it needs the datasets package "
+                         "(pip install datasets)") from None
+    loaded = datasets.load_from_disk(str(folder))
+    if isinstance(loaded, datasets.DatasetDict):
+        if "train" not in loaded:
+            raise ValueError(f"datasets folder {str(folder)!r} has splits {sorted(loaded)}, none named train")
+        loaded = loaded["train"]
+    if "text" not in loaded.column_names:
+        raise ValueError(f"datasets folder {str(folder)!r} has columns {loaded.column_names}; p2ptrain trains on a "
+                         "column named text")
+    return [text for text in loaded["text"] if text]
 
 
 class TextSource:
@@ -56,7 +97,7 @@ class TextSource:
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         if path is not None:
-            origin, text = f"data file {path!r}", load_text(path)
+            origin, text = f"data {path!r}", load_text(path)
         elif text is not None:
             origin = "the given text"
         else:
@@ -89,16 +130,16 @@ class TextSource:
 
 
 def tokenize(text: str, tokenizer: str) -> torch.Tensor:
-    """The token ids of `text` under a local tokenizer.json, as one int32 stream. The text is encoded line by line,
-    each line with its newline (the tokenizer's own splitting sees the same pieces, and the lines encode in
-    parallel), with no special tokens added."""
-    from tokenizers import Tokenizer
-
-    encoder = Tokenizer.from_file(tokenizer)
+    """The token ids of `text` under a local tokenizer (`load_tokenizer`), as one int32 stream. The text is encoded
+    line by line, each line with its newline (the tokenizer's own splitting sees the same pieces, and the lines
+    encode in parallel), with no special tokens added."""
+    try:
+        encoder, vocab = load_tokenizer(tokenizer)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer {tokenizer!r}: {e}") from None
     lines = [line for line in re.split(r"(?<=\n)", text) if line]
-    ids = [encoding.ids for encoding in encoder.encode_batch(lines, add_special_tokens=False)]
+    ids = encoder(lines)
     tokens = torch.tensor([token for line in ids for token in line], dtype=torch.int32)
-    vocab = encoder.get_vocab_size(with_added_tokens=True)
     if len(tokens) and int(tokens.max()) >= vocab:  # a file whose ids have gaps: the model's embedding is `vocab` wide
         raise ValueError(f"tokenizer {tokenizer!r} gives id {int(tokens.max())}, past its {vocab} tokens")
     return tokens

@@ -137,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="llama-tiny", choices=TRAINABLE)
     parser.add_argument("--seq-len", type=count, default=64)
     parser.add_argument("--compression", choices=CODECS, default="none")
-    parser.add_argument("--data", help="a local text file (default: the embedded corpus)")
+    parser.add_argument("--data", help="a local text file, a folder of .txt files or a datasets folder (save_to_disk) "
+                                       "(default: the embedded corpus)")
     parser.add_argument("--tokenizer", metavar="PATH",
-                        help="a local Hugging Face tokenizer.json (default: byte-level tokens)")
+                        help="a local Hugging Face tokenizer.json or transformers tokenizer folder (default: "
+                             "byte-level tokens)")
     parser.add_argument("--eval-data", type=existing_file,
                         help="a held-out text file: the swarm's held-out loss is computed on it through the stages "
                              "and shown beside the training loss")

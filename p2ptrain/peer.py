@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.cli import (
     DEADLINE_FLAGS,
+    RECIPE_FLAGS,
     add_deadline_flags,
     add_recipe_flags,
     check_maddrs,
@@ -30,14 +31,15 @@ from p2ptrain.cli import (
     deadlines_from,
     existing_file,
     fail,
+    given_recipe,
     non_negative,
     positive,
     recipe_from,
     refusing,
     writable_file,
 )
-from p2ptrain.config import RunConfig, RuntimeConfig
-from p2ptrain.node.options import FAULTS, NetworkOptions, NodeOptions, PlannerOptions, PlanningOptions
+from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
+from p2ptrain.node.options import FAULTS, NetworkOptions, NodeOptions, PlannerOptions, PlanningOptions, RecipeOptions
 from p2ptrain.planner import PLANNERS
 from p2ptrain.planner.join import STAGE_CHOICES
 from p2ptrain.protocol.layout import Placement
@@ -212,7 +214,9 @@ def parse_args(argv: list[str] | None = None) -> Command:
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, eval_data=args.eval_data,
-            eval_every=args.eval_every, eval_rows=args.eval_rows, owner=owner, certificate=certificate)
+            eval_every=args.eval_every, eval_rows=args.eval_rows, owner=owner, certificate=certificate,
+            recipe=None if args.role == "bootstrap" else RecipeOptions(
+                given=given_recipe(parser, args, config, argv), layers_given=args.layers is not None))
         settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, **deadlines_from(args))
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
@@ -285,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     except (CheckpointError, CertificateError) as e:  # refused before anything of it was loaded or announced
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except ConfigError as e:  # the swarm's recipe refused a flag, or none came: before anything was announced
+        build_parser().error(f"{RECIPE_FLAGS.get(e.field, NODE_FLAGS.get(e.field, e.field))} {e.value}: {e.problem}")
 
 
 async def _run(peer: Peer) -> None:

@@ -2,6 +2,9 @@
 
 JSON fields (stable; later tools and outside checks read them):
   run_id                 the swarm's DHT prefix
+  recipe                 the run's recipe as its data source publishes it (`p2ptrain.recipe.Recipe.to_value`:
+                           config: the RunConfig fields, model: the model's whole config with its family, data and
+                           tokenizer: sha256 fingerprints or null), with publisher: its peer id; null while none
   peers                  [{peer_id, role, stage, server_role}] every peer with a live record
   stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], client_mode_workers,
                            state, rounds_failed, steps_unclipped, digests_agree, digests_disagreed, unauthorized}];
@@ -85,6 +88,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.cli import check_maddrs, existing_file, fail, run_id
 from p2ptrain.config import RunConfig
 from p2ptrain.protocol.optimization import Digest, digests_agree
+from p2ptrain.recipe import Recipe
 
 if TYPE_CHECKING:
     import hivemind
@@ -121,7 +125,7 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, o
     """The report (see the module docstring) of run `run_id`, read through `dht`; its `epochs` are those the peers'
     records carry, and with `history`, every epoch its earlier reads saw too; with the run's `owner`, of the servers
     it authorized only."""
-    from p2ptrain.dht import get_metrics, get_peers  # hivemind: not for --help
+    from p2ptrain.dht import get_metrics, get_peers, get_recipe  # hivemind: not for --help
     from p2ptrain.dht.readers import get_authorized_members
 
     peers = get_peers(dht, run_id)
@@ -155,8 +159,10 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, o
     source = next((m for m in metrics if m.epochs_planned is not None), None)
     closed = [e for e in epochs if e["closed"]]
     last = closed[-1] if closed else None
+    recipe = get_recipe(dht, run_id, owner=owner)
     return {
         "run_id": run_id,
+        "recipe": {"publisher": recipe[0], **recipe[1].to_value()} if recipe else None,
         "peers": sorted(({"peer_id": p.peer_id, "role": p.role, "stage": p.stage, "server_role": p.server_role}
                          for p in peers), key=lambda p: (p["stage"] is None, p["stage"] or 0, p["peer_id"])),
         "stages": stages,
@@ -268,6 +274,9 @@ def render(report: dict) -> str:
              + (f", held-out {report['eval_loss']:.4f}" if report.get("eval_loss") is not None else "")
              + (f", {report['tokens_per_s']:.0f} tokens/s" if report["tokens_per_s"] else "")
              + (" (finished)" if report["finished"] else "")]
+    if report.get("recipe"):
+        carried = Recipe.from_value({k: v for k, v in report["recipe"].items() if k != "publisher"})
+        lines.append(f"  recipe: {carried.describe()}")
     for stage in report["stages"]:
         lines.append(f"  stage {stage['stage']}: FS {', '.join(p[-8:] for p in stage['fs']) or '-'}"
                      f" | BS {', '.join(p[-8:] for p in stage['bs']) or '-'}"

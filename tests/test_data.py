@@ -98,10 +98,61 @@ def test_a_tokenizer_file_tokenizes_the_text_and_sizes_the_models_vocabulary(tok
 def test_a_tokenizer_that_is_no_local_file_is_refused_saying_nothing_is_downloaded(tmp_path: Path) -> None:
     from p2ptrain.config import ConfigError, RunConfig
 
-    with pytest.raises(ConfigError, match="no such file; give the path of a local tokenizer.json") as error:
+    with pytest.raises(ConfigError, match="no such file or folder; give the path of a local tokenizer.json") as error:
         RunConfig(tokenizer="meta-llama/Llama-2-7b-hf")
     assert error.value.field == "tokenizer" and "nothing is downloaded" in str(error.value)
     broken = tmp_path / "tokenizer.json"
     broken.write_text('{"model": 1}')
     with pytest.raises(ConfigError, match="not a tokenizers file"):
         RunConfig(tokenizer=str(broken))
+
+
+def test_a_folder_of_text_files_is_its_documents_in_path_order(tmp_path: Path) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "two.txt").write_text("second document " * 4, encoding="utf-8")
+    (tmp_path / "a.txt").write_text("first document " * 4, encoding="utf-8")
+    (tmp_path / "notes.md").write_text("not a text file of the corpus", encoding="utf-8")
+    assert load_text(str(tmp_path)) == "first document " * 4 + "\n\n" + "second document " * 4
+    source = TextSource(path=str(tmp_path), seq_len=16, seed=0)
+    assert ByteTokenizer().decode(source.microbatch(0, 0, 1)[0][0].tolist()) in load_text(str(tmp_path))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no .txt files"):
+        load_text(str(tmp_path / "empty"))
+
+
+def test_a_saved_datasets_folder_is_its_text_column(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = {"text": ["the first row of text", "", "the second row"], "label": [0, 1, 2]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "flat"))
+    assert load_text(str(tmp_path / "flat")) == "the first row of text\n\nthe second row"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "test": datasets.Dataset.from_dict({"text": ["held out"], "label": [3]})}
+                         ).save_to_disk(str(tmp_path / "splits"))
+    assert load_text(str(tmp_path / "splits")) == "the first row of text\n\nthe second row"
+    datasets.Dataset.from_dict({"body": ["x"]}).save_to_disk(str(tmp_path / "no-text"))
+    with pytest.raises(ValueError, match=r"columns \['body'\]; p2ptrain trains on a column named text"):
+        load_text(str(tmp_path / "no-text"))
+    from p2ptrain.config import RunConfig
+
+    assert RunConfig(data=str(tmp_path / "flat")).data == str(tmp_path / "flat")
+
+
+def test_a_transformers_tokenizer_folder_tokenizes_like_its_tokenizer(tmp_path: Path, tokenizer_file: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from p2ptrain.config import RunConfig
+
+    text = embedded_corpus()[:5_000]
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
+    fast.save_pretrained(tmp_path / "fast")
+    source = TextSource(text=text, seq_len=32, seed=0, tokenizer=str(tmp_path / "fast"))
+    assert source.tokens.tolist() == TextSource(text=text, seq_len=32, seed=0, tokenizer=str(tokenizer_file)
+                                                ).tokens.tolist()
+    # a folder without tokenizer.json: a WordPiece vocabulary, read by AutoTokenizer
+    words = sorted(set(text.lower().replace(".", " . ").replace(",", " , ").split()))
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    transformers.BertTokenizer(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "wordpiece")
+    (tmp_path / "wordpiece" / "tokenizer.json").unlink(missing_ok=True)
+    bert = transformers.AutoTokenizer.from_pretrained(tmp_path / "wordpiece")
+    source = TextSource(text=text, seq_len=16, seed=0, tokenizer=str(tmp_path / "wordpiece"))
+    assert source.tokens.tolist() == bert(text, add_special_tokens=False)["input_ids"]
+    assert RunConfig(tokenizer=str(tmp_path / "wordpiece"), seq_len=16).model_config.vocab_size == len(bert)

@@ -60,7 +60,13 @@ def test_ctrl_c_stops_the_whole_swarm(tmp_path):
         assert leftovers(run_id), "the swarm did not start"
         time.sleep(5)
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=90)
+        try:
+            _, err = process.communicate(timeout=90)
+        except subprocess.TimeoutExpired:  # say where the launcher stands, for a failure seen only under load
+            where = subprocess.run(["py-spy", "dump", "--pid", str(process.pid)], capture_output=True, text=True,
+                                   timeout=30)
+            raise AssertionError("the launcher did not stop within 90 s of Ctrl-C; where it stands:\n"
+                                 + (where.stdout or where.stderr)) from None
     finally:
         if process.poll() is None:  # the test failed midway: still stop the swarm the way a user would
             process.send_signal(signal.SIGINT)

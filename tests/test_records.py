@@ -19,9 +19,11 @@ from p2ptrain.dht import (
     Metrics,
     PeerInfo,
     PlanRecord,
+    RecipeRecord,
     get_metrics,
     get_peers,
     get_plan,
+    get_recipe,
     get_stage_members,
     make_validators,
     owned_subkey,
@@ -187,6 +189,35 @@ def test_plan_from_a_non_planner_key_is_ignored(peers: tuple[Peer, Peer], caplog
     ann.set_plan(newer)
     assert ann.refresh()
     assert get_plan(other.dht, RUN, planner.key) == newer
+
+
+def test_readers_take_the_recipe_of_the_data_source_among_the_stage_0_fs(peers: tuple[Peer, Peer]) -> None:
+    """Two stage-0 FS publish different recipes; every reader takes the one of the data source (the smallest peer
+    id without an owner), and none while no stage-0 FS is announced."""
+    from p2ptrain.config import RunConfig
+    from p2ptrain.recipe import Recipe
+
+    run = "recipe-run"
+    a, b = peers
+    assert get_recipe(b.dht, run) is None
+    announcers = {}
+    for peer, peer_id, seq_len in ((a, "fs-b", 48), (b, "fs-a", 32)):
+        announcer = Announcer(dht=peer.dht, run_id=run, peer_id=peer_id, owner_key=peer.key, period_s=5, ttl_s=30,
+                              start=False)
+        announcer.set_recipe(RecipeRecord(peer_id=peer_id, created=get_dht_time(),
+                                          recipe=Recipe.of(RunConfig(run_id=run, seq_len=seq_len)).to_value()))
+        announcers[peer_id] = announcer
+        assert announcer.refresh()
+    assert get_recipe(a.dht, run) is None  # recipes, but no data source announced yet
+    announcers["fs-b"].set_membership(0, Membership(peer_id="fs-b", role="fs", compute=1.0))
+    assert announcers["fs-b"].refresh()
+    assert get_recipe(a.dht, run)[0] == "fs-b"
+    announcers["fs-a"].set_membership(0, Membership(peer_id="fs-a", role="fs", compute=1.0))
+    assert announcers["fs-a"].refresh()
+    source, recipe = get_recipe(a.dht, run)
+    assert source == "fs-a" and recipe.config.seq_len == 32 and recipe == Recipe.of(RunConfig(run_id=run, seq_len=32))
+    for announcer in announcers.values():
+        announcer.shutdown()
 
 
 class _FakeDHT:

@@ -7,12 +7,22 @@ from p2ptrain.dht.keys import (
     owned_subkey,
     peers_key,
     plan_key,
+    recipe_key,
     split_subkey,
     stage_key,
 )
 from p2ptrain.dht.node import start_dht
-from p2ptrain.dht.readers import get_metrics, get_peers, get_plan, get_stage_members
-from p2ptrain.dht.records import MAX_EPOCHS_KEPT, EpochMetrics, Link, Membership, Metrics, PeerInfo, PlanRecord
+from p2ptrain.dht.readers import get_metrics, get_peers, get_plan, get_recipe, get_runs, get_stage_members
+from p2ptrain.dht.records import (
+    MAX_EPOCHS_KEPT,
+    EpochMetrics,
+    Link,
+    Membership,
+    Metrics,
+    PeerInfo,
+    PlanRecord,
+    RecipeRecord,
+)
 
 __all__ = [
     "MAX_EPOCHS_KEPT",
@@ -24,15 +34,19 @@ __all__ = [
     "Metrics",
     "PeerInfo",
     "PlanRecord",
+    "RecipeRecord",
     "get_metrics",
     "get_peers",
     "get_plan",
+    "get_recipe",
+    "get_runs",
     "get_stage_members",
     "make_validators",
     "metrics_key",
     "owned_subkey",
     "peers_key",
     "plan_key",
+    "recipe_key",
     "split_subkey",
     "stage_key",
     "start_dht",

@@ -17,8 +17,8 @@ from typing import Any
 import hivemind
 from hivemind.utils import get_dht_time
 
-from p2ptrain.dht.keys import metrics_key, owned_subkey, peers_key, plan_key, stage_key
-from p2ptrain.dht.records import Membership, Metrics, PeerInfo, PlanRecord
+from p2ptrain.dht.keys import RUNS_KEY, metrics_key, owned_subkey, peers_key, plan_key, recipe_key, stage_key
+from p2ptrain.dht.records import Membership, Metrics, PeerInfo, PlanRecord, RecipeRecord
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class Announcer:
 
     def set_metrics(self, record: Metrics) -> None:
         self._set(metrics_key(self.run_id), self._own(record.peer_id), record.to_value())
+
+    def set_recipe(self, record: RecipeRecord) -> None:
+        """Publish the run's recipe, and the run in the DHT's list of runs (a peer given no run id finds it there)."""
+        self._set(recipe_key(self.run_id), self._own(record.peer_id), record.to_value())
+        self._set(RUNS_KEY, self._subkey, {"run_id": self.run_id})
 
     def set_plan(self, record: PlanRecord) -> None:
         """Publish the plan under this peer's bare owner key; readers trust it only if that is the planner's key."""

@@ -1,7 +1,7 @@
 """DHT key names, owner subkeys and the validators every DHT of a run must be created with.
 
 hivemind's SchemaValidator names a key `{prefix}_{field}`, so the records of run R live under `R_peers`,
-`R_stage0` .. `R_stage{MAX_STAGES-1}`, `R_metrics` and `R_plan`. Every record sits under a subkey that holds
+`R_stage0` .. `R_stage{MAX_STAGES-1}`, `R_metrics`, `R_plan` and `R_recipe`. Every record sits under a subkey that holds
 its owner's public key in hivemind's `[owner:...]` form, so RSASignatureValidator accepts it only when
 signed by that owner: nobody can overwrite another peer's entry, and only the planner's key can write
 the plan entry its readers trust.
@@ -15,7 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 
-from p2ptrain.dht.records import MembershipModel, MetricsModel, PeerInfoModel, PlanModel
+from p2ptrain.dht.records import MembershipModel, MetricsModel, PeerInfoModel, PlanModel, RecipeModel
 
 # The schema needs one field per key; stages beyond this would go unchecked, so they are refused.
 MAX_STAGES = 256
@@ -41,6 +41,15 @@ def plan_key(run_id: str) -> str:
     return f"{run_id}_plan"
 
 
+def recipe_key(run_id: str) -> str:
+    return f"{run_id}_recipe"
+
+
+# the runs a DHT carries, each entry under its publisher's owned subkey: {"run_id": ...}. A run id starts with a
+# letter or digit, so no run's key can be this one
+RUNS_KEY = "_p2ptrain_runs"
+
+
 def owned_subkey(peer_id: str, owner_key: bytes) -> bytes:
     """Subkey of a per-peer record: the peer id followed by the owner's `local_public_key`."""
     if not owner_key.startswith(_OWNER_MARK):
@@ -62,6 +71,7 @@ def _schema() -> type[pydantic.BaseModel]:
         "peers": (Dict[BytesWithPublicKey, Optional[PeerInfoModel]], None),
         "metrics": (Dict[BytesWithPublicKey, Optional[MetricsModel]], None),
         "plan": (Dict[BytesWithPublicKey, Optional[PlanModel]], None),
+        "recipe": (Dict[BytesWithPublicKey, Optional[RecipeModel]], None),
         **{f"stage{k}": (Dict[BytesWithPublicKey, Optional[MembershipModel]], None) for k in range(MAX_STAGES)},
     }
     return pydantic.create_model("P2PTrainRecords", **fields)

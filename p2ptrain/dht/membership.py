@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import hivemind
 
-from p2ptrain.dht.readers import get_authorized_members, holding_servers
+from p2ptrain.dht.readers import frontal_order, get_authorized_members, holding_servers
 from p2ptrain.protocol.layout import Layout, StageServers
 
 if TYPE_CHECKING:
@@ -60,12 +60,8 @@ class MembershipCache:
                 logger.warning(f"ignoring {peer}: it announces itself as a server of stage {stage}, but the owner "
                                f"did not authorize it there")
             self.unauthorized[stage] = set(unauthorized)
-            named = {m.peer_id for m in members if m.data_source and self.owner is not None}
-            stages.append(StageServers(
-                fs=tuple(sorted((m.peer_id for m in members if m.role == "fs"),
-                                key=lambda peer: (peer not in named, peer))),
-                bs=tuple(sorted(m.peer_id for m in members if m.role == "bs")),
-            ))
+            stages.append(StageServers(fs=frontal_order(members, owner=self.owner),
+                                       bs=tuple(sorted(m.peer_id for m in members if m.role == "bs"))))
             holders.append(holding_servers(members))
         return stages, holders
 

@@ -14,15 +14,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import hivemind
 from hivemind.utils import get_dht_time
 
-from p2ptrain.dht.keys import metrics_key, peers_key, plan_key, split_subkey, stage_key
-from p2ptrain.dht.records import Membership, Metrics, PeerInfo, PlanRecord
+from p2ptrain.config import RUN_ID_PATTERN
+from p2ptrain.dht.keys import RUNS_KEY, metrics_key, peers_key, plan_key, recipe_key, split_subkey, stage_key
+from p2ptrain.dht.records import Membership, Metrics, PeerInfo, PlanRecord, RecipeRecord
+from p2ptrain.recipe import Recipe
 
 if TYPE_CHECKING:
     from p2ptrain.live.authority import Owner
 
 logger = logging.getLogger(__name__)
 
-R = TypeVar("R", PeerInfo, Membership, Metrics)
+R = TypeVar("R", PeerInfo, Membership, Metrics, RecipeRecord)
 
 
 def get_peers(dht: hivemind.DHT, run_id: str) -> list[PeerInfo]:
@@ -51,6 +53,38 @@ def get_authorized_members(dht: hivemind.DHT, run_id: str, stage: int, *, owner:
     members = _per_peer(dht, stage_key(run_id, stage), Membership.from_value, prefer=certified)
     return ([m for m in members if m.role == "worker" or certified(m)],
             [m.peer_id for m in members if m.role != "worker" and not certified(m)])
+
+
+def frontal_order(members: list[Membership], *, owner: Owner | None) -> tuple[str, ...]:
+    """The FS among a stage's `members`, data source first (of stage 0): with an owner, the ones whose certificate
+    names them the data source come first; then by peer id."""
+    named = {m.peer_id for m in members if m.data_source and owner is not None}
+    return tuple(sorted((m.peer_id for m in members if m.role == "fs"), key=lambda peer: (peer not in named, peer)))
+
+
+def get_recipe(dht: hivemind.DHT, run_id: str, *, owner: Owner | None = None) -> tuple[str, Recipe] | None:
+    """(the data source, the recipe it publishes), or None while there is none: the recipe stored by the first
+    stage-0 FS (`frontal_order`), signed with its key."""
+    order = frontal_order(get_stage_members(dht, run_id, 0, owner=owner), owner=owner)
+    if not order:
+        return None
+    for record in _per_peer(dht, recipe_key(run_id), RecipeRecord.from_value):
+        if record.peer_id == order[0]:
+            try:
+                return record.peer_id, Recipe.from_value(record.recipe)
+            except ValueError as e:
+                logger.warning("the data source %s publishes a recipe that is not one: %s", record.peer_id, e)
+    return None
+
+
+def get_runs(dht: hivemind.DHT) -> list[str]:
+    """The ids of the runs whose data sources announce them in this DHT."""
+    runs = set()
+    for _, value, _ in _live_entries(dht, RUNS_KEY):
+        run_id = value.get("run_id") if isinstance(value, dict) else None
+        if isinstance(run_id, str) and RUN_ID_PATTERN.fullmatch(run_id):
+            runs.add(run_id)
+    return sorted(runs)
 
 
 def holding_servers(members: list[Membership]) -> frozenset[str]:

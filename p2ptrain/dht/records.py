@@ -112,6 +112,12 @@ class PlanModel(_Strict):
     created: pydantic.StrictFloat
 
 
+class RecipeModel(_Strict):
+    peer_id: pydantic.StrictStr
+    recipe: Dict[pydantic.StrictStr, Any]
+    created: pydantic.StrictFloat
+
+
 def check_value(model: type[pydantic.BaseModel], value: dict[str, Any]) -> None:
     """Raise ValueError unless `value` passes `model` the way hivemind's SchemaValidator requires."""
     try:
@@ -284,3 +290,16 @@ class PlanRecord(_Record):
     def __post_init__(self) -> None:
         self.created = float(self.created)
 
+
+@dataclass(kw_only=True)
+class RecipeRecord(_Record):
+    schema: ClassVar[type[pydantic.BaseModel]] = RecipeModel
+    """The run's recipe as a stage-0 FS has it (`p2ptrain.recipe.Recipe.to_value`); key `{run_id}_recipe`. Readers
+    take the data source's."""
+
+    peer_id: str
+    recipe: dict[str, Any]
+    created: float
+
+    def __post_init__(self) -> None:
+        self.created = float(self.created)

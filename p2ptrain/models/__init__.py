@@ -3,35 +3,22 @@ to its `StageModel` implementation (`base.StageModel`), imported only when a sta
 
     from p2ptrain.models import build_stage, model_config
     stage = build_stage(model_config("llama-tiny"), start=0, end=2, seed=0)
+
+`from_pretrained` and `export` (of `hf`) read and write local Hugging Face checkpoints; they load torch and
+safetensors when first used.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
-
 from p2ptrain.models.configs import MODEL_CONFIGS, AlbertConfig, LlamaConfig, ModelConfig, model_config
-
-if TYPE_CHECKING:
-    from p2ptrain.models.base import StageModel
-
-# family -> "module:class" of its StageModel; a family without an entry can be planned but not trained
-STAGE_MODELS: dict[str, str] = {"llama": "p2ptrain.models.llama:LlamaStage"}
-
-# the presets a swarm can train
-TRAINABLE: tuple[str, ...] = tuple(name for name, config in MODEL_CONFIGS.items() if config.family in STAGE_MODELS)
+from p2ptrain.models.registry import STAGE_MODELS, TRAINABLE, build_stage, stage_model_class
 
 __all__ = ["MODEL_CONFIGS", "STAGE_MODELS", "TRAINABLE", "AlbertConfig", "LlamaConfig", "ModelConfig",
-           "build_stage", "model_config", "stage_model_class"]
+           "build_stage", "export", "from_pretrained", "model_config", "stage_model_class"]
 
 
-def stage_model_class(config: ModelConfig) -> type[StageModel]:
-    if config.family not in STAGE_MODELS:
-        raise ValueError(f"no stage implementation of the {config.family} family yet; trainable presets: "
-                         f"{', '.join(TRAINABLE)}")
-    module, name = STAGE_MODELS[config.family].split(":")
-    return getattr(importlib.import_module(module), name)
+def __getattr__(name: str) -> object:
+    if name in ("from_pretrained", "export"):
+        from p2ptrain.models import hf
 
-
-def build_stage(config: ModelConfig, *, start: int, end: int, seed: int = 0) -> StageModel:
-    """Layers [start, end) of the model, with the weights every peer builds for them from `seed`."""
-    return stage_model_class(config)(config, start=start, end=end, seed=seed)
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

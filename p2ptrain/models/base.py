@@ -37,10 +37,15 @@ class StageModel(nn.Module, ABC):
             return torch.randint(0, self.config.vocab_size, (rows, seq_len), generator=generator)
         return torch.randn(rows, seq_len, self.config.hidden_size, generator=generator, requires_grad=True)
 
-    def shared_parameters(self) -> set[str]:
-        """Names of the parameters that other stages hold copies of (tied or shared weights), whose gradients must
-        be combined across those stages; none by default."""
-        return set()
+    def shared_parameters(self) -> dict[str, str]:
+        """The parameters that other stages hold copies of (tied or shared weights), whose gradients must be
+        combined across those stages: name here -> a key that names the one tensor in every stage; none by default."""
+        return {}
+
+    @abstractmethod
+    def hf_names(self) -> dict[str, str]:
+        """Each parameter's name in the family's `transformers` checkpoint (`p2ptrain.models.hf`); copies of one
+        tensor (tied or shared weights) map to one name."""
 
     def optimizer_groups(self, weight_decay: float) -> list[dict]:
         """As nanoGPT does: matrices and embeddings decay, gains and biases (fewer than 2 dimensions) do not."""

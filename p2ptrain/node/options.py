@@ -24,6 +24,25 @@ FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan", "slow-averaging", "failed
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecipeOptions:
+    """How a peer takes the swarm's recipe (`p2ptrain.recipe`): the recipe's values it was given (RunConfig field ->
+    value) are checked against the carried recipe and the rest taken from it. A peer given none but the run id (or
+    not even that: it takes the run the swarm has) waits for the recipe, unless it may be the data source that
+    publishes it (a stage-0 FS, or a server the plan places)."""
+
+    given: dict[str, object] = field(default_factory=dict)
+    layers_given: bool = False  # --layers: the stage's layers stay as given, not the carried recipe's even split
+
+    @property
+    def discovers_run(self) -> bool:
+        return "run_id" not in self.given
+
+    @property
+    def given_nothing(self) -> bool:
+        return not set(self.given) - {"run_id"}
+
+
+@dataclass(frozen=True, kw_only=True)
 class NetworkOptions:
     """How the node joins the DHT, as hivemind's flags say it."""
 
@@ -81,6 +100,7 @@ class NodeOptions:
     eval_rows: int = 64  # ...on this many windows of it
     owner: Owner | None = None  # the run's owner: only the servers it authorized are trusted (`live.authority`)
     certificate: ServerCertificate | None = None  # a server of an owned run: the owner's word for its place
+    recipe: RecipeOptions | None = None  # None: the config is the whole recipe, carried or not (Python callers)
 
     def __post_init__(self) -> None:
         if self.role not in ("bootstrap", "server", "client"):
@@ -140,6 +160,13 @@ class NodeOptions:
     @property
     def does_compute(self) -> bool:
         return self.role == "client" or self.computes
+
+    @property
+    def waits_for_recipe(self) -> bool:
+        """Whether this peer waits for the swarm's recipe: one given no recipe values that cannot publish one."""
+        may_publish = self.role == "server" and (self.placement is None or (
+            self.placement.stage == 0 and self.placement.server_role == "fs"))
+        return self.recipe is not None and self.recipe.given_nothing and not may_publish
 
     def holds_state(self, server_role: str | None) -> bool:
         """Whether this peer holds its stage's parameters and optimizer state in the role it took: a worker, an FS,

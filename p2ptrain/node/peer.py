@@ -6,8 +6,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import hivemind
 import torch
@@ -17,9 +17,19 @@ from hivemind.p2p import P2P
 from p2ptrain.client.averaging import GradientDeposits, StageAllReduce
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
-from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
 from p2ptrain.data import TextSource
-from p2ptrain.dht import Announcer, EpochMetrics, Membership, PeerInfo, get_metrics, start_dht
+from p2ptrain.dht import (
+    Announcer,
+    EpochMetrics,
+    Membership,
+    PeerInfo,
+    RecipeRecord,
+    get_metrics,
+    get_recipe,
+    get_runs,
+    start_dht,
+)
 from p2ptrain.dht.membership import MembershipCache
 from p2ptrain.dht.readers import get_state_holders
 from p2ptrain.live.joining import join_client
@@ -28,9 +38,10 @@ from p2ptrain.live.probe import LinkProbe, measure_compute
 from p2ptrain.live.publisher import serve_plan
 from p2ptrain.models import build_stage
 from p2ptrain.node.metrics import publish_metrics
-from p2ptrain.node.options import NodeOptions
+from p2ptrain.node.options import NodeOptions, RecipeOptions
 from p2ptrain.protocol.deadlines import Throughput
 from p2ptrain.protocol.layout import Placement
+from p2ptrain.recipe import LOCAL_FIELDS, Recipe, adopt
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.evaluation import StageEvaluator
@@ -41,6 +52,7 @@ from p2ptrain.state.checkpoint import load_checkpoint, save_checkpoint
 from p2ptrain.transport import Caller
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Peer:
@@ -84,8 +96,14 @@ class Peer:
         a client's by probing). Returns once the peer runs (or once it was stopped while finding its place)."""
         options, settings = self.options, self.settings
         signer = options.planner.signer if options.planner else None
+        taking = options.recipe is not None and options.role != "bootstrap"
+        deadline = time.monotonic() + (settings.recipe_timeout_s if options.waits_for_recipe else 0.0)
+        if taking and options.recipe.discovers_run:
+            self.config = dataclasses.replace(self.config, run_id=await self._find_run(deadline))
         self.dht = await asyncio.to_thread(self._make_dht, signer)
         self.peer_id = self.dht.peer_id.to_base58()
+        if taking:
+            await self._take_recipe(options.recipe, deadline)
         if options.certificate is not None:  # a certificate of another identity or run would only be ignored
             options.owner.check(options.certificate, run_id=self.config.run_id, peer_id=self.peer_id,
                                 stage=options.certificate.stage, role=options.certificate.role)
@@ -192,6 +210,59 @@ class Peer:
             network.maddrs_file.write_text("\n".join(str(a) for a in dht.get_visible_maddrs()) + "\n")
         return dht
 
+    async def _find_run(self, deadline: float) -> str:
+        """The run the swarm carries (`dht.get_runs`), read through a DHT client of its own (the peer's DHT is made
+        for one run's records); this peer's run id if the swarm lists none by `deadline`. A ConfigError if it lists
+        several."""
+        network = self.options.network
+        reader = await asyncio.to_thread(start_dht, self.config.run_id, initial_peers=list(network.initial_peers),
+                                         client_mode=True)
+        try:
+            if self.options.waits_for_recipe:
+                logger.info(f"no run id given: waiting up to {self.settings.recipe_timeout_s:.0f} s for the swarm's")
+            runs = await self._read_until(lambda: get_runs(reader), deadline)
+        finally:
+            await asyncio.to_thread(reader.shutdown)
+        if len(runs) > 1:
+            raise ConfigError("run_id", "(none given)", f"the swarm carries runs {', '.join(runs)}; choose one")
+        return runs[0] if runs else self.config.run_id
+
+    async def _take_recipe(self, take: RecipeOptions, deadline: float) -> None:
+        """Take the swarm's recipe (`p2ptrain.recipe`): check the values this peer was given against its data
+        source's recipe and take the rest from it, waiting for it until `deadline` (time.monotonic). A ConfigError
+        (exit 2 on the command line) names a given value that differs, or says what is missing."""
+        options, settings, run_id = self.options, self.settings, self.config.run_id
+        if options.waits_for_recipe:
+            logger.info(f"waiting up to {max(0.0, deadline - time.monotonic()):.0f} s for the recipe of run {run_id}")
+        found = await self._read_until(lambda: get_recipe(self.dht, run_id, owner=options.owner), deadline)
+        if found is None:
+            if options.waits_for_recipe:
+                raise ConfigError("run_id", run_id, f"no recipe of this run in the swarm after "
+                                                    f"{settings.recipe_timeout_s:.0f} s: is its data source up? Or "
+                                                    "give this peer the run's recipe flags")
+            return
+        publisher, recipe = found
+        config = adopt(recipe, {**take.given, "run_id": run_id})
+        placement = self.placement
+        if placement is not None and (placement.stage, placement.server_role) == (0, "fs"):
+            for name in LOCAL_FIELDS:  # it may become the data source, which reads them
+                if getattr(recipe, name) is not None and getattr(config, name) is None:
+                    raise ConfigError(name, None, f"a stage-0 FS feeds the run's data: give it its own copy of the "
+                                                  f"run's {name} (sha256 {getattr(recipe, name)})")
+        if placement is not None and not take.layers_given:
+            self.placement = dataclasses.replace(placement, layers=config.stage_layers(placement.stage),
+                                                 num_stages=config.num_stages)
+        self.config = config
+        logger.info(f"took the recipe of run {run_id} from its data source {publisher}: {recipe.describe()}")
+
+    async def _read_until(self, read: Callable[[], T], deadline: float) -> T:
+        """`read()` in a thread until it finds something, `deadline` (time.monotonic) passes or the peer stops."""
+        while True:
+            found = await asyncio.to_thread(read)
+            if found or time.monotonic() >= deadline or self._stopping.is_set():
+                return found
+            await asyncio.sleep(self.settings.recipe_poll_s)
+
     async def _join(self) -> Joined | None:
         """Take a place from the plan, or (a client) by probing the stages; a planning server also watches its
         planner, which must not fail meanwhile."""
@@ -269,6 +340,10 @@ class Peer:
                                      is_leader=membership.leads, epochs=options.epochs,
                                      max_in_flight=options.max_in_flight, watch=watch, held_out=self._held_out())
             self._spawn(self.feeder.run(self._stopping))
+            # the swarm carries its recipe: peers read the data source's (`p2ptrain.recipe`)
+            recipe = await asyncio.to_thread(Recipe.of, config)  # fingerprints its data: maybe large
+            self._announcer.set_recipe(RecipeRecord(peer_id=self.peer_id, recipe=recipe.to_value(),
+                                                    created=time.time()))
         self._spawn(publish_metrics(
             announcer=self._announcer, period_s=settings.metrics_period_s, stop=self._stopping,
             peer_id=self.peer_id, stage=stage, role=role or "worker", server=self.server, worker=self.worker,
