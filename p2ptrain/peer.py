@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 # NodeOptions and RuntimeConfig fields and the flags that set them
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
+              "recipe_timeout_s": "--recipe-timeout",
               **DEADLINE_FLAGS,
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
               "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay", "checkpoint_dir": "--checkpoint-dir",
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "plan signed by that key (a client with no plan up joins by probing instead)")
     live.add_argument("--plan-timeout", type=positive, default=RuntimeConfig.plan_timeout_s,
                       help="seconds to wait for a plan that places it")
+    parser.add_argument("--recipe-timeout", type=positive, default=RuntimeConfig.recipe_timeout_s,
+                        help="seconds a peer given no recipe flags waits for the swarm's run and recipe")
     live.add_argument("--plan", action="store_true",
                       help="this server is also the planner: it plans the servers and clients that announce "
                            "themselves, publishes the plan signed with --planner-identity and keeps it alive while "
@@ -217,7 +220,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
             eval_every=args.eval_every, eval_rows=args.eval_rows, owner=owner, certificate=certificate,
             recipe=None if args.role == "bootstrap" else RecipeOptions(
                 given=given_recipe(parser, args, config, argv), layers_given=args.layers is not None))
-        settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, **deadlines_from(args))
+        settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, recipe_timeout_s=args.recipe_timeout,
+                                 **deadlines_from(args))
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
 

@@ -131,3 +131,28 @@ def test_a_volunteer_given_only_the_swarms_address_trains_with_its_recipe_and_a_
                               "--seq-len", "64", *bare], capture_output=True, text=True, timeout=180)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "--seq-len 64: the swarm's recipe has 32" in refused.stderr, refused.stderr[-2000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_volunteer_that_finds_no_recipe_says_so_and_one_stopped_while_it_waits_stops_cleanly(make_swarm):
+    """A swarm with no data source up: a client given no recipe flags waits for the recipe (--recipe-timeout) and
+    then exits 2 saying there is none; one stopped (SIGTERM) while it waits stops at once with status 0."""
+    import subprocess
+    import sys
+    import time
+
+    from p2ptrain.cli import LOOPBACK
+
+    swarm = make_swarm("no-data-source-yet", [])
+    bare = ["--host-maddrs", LOOPBACK, "--initial-peers", *swarm.initial_peers]
+    refused = subprocess.run([sys.executable, "-m", "p2ptrain.peer", "--role", "client", "--stage", "0",
+                              "--recipe-timeout", "3", *bare], capture_output=True, text=True, timeout=180)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "--run-id p2ptrain: no recipe of this run in the swarm after 3 s" in refused.stderr, refused.stderr[-2000:]
+    waiting = swarm.start("waiting", ["--role", "client", "--stage", "1", *bare])
+    deadline = time.monotonic() + 120
+    while "waiting up to" not in (swarm.workdir / "waiting.log").read_text():
+        assert time.monotonic() < deadline and waiting.poll() is None, swarm.logs()
+        time.sleep(0.5)
+    waiting.terminate()
+    assert waiting.wait(timeout=60) == 0, swarm.logs(["waiting"])

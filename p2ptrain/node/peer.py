@@ -104,6 +104,8 @@ class Peer:
         self.peer_id = self.dht.peer_id.to_base58()
         if taking:
             await self._take_recipe(options.recipe, deadline)
+        if self._stopping.is_set():  # stopped while it waited for the swarm's run or recipe
+            return
         if options.certificate is not None:  # a certificate of another identity or run would only be ignored
             options.owner.check(options.certificate, run_id=self.config.run_id, peer_id=self.peer_id,
                                 stage=options.certificate.stage, role=options.certificate.role)
@@ -219,7 +221,8 @@ class Peer:
                                          client_mode=True)
         try:
             if self.options.waits_for_recipe:
-                logger.info(f"no run id given: waiting up to {self.settings.recipe_timeout_s:.0f} s for the swarm's")
+                logger.info(f"no run id given: waiting up to {self.settings.recipe_timeout_s:.0f} s for the swarm to "
+                            "list its run")
             runs = await self._read_until(lambda: get_runs(reader), deadline)
         finally:
             await asyncio.to_thread(reader.shutdown)
@@ -236,7 +239,7 @@ class Peer:
             logger.info(f"waiting up to {max(0.0, deadline - time.monotonic()):.0f} s for the recipe of run {run_id}")
         found = await self._read_until(lambda: get_recipe(self.dht, run_id, owner=options.owner), deadline)
         if found is None:
-            if options.waits_for_recipe:
+            if options.waits_for_recipe and not self._stopping.is_set():
                 raise ConfigError("run_id", run_id, f"no recipe of this run in the swarm after "
                                                     f"{settings.recipe_timeout_s:.0f} s: is its data source up? Or "
                                                     "give this peer the run's recipe flags")
