@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
               *deadline_args(args)]
     swarm = Swarm(workdir=workdir)
     interrupted = False
+    pressed = take_ctrl_c()
     try:
         initial = swarm.start_bootstrap(args.run_id)
         for device, command in peer_commands(plan, common, client_mode=args.client_mode_volunteers).items():
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  stage {stage} layers [{start}, {end}): FS {entry['fs']} BS {entry['bs']} "
                   f"clients {entry['clients']}" + (" (client mode)" if args.client_mode_volunteers else ""),
                   file=sys.stderr)
-        report = watch(swarm, args, initial)
+        report = watch(swarm, args, initial, pressed)
         if swarm.own_addresses:
             report["wire_bytes_sent"] = swarm.wire_bytes()
     except KeyboardInterrupt:
@@ -247,8 +249,24 @@ def behind_links(parser: argparse.ArgumentParser, args: argparse.Namespace, argv
         parser.error(f"--uplink-mbit: {e}")
 
 
-def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
-    """Follow the swarm through the DHT with a progress bar until the data source finishes."""
+def take_ctrl_c() -> threading.Event:
+    """Ctrl-C raises KeyboardInterrupt in this process whatever it inherited (an ignored or blocked SIGINT), and sets
+    the event it returns, which the progress loop checks too: a KeyboardInterrupt that a library call on the way
+    swallowed still stops the swarm. (The launcher was seen, in a loaded test run, going on for 90 s after a
+    Ctrl-C with its main thread in the progress loop; the cause was not found.)"""
+    pressed = threading.Event()
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        pressed.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    return pressed
+
+
+def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str], pressed: threading.Event) -> dict:
+    """Follow the swarm through the DHT with a progress bar until the data source finishes, or Ctrl-C."""
     from p2ptrain.dht import start_dht
     from p2ptrain.status import History, collect
 
@@ -258,6 +276,8 @@ def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str]) -> dict:
     try:
         with tqdm(total=args.epochs, unit="epoch", desc="training") as bar:
             while True:
+                if pressed.is_set():
+                    raise KeyboardInterrupt
                 failed = swarm.failed()
                 if failed:
                     raise RuntimeError(f"peers {failed} exited with an error; see their logs in {swarm.workdir}")
