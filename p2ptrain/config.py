@@ -192,7 +192,7 @@ def vocab_size(tokenizer: str) -> int:
     """The number of token ids of a local Hugging Face tokenizer (a tokenizer.json, or a transformers tokenizer
     folder; added tokens included); a ConfigError says what is wrong with it. Nothing is downloaded: a name that is
     no local file or folder is refused."""
-    from p2ptrain.data import load_tokenizer
+    from p2ptrain.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(tokenizer)[1]

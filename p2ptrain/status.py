@@ -125,8 +125,8 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, o
     """The report (see the module docstring) of run `run_id`, read through `dht`; its `epochs` are those the peers'
     records carry, and with `history`, every epoch its earlier reads saw too; with the run's `owner`, of the servers
     it authorized only."""
-    from p2ptrain.dht import get_metrics, get_peers, get_recipe  # hivemind: not for --help
-    from p2ptrain.dht.readers import get_authorized_members
+    from p2ptrain.dht import get_metrics, get_peers  # hivemind: not for --help
+    from p2ptrain.dht.readers import frontal_order, get_authorized_members, read_recipe
 
     peers = get_peers(dht, run_id)
     metrics = get_metrics(dht, run_id)
@@ -159,7 +159,8 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, o
     source = next((m for m in metrics if m.epochs_planned is not None), None)
     closed = [e for e in epochs if e["closed"]]
     last = closed[-1] if closed else None
-    recipe = get_recipe(dht, run_id, owner=owner)
+    frontal = frontal_order(memberships[0][0], owner=owner) if memberships else ()  # stage 0's FS, read above
+    recipe = read_recipe(dht, run_id, frontal[0]) if frontal else None
     return {
         "run_id": run_id,
         "recipe": {"publisher": recipe[0], **recipe[1].to_value()} if recipe else None,

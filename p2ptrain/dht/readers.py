@@ -66,10 +66,13 @@ def get_recipe(dht: hivemind.DHT, run_id: str, *, owner: Owner | None = None) ->
     """(the data source, the recipe it publishes), or None while there is none: the recipe stored by the first
     stage-0 FS (`frontal_order`), signed with its key."""
     order = frontal_order(get_stage_members(dht, run_id, 0, owner=owner), owner=owner)
-    if not order:
-        return None
+    return read_recipe(dht, run_id, order[0]) if order else None
+
+
+def read_recipe(dht: hivemind.DHT, run_id: str, publisher: str) -> tuple[str, Recipe] | None:
+    """(`publisher`, the recipe it stores), or None if it stores none that is one."""
     for record in _per_peer(dht, recipe_key(run_id), RecipeRecord.from_value):
-        if record.peer_id == order[0]:
+        if record.peer_id == publisher:
             try:
                 return record.peer_id, Recipe.from_value(record.recipe)
             except ValueError as e:

@@ -147,7 +147,7 @@ class _Weights:
         self.handles.clear()
 
     def get(self, key: str) -> torch.Tensor:
-        file = self.files.get(key, self.directory / WEIGHTS) if self.files else self.directory / WEIGHTS
+        file = self.files.get(key, self.directory / WEIGHTS)
         if file not in self.handles:
             try:
                 self.handles[file] = safe_open(str(file), framework="pt")
