@@ -80,7 +80,7 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "clip_norm": "--clip-norm", "dpu": "--dpu", "averaging_codec": "--averaging-codec",
                 "average_every": "--average-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
                 "compression": "--compression", "data": "--data",
-                "tokenizer": "--tokenizer",
+                "tokenizer": "--tokenizer", "init_from": "--init-from",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
                        "averaging_codec", "average_every", "outer_lr", "outer_momentum")
@@ -179,7 +179,8 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
     """The flags every peer of a run must give alike (docs/design.md §5)."""
     recipe = parser.add_argument_group("recipe (the same on every peer)")
     recipe.add_argument("--run-id", type=run_id, default=defaults.run_id, help="prefix of this swarm's DHT keys")
-    recipe.add_argument("--model", default=defaults.model, choices=TRAINABLE)
+    recipe.add_argument("--model", choices=TRAINABLE, help=f"a preset (default: {defaults.model}, or the checkpoint's "
+                                                           "model with --init-from)")
     recipe.add_argument("--num-stages", type=count, default=defaults.num_stages)
     recipe.add_argument("--batch-rows", type=count, default=defaults.rows_per_microbatch,
                         help="rows (sequences) per microbatch")
@@ -195,6 +196,10 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
     recipe.add_argument("--tokenizer", metavar="PATH",
                         help="a local Hugging Face tokenizer.json, or a transformers tokenizer folder, to tokenize the "
                              "text with; the model's vocabulary takes its size (default: byte-level tokens, 256)")
+    recipe.add_argument("--init-from", metavar="PATH",
+                        help="start from a local Hugging Face checkpoint directory (config.json and safetensors): the "
+                             "model is its config.json's; a client without a copy downloads its stage's state from a "
+                             "stage mate")
     recipe.add_argument("--fault-policy", choices=FAULT_POLICIES, default=defaults.fault_policy,
                         help="rows whose gradients a vanished worker took: 'taskpool' redoes them at their stage from "
                              "the inputs its FS keeps; 'swarm' drops them and feeds their microbatches again from "
@@ -204,10 +209,20 @@ def add_recipe_flags(parser: argparse.ArgumentParser, *, defaults: RunConfig = R
 
 def recipe_from(parser: argparse.ArgumentParser, args: argparse.Namespace) -> RunConfig:
     with refusing(parser, RECIPE_FLAGS):
-        return RunConfig(run_id=args.run_id, model=args.model, num_stages=args.num_stages,
+        return RunConfig(run_id=args.run_id, model=model_name(parser, args), num_stages=args.num_stages,
                          rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
-                         seed=args.seed, compression=args.compression, data=args.data,
-                         tokenizer=args.tokenizer, fault_policy=args.fault_policy, **optimization_from(args))
+                         seed=args.seed, compression=args.compression, data=args.data, tokenizer=args.tokenizer,
+                         init_from=args.init_from, fault_policy=args.fault_policy, **optimization_from(args))
+
+
+def model_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """--model, or with --init-from the checkpoint directory's name (its config.json is the model)."""
+    if args.init_from is None:
+        return args.model or RunConfig.model
+    if args.model is not None:
+        fail(parser, "--model", args.model, "--init-from takes the model from the checkpoint's config.json; drop "
+                                            "--model")
+    return Path(args.init_from).resolve().name
 
 
 def given_recipe(parser: argparse.ArgumentParser, args: argparse.Namespace, config: RunConfig,

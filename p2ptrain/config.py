@@ -16,6 +16,7 @@ from pathlib import Path
 
 from p2ptrain.models import TRAINABLE, ModelConfig, model_config
 from p2ptrain.models.configs import even_split
+from p2ptrain.models.hf_config import CheckpointError, read_config
 from p2ptrain.models.registry import trainable
 
 CODECS: tuple[str, ...] = ("none", "fp16", "int8")  # codecs of activations and gradients on the wire
@@ -75,16 +76,23 @@ class RunConfig:
     data: str | None = None  # a local UTF-8 text file; None: the embedded corpus
     tokenizer: str | None = None  # a local Hugging Face tokenizer.json; None: byte-level tokens (`data.ByteTokenizer`)
     fault_policy: str = "taskpool"  # one of FAULT_POLICIES
+    # a local Hugging Face checkpoint directory the run starts from (`models.hf`): its config.json is the model's
+    # config, and `model` only names it
+    init_from: str | None = None
     # the model's whole config, when it is no preset's (a swarm's carried recipe, a Hugging Face checkpoint); `model`
     # then only names it
     architecture: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
-        if self.architecture is None and self.model not in TRAINABLE:
+        if self.init_from is not None:
+            pretrained = checkpoint_config(self.init_from)  # a ConfigError if it is no checkpoint
+            if self.architecture is not None and self.architecture != pretrained:
+                raise ConfigError("init_from", self.init_from, "its config.json is another model than the run's")
+        elif self.architecture is None and self.model not in TRAINABLE:
             raise ConfigError("model", self.model, f"unknown model; choose one of {', '.join(TRAINABLE)}")
-        if self.architecture is not None and not trainable(self.architecture):
-            raise ConfigError("model", self.model, f"a {self.architecture.family} model cannot be trained by a swarm "
+        if not trainable(self.model_config):
+            raise ConfigError("model", self.model, f"a {self.model_config.family} model cannot be trained by a swarm "
                                                    "yet")
         layers = self.model_config.num_layers
         if not 1 <= self.num_stages <= layers:
@@ -155,9 +163,12 @@ class RunConfig:
 
     @property
     def model_config(self) -> ModelConfig:
-        """The model's config: `architecture` as it is, else the preset's, with a tokenizer's size for vocabulary."""
+        """The model's config: `architecture` as it is, else the checkpoint's it starts from, else the preset's, with
+        a tokenizer's size for vocabulary."""
         if self.architecture is not None:
             return self.architecture
+        if self.init_from is not None:
+            return checkpoint_config(self.init_from)
         preset = model_config(self.model)
         if self.tokenizer is None:
             return preset
@@ -198,6 +209,15 @@ def vocab_size(tokenizer: str) -> int:
         return load_tokenizer(tokenizer)[1]
     except (OSError, ValueError) as e:
         raise ConfigError("tokenizer", tokenizer, str(e)) from None
+
+
+@functools.lru_cache(maxsize=8)
+def checkpoint_config(path: str) -> ModelConfig:
+    """The model config of a local Hugging Face checkpoint directory; a ConfigError says what is wrong with it."""
+    try:
+        return read_config(path)
+    except CheckpointError as e:
+        raise ConfigError("init_from", path, str(e)) from None
 
 
 @dataclass(frozen=True, kw_only=True)

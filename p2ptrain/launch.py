@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from p2ptrain.cli import (
     deadline_args,
     existing_file,
     flag_value,
+    model_name,
     optimization_from,
     positive,
     refusing,
@@ -40,7 +42,7 @@ from p2ptrain.cli import (
 from p2ptrain.config import CODECS, RunConfig
 from p2ptrain.models import TRAINABLE
 from p2ptrain.planner import PlanningError, make_plan
-from p2ptrain.planner.presets import model_spec
+from p2ptrain.planner.presets import config_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
 
 DEFAULT_PEERS = Path(__file__).resolve().parent.parent / "peers" / "local.toml"
@@ -112,16 +114,18 @@ class Swarm:
             process.wait()
 
 
-def peer_commands(plan: dict, common: list[str], *, client_mode: bool = False) -> dict[str, list[str]]:
+def peer_commands(plan: dict, common: list[str], *, client_mode: bool = False,
+                  source: Sequence[str] = ()) -> dict[str, list[str]]:
     """One `p2ptrain.peer` command line per device the plan places; the plan's layer ranges go along. With
-    `client_mode`, the volunteers (clients) dial out only, as behind NAT."""
+    `client_mode`, the volunteers (clients) dial out only, as behind NAT; the stage-0 FS, the data source, takes
+    `source` too."""
     commands = {}
     num_stages = len(plan["stages"])
     for stage, entry in enumerate(plan["stages"]):
         layers = f"{entry['layers'][0]}:{entry['layers'][1]}"
         base = [*common, "--num-stages", str(num_stages), "--stage", str(stage), "--layers", layers]
         for device in entry["fs"]:
-            commands[device] = [*base, "--role", "server", "--server-role", "fs"]
+            commands[device] = [*base, "--role", "server", "--server-role", "fs", *(source if stage == 0 else ())]
         for device in entry["bs"]:
             commands[device] = [*base, "--role", "server", "--server-role", "bs"]
         for device in entry["clients"]:
@@ -135,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("peers", nargs="?", default=str(DEFAULT_PEERS), help="swarm file (default: peers/local.toml)")
     parser.add_argument("--epochs", type=count, default=30, help="global batches to train")
     parser.add_argument("--stages", type=count, default=2, help="pipeline stages (the planner places the devices)")
-    parser.add_argument("--model", default="llama-tiny", choices=TRAINABLE)
+    parser.add_argument("--model", choices=TRAINABLE,
+                        help="a preset (default: llama-tiny, or the checkpoint's model with --init-from)")
+    parser.add_argument("--init-from", metavar="PATH",
+                        help="start from a local Hugging Face checkpoint directory (config.json and safetensors)")
     parser.add_argument("--seq-len", type=count, default=64)
     parser.add_argument("--compression", choices=CODECS, default="none")
     parser.add_argument("--data", help="a local text file, a folder of .txt files or a datasets folder (save_to_disk) "
@@ -153,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--client-mode-volunteers", action="store_true",
                         help="the volunteers (clients) run with --client-mode, dialing out only as behind NAT; the "
                              "servers, reachable, reduce their stages' averaging rounds")
+    parser.add_argument("--export-to", type=Path, metavar="PATH",
+                        help="at the end, write the trained model into this folder as a Hugging Face checkpoint "
+                             "(config.json, safetensors) that transformers loads")
     parser.add_argument("--report", type=Path, metavar="PATH",
                         help="write the swarm's last status report (JSON, as `python -m p2ptrain.status --json`) here")
     emulated = parser.add_argument_group("emulated links (python -m p2ptrain.links; root, ip and tc)")
@@ -183,13 +193,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.decay_epochs is None:
         args.decay_epochs = args.epochs if args.epochs > args.warmup_epochs else 0
     with refusing(parser, {**RECIPE_FLAGS, "num_stages": "--stages"}):  # what every peer will check, checked first
-        config = RunConfig(run_id=args.run_id, model=args.model, num_stages=args.stages, rows_per_microbatch=rows,
-                           microbatches=microbatches, seq_len=args.seq_len, compression=args.compression,
-                           data=args.data, tokenizer=args.tokenizer, **optimization_from(args))
-    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
-        parser.error(f"--workdir {args.workdir}: is a file; give a folder")
+        config = RunConfig(run_id=args.run_id, model=model_name(parser, args), num_stages=args.stages,
+                           rows_per_microbatch=rows, microbatches=microbatches, seq_len=args.seq_len,
+                           compression=args.compression, data=args.data, tokenizer=args.tokenizer,
+                           init_from=args.init_from, **optimization_from(args))
+    for flag, folder in (("--workdir", args.workdir), ("--export-to", args.export_to)):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            parser.error(f"{flag} {folder}: is a file; give a folder")
     try:
-        plan = make_plan(swarm_file, model_spec(args.model, averaging_codec=config.averaging_codec),
+        plan = make_plan(swarm_file, config_spec(config.model_config, averaging_codec=config.averaging_codec,
+                                                 name=config.model),
                          batch_tokens=tokens, microbatches=microbatches, planner="refined",
                          stages=args.stages, average_every=config.average_every).to_json()
     except PlanningError as e:
@@ -199,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     # the status reader's DHT needs torch and hivemind: load them before the first peer starts, so that a Ctrl-C
     # soon after the swarm is up finds this process watching it, not importing
     importlib.import_module("p2ptrain.dht")
-    common = ["--run-id", config.run_id, "--model", config.model, "--seq-len", str(config.seq_len), "--batch-rows",
+    model = ["--init-from", config.init_from] if config.init_from else ["--model", config.model]
+    common = ["--run-id", config.run_id, *model, "--seq-len", str(config.seq_len), "--batch-rows",
               str(rows), "--microbatches", str(microbatches), "--epochs", str(args.epochs), "--compression",
               config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else []),
               *(["--tokenizer", config.tokenizer] if config.tokenizer else []),
@@ -211,7 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     pressed = take_ctrl_c()
     try:
         initial = swarm.start_bootstrap(args.run_id)
-        for device, command in peer_commands(plan, common, client_mode=args.client_mode_volunteers).items():
+        source = ["--export-to", str(args.export_to.resolve())] if args.export_to else []
+        for device, command in peer_commands(plan, common, client_mode=args.client_mode_volunteers,
+                                             source=source).items():
             swarm.start(device, [*command, "--initial-peers", *initial])
         print(f"swarm of {len(swarm.processes)} processes, logs in {workdir}", file=sys.stderr)
         for stage, entry in enumerate(plan["stages"]):
@@ -235,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     losses = [e["loss"] for e in report["epochs"] if e["loss"] is not None]
     if losses:
         print(f"trained {len(losses)} epochs: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if args.export_to is not None:
+        print(f"exported the trained model to {args.export_to}")
 
 
 def behind_links(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:

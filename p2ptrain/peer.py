@@ -56,7 +56,7 @@ NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
               "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay", "checkpoint_dir": "--checkpoint-dir",
               "checkpoint_every": "--checkpoint-every", "eval_data": "--eval-data", "eval_every": "--eval-every",
-              "eval_rows": "--eval-rows", "keep_state": "--keep-state"}
+              "eval_rows": "--eval-rows", "keep_state": "--keep-state", "export_to": "--export-to"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "resume from them when started again")
     run.add_argument("--checkpoint-every", type=count, default=10, metavar="N",
                      help="with --checkpoint-dir: save every N epochs (and when stopped)")
+    run.add_argument("--export-to", type=Path, metavar="PATH",
+                     help="the data source (stage-0 FS): once its last epoch closed, write the model as every stage "
+                          "then stands into this folder, as a Hugging Face checkpoint (config.json, safetensors) that "
+                          "transformers loads")
     run.add_argument("--eval-data", type=existing_file,
                      help="the data source: a held-out text file; the swarm's parameters are evaluated on it through "
                           "the stages' servers (forward only) and the loss is shown as eval_loss")
@@ -178,7 +182,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
         parser.error("--keep-state is for a server (a BS; an FS always holds its stage's state)")
     if args.role != "server" and (args.server_role or args.compute):
         parser.error("--server-role and --compute are for --role server only")
-    for flag, folder in (("--dump-grads", args.dump_grads), ("--checkpoint-dir", args.checkpoint_dir)):
+    for flag, folder in (("--dump-grads", args.dump_grads), ("--checkpoint-dir", args.checkpoint_dir),
+                         ("--export-to", args.export_to)):
         if folder is not None and folder.exists() and not folder.is_dir():
             fail(parser, flag, folder, "is a file; give a folder")
     for flag, values in (("--initial-peers", args.initial_peers), ("--host-maddrs", args.host_maddrs),
@@ -216,7 +221,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
             threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
-            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, eval_data=args.eval_data,
+            checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, export_to=args.export_to,
+            eval_data=args.eval_data,
             eval_every=args.eval_every, eval_rows=args.eval_rows, owner=owner, certificate=certificate,
             recipe=None if args.role == "bootstrap" else RecipeOptions(
                 given=given_recipe(parser, args, config, argv), layers_given=args.layers is not None))

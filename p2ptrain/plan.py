@@ -192,9 +192,8 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
 
     settings = RuntimeConfig(plan_timeout_s=args.expect_timeout or RuntimeConfig.plan_timeout_s)
     try:
-        plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
-                          averaging_codec=args.averaging_codec or PEER_DEFAULTS.averaging_codec,
-                          planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
+        spec = model_spec(model, averaging_codec=args.averaging_codec or PEER_DEFAULTS.averaging_codec)
+        plan = plan_swarm(dht, run_id=run_id, model=spec, tokens=tokens, microbatches=microbatches, planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
                           stop=stop, average_every=args.average_every)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)

@@ -174,3 +174,36 @@ def test_bad_checkpoints_get_errors_that_say_what_to_fix(tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no model.safetensors"):
         from_pretrained(path)
+
+
+def test_an_export_in_shards_of_a_stage_each_loads_back_and_a_partial_one_is_refused(tmp_path):
+    """ExportWriter, as a swarm's export uses it: a shard per stage with an index, tied weights written once; a
+    directory without every layer gets no config.json, so transformers never loads half a model."""
+    from p2ptrain.models.hf import ExportWriter, load_pretrained
+
+    model, path = llama_checkpoint(tmp_path, tie_word_embeddings=True)
+    stages = from_pretrained(path, num_stages=3)
+    writer = ExportWriter(tmp_path / "shards", stages[0].config, num_shards=3)
+    for stage in stages:
+        writer.add(stage)
+    writer.close()
+    index = json.loads((tmp_path / "shards" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.embed_tokens.weight"] == "model-00001-of-00003.safetensors"
+    assert "lm_head.weight" not in index["weight_map"]
+    ids = torch.randint(0, 97, (2, 8))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "shards").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
+    fresh = from_pretrained(path, num_stages=3)[1]
+    with torch.no_grad():
+        for param in fresh.parameters():
+            param.zero_()
+    load_pretrained(fresh, tmp_path / "shards")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), stages[1].parameters()))
+    partial = ExportWriter(tmp_path / "partial", stages[0].config, num_shards=3)
+    partial.add(stages[0])
+    with pytest.raises(ValueError, match="a stage of layers"):
+        partial.add(stages[2])
+    with pytest.raises(ValueError, match="export needs every layer"):
+        partial.close()
+    assert not (tmp_path / "partial" / "config.json").exists()

@@ -156,3 +156,32 @@ def test_a_volunteer_that_finds_no_recipe_says_so_and_one_stopped_while_it_waits
         time.sleep(0.5)
     waiting.terminate()
     assert waiting.wait(timeout=60) == 0, swarm.logs(["waiting"])
+
+
+def test_a_run_started_from_a_checkpoint_takes_its_model_and_carries_its_fingerprint(tmp_path: Path) -> None:
+    """--init-from: the model is the checkpoint's config.json; the recipe carries the checkpoint's fingerprint, a
+    peer's own copy must match it, and what is no checkpoint is refused saying why."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    hf = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=48)
+    transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "ckpt")
+    config = RunConfig(model="ckpt", init_from=str(tmp_path / "ckpt"), num_stages=3, seq_len=48)
+    model = config.model_config
+    assert (model.family, model.num_layers, model.num_kv_heads, model.max_seq_len) == ("llama", 3, 1, 48)
+    recipe = Recipe.of(config)
+    assert recipe.init_from == fingerprint(str(tmp_path / "ckpt")) and str(tmp_path) not in repr(recipe.to_value())
+    assert Recipe.from_value(recipe.to_value()) == recipe and "from a checkpoint" in recipe.describe()
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "copy")
+    assert adopt(recipe, {}).init_from is None  # a volunteer without a copy downloads its stage's state
+    assert adopt(recipe, {"init_from": str(tmp_path / "copy")}).model_config == model
+    transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "other")  # other weights
+    with pytest.raises(RecipeConflict, match="another init_from"):
+        adopt(recipe, {"init_from": str(tmp_path / "other")})
+    with pytest.raises(ConfigError, match="exceeds the model's max_seq_len 48"):
+        RunConfig(init_from=str(tmp_path / "ckpt"), seq_len=64)
+    with pytest.raises(ConfigError, match="config.json: missing"):
+        RunConfig(init_from=str(tmp_path))
+    with pytest.raises(ConfigError, match="another model than the run's"):
+        RunConfig(init_from=str(tmp_path / "ckpt"), architecture=LlamaConfig())

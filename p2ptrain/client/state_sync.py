@@ -25,8 +25,9 @@ import logging
 import random
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from hivemind.p2p import P2PContext
 
 from p2ptrain.protocol.messages import STAGE_STATE, DownloadState, StageStateReply
@@ -35,6 +36,8 @@ from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
 
 if TYPE_CHECKING:  # the worker wires this module in; importing it at runtime would only add a cycle's risk
     from p2ptrain.client.worker import Worker
+    from p2ptrain.models.base import StageModel
+    from p2ptrain.state.params import StageParams
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,20 @@ class StageStateServer(Service):
         return StageStateReply(epoch=epoch, blob=blob)
 
 
-async def load_state_from_peers(worker: Worker, *, caller: Caller, candidates: Iterable[str],
+class StateTarget(Protocol):
+    """What a stage's state downloads into: a worker, or a stage copy that is exported (`node.export`)."""
+
+    worker_id: str  # who asks
+    stage: int
+    epoch: int  # the state must be current for this epoch at least
+    model: StageModel
+    master: StageParams
+
+    def load_state(self, *, model_state: dict[str, torch.Tensor], optimizer_state: dict[str, Any], epoch: int
+                   ) -> None: ...
+
+
+async def load_state_from_peers(worker: StateTarget, *, caller: Caller, candidates: Iterable[str],
                                 servers: Iterable[str] = (), timeout: float = STATE_DOWNLOAD_TIMEOUT_S,
                                 deadline: float = STATE_DOWNLOAD_DEADLINE_S) -> int | None:
     """Load the stage's current state into `worker` from one of its stage's `servers`, else one of `candidates` (its

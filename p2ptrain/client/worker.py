@@ -96,10 +96,14 @@ class Worker:
         fault: str = "none", dump_dir: Path | None = None,
         download_state: Callable[[Worker], Awaitable[int | None]] | None = None,
         holds_only: bool = False, after_step: Callable[[Worker], Awaitable[None]] | None = None,
+        pretrained: bool = False,
     ):
         self.worker_id, self.stage, self.config, self.settings = worker_id, stage, config, settings
         self.model, self.averager, self.caller, self.norm_keeper = model, averager, caller, norm_keeper
         self.master = StageParams(model=model, config=config)
+        # its model holds a checkpoint's weights (the run starts from it): it serves them as the stage's, and a
+        # running stage's are downloaded only if it finds the stage further on (catch-up)
+        self.master.loaded = pretrained
         self._update: asyncio.Task | None = None  # the averaging and step of the last closed epoch, with DPU
         self._averaging_with: frozenset[str] = frozenset()  # the group of the all-reduce under way
         self._stale = False  # a round failed and this worker did not step: it reloads the stage's state

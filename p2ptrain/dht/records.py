@@ -8,7 +8,7 @@ that would be dropped by the DHT fails here instead, with pydantic's message.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Dict, List, Literal, Optional, Self
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Self, Tuple
 
 import pydantic.v1 as pydantic
 
@@ -58,6 +58,7 @@ class MembershipModel(_Strict):
     client_mode: pydantic.StrictBool = False
     certificate: Optional[pydantic.constr(strict=True, max_length=1024)] = None
     data_source: pydantic.StrictBool = False
+    layers: Optional[Tuple[_NonNegInt, _NonNegInt]] = None
 
 
 class EpochMetricsModel(_Strict):
@@ -197,9 +198,12 @@ class Membership(_Record):
     client_mode: bool = False  # a worker that dials out only: nobody can download its state
     certificate: str | None = None  # a server: the owner's signature of its place (`live.authority`)
     data_source: bool = False  # ...which names it the data source
+    layers: tuple[int, int] | None = None  # the layers [start, end) it holds or computes
 
     def __post_init__(self) -> None:
         self.compute, self.load = float(self.compute), float(self.load)
+        if self.layers is not None:
+            self.layers = (self.layers[0], self.layers[1])
 
 
 

@@ -17,7 +17,7 @@ from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers
 from p2ptrain.live.swarm import planning_peers, swarm_from_peers
 from p2ptrain.planner import Plan, format_plan, make_plan
-from p2ptrain.planner.presets import model_spec
+from p2ptrain.planner.presets import ModelSpec, config_spec
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,7 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
     return None
 
 
-def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, microbatches: int, averaging_codec: str,
-               planner: str, stages: int | None, seed: int, expect: int, settings: RuntimeConfig,
+def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int, microbatches: int, planner: str, stages: int | None, seed: int, expect: int, settings: RuntimeConfig,
                stop: threading.Event, average_every: int = 1) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time.
 
@@ -57,7 +56,7 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: str, tokens: int, micro
     if peers is None:
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
-    return make_plan(swarm, model_spec(model, averaging_codec=averaging_codec), batch_tokens=tokens,
+    return make_plan(swarm, model, batch_tokens=tokens,
                      microbatches=microbatches, planner=planner, stages=stages, seed=seed, average_every=average_every)
 
 
@@ -92,8 +91,9 @@ def serve_plan(dht: hivemind.DHT, *, signer: RSASignatureValidator, config: RunC
     stopped. Raises if the swarm cannot be planned, which ends the server with that error."""
     expect = expect if expect is not None else 2 * (stages or 1)
     tokens = config.tokens_per_epoch
-    plan = plan_swarm(dht, run_id=config.run_id, model=config.model, tokens=tokens, microbatches=config.microbatches,
-                      averaging_codec=config.averaging_codec, planner=planner, stages=stages, seed=config.seed,
+    model = config_spec(config.model_config, averaging_codec=config.averaging_codec, name=config.model)
+    plan = plan_swarm(dht, run_id=config.run_id, model=model, tokens=tokens, microbatches=config.microbatches,
+                      planner=planner, stages=stages, seed=config.seed,
                       expect=expect, settings=settings, stop=stop, average_every=config.average_every)
     if plan is None:
         if not stop.is_set():

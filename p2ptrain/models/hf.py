@@ -10,8 +10,8 @@ model.safetensors.index.json). Nothing is fetched from a hub. Each family names 
 """
 from __future__ import annotations
 
+import hashlib
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,47 +21,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from p2ptrain.models.base import StageModel
-from p2ptrain.models.configs import FAMILIES, ModelConfig, even_split
+from p2ptrain.models.configs import ModelConfig, even_split
+from p2ptrain.models.hf_config import CheckpointError, checkpoint_dir, read_config
 from p2ptrain.models.registry import build_stage
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read, with what to fix."""
-
-
-def checkpoint_dir(path: str | Path) -> Path:
-    """`path` as a local checkpoint directory; a name that looks like a hub id is refused with what to do."""
-    directory = Path(path)
-    if directory.is_dir():
-        return directory
-    if not directory.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)) and not str(path).startswith("."):
-        raise CheckpointError(f"{path}: no such directory. It looks like a Hugging Face hub name; p2ptrain downloads "
-                              "nothing: download the checkpoint (e.g. `huggingface-cli download "
-                              f"{path} --local-dir DIR`) and pass the local directory")
-    raise CheckpointError(f"{path}: not a directory; pass a local transformers checkpoint directory (config.json and "
-                          "model.safetensors)")
-
-
-def read_config(path: str | Path) -> ModelConfig:
-    """The model config of a checkpoint directory's config.json."""
-    file = checkpoint_dir(path) / "config.json"
-    try:
-        hf = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{file}: missing; a transformers checkpoint directory has a config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: not a readable JSON config ({e})") from None
-    model_type = hf.get("model_type") if isinstance(hf, dict) else None  # transformers names the families alike
-    if model_type not in FAMILIES:
-        raise CheckpointError(f"{file}: model_type {model_type!r} is not supported; p2ptrain trains "
-                              f"{', '.join(FAMILIES)}")
-    try:
-        return FAMILIES[model_type].from_hf(hf)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{file}: {e if not isinstance(e, KeyError) else f'{e} is missing'}") from None
 
 
 def from_pretrained(path: str | Path, *, num_stages: int = 1, bounds: Sequence[tuple[int, int]] | None = None,
@@ -90,34 +55,80 @@ def load_stage(stage: StageModel, weights: _Weights) -> None:
             param.copy_(tensor)
 
 
+def load_pretrained(stage: StageModel, path: str | Path) -> None:
+    """Load `stage`'s parameters from a local checkpoint whose config is the stage's."""
+    with _Weights(checkpoint_dir(path)) as weights:
+        load_stage(stage, weights)
+
+
 def export(stages: Sequence[StageModel], path: str | Path, *, extra_files: Sequence[str | Path] = ()) -> Path:
     """Writes stages that together cover the model's layers as a transformers checkpoint directory (config.json,
     model.safetensors in fp32) and copies `extra_files` (e.g. tokenizer files) into it."""
     if not stages:
         raise ValueError("no stages to export")
-    config = stages[0].config
-    ordered = sorted(stages, key=lambda stage: stage.start)
-    covered = [(stage.start, stage.end) for stage in ordered]
-    if any(stage.config != config for stage in ordered) or covered[0][0] != 0 or covered[-1][1] != config.num_layers \
-            or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
-        raise ValueError(f"the stages hold layers {covered} of different or incomplete models; export needs stages "
-                         f"of one model that cover layers 0..{config.num_layers} once")
-    tensors: dict[str, torch.Tensor] = {}
-    for stage in ordered:
-        names = stage.hf_names()
-        for name, param in stage.named_parameters():
-            key = names[name]
-            value = param.detach().to(torch.float32).contiguous()
-            if key in tensors and not torch.equal(tensors[key], value):
-                raise ValueError(f"the copies of {key} differ between stages; shared weights must be kept equal")
-            tensors.setdefault(key, value.clone())
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
-    for file in map(Path, extra_files):
-        (directory / file.name).write_bytes(file.read_bytes())
-    return directory
+    writer = ExportWriter(path, stages[0].config, num_shards=1, extra_files=extra_files)
+    writer.add(*sorted(stages, key=lambda stage: stage.start))
+    return writer.close()
+
+
+class ExportWriter:
+    """Writes a transformers checkpoint directory a shard at a time, so that exporting a large model holds one
+    stage of it in memory: `add` writes the next stages' tensors as one shard (a single shard is model.safetensors,
+    several are listed in model.safetensors.index.json), `close` writes the index and then config.json, last, so that
+    a directory with a config.json is whole. A tensor that several stages hold (tied embeddings, ALBERT's shared
+    blocks) is written once, by the first, and every other copy must equal it."""
+
+    def __init__(self, path: str | Path, config: ModelConfig, *, num_shards: int,
+                 extra_files: Sequence[str | Path] = ()):
+        self.directory, self.config, self.num_shards = Path(path), config, num_shards
+        self.extra_files = [Path(file) for file in extra_files]
+        self.weight_map: dict[str, str] = {}
+        self.digests: dict[str, str] = {}  # sha256 of each written tensor's bytes, to check the other copies against
+        self.layers = 0  # layers [0, layers) are written
+        self.shards = 0
+        self.total_size = 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in (WEIGHTS, WEIGHTS_INDEX, "config.json", *(f.name for f in self.directory.glob("model-*-of-*"))):
+            (self.directory / stale).unlink(missing_ok=True)  # what an earlier export left would be read with it
+
+    def add(self, *stages: StageModel) -> None:
+        """Write `stages` (the next layers in order) as the next shard."""
+        if self.shards >= self.num_shards:
+            raise ValueError(f"all {self.num_shards} shards are written")
+        tensors: dict[str, torch.Tensor] = {}
+        for stage in stages:
+            if stage.config != self.config or stage.start != self.layers:
+                raise ValueError(f"a stage of layers [{stage.start}, {stage.end}) after layers [0, {self.layers}) "
+                                 "written: export needs the stages of one model, in order, covering each layer once")
+            names = stage.hf_names()
+            for name, param in stage.named_parameters():
+                key = names[name]
+                value = param.detach().to(torch.float32).contiguous()
+                digest = hashlib.sha256(value.numpy().tobytes()).hexdigest()
+                if self.digests.setdefault(key, digest) != digest:
+                    raise ValueError(f"the copies of {key} differ between stages; shared weights must be kept equal")
+                if key not in self.weight_map and key not in tensors:
+                    tensors[key] = value.clone()
+            self.layers = stage.end
+        self.shards += 1
+        name = WEIGHTS if self.num_shards == 1 else f"model-{self.shards:05d}-of-{self.num_shards:05d}.safetensors"
+        if tensors:  # a stage whose tensors earlier stages wrote (a middle stage of ALBERT's shared block) has none
+            save_file(tensors, str(self.directory / name), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(tensors, name))
+        self.total_size += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def close(self) -> Path:
+        """Write the index (several shards), the extra files and config.json; the directory."""
+        if self.layers != self.config.num_layers or self.shards != self.num_shards:
+            raise ValueError(f"{self.shards} of {self.num_shards} shards with layers [0, {self.layers}) of "
+                             f"{self.config.num_layers} written: export needs every layer")
+        if self.num_shards > 1:
+            index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.weight_map.items()))}
+            (self.directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for file in self.extra_files:
+            (self.directory / file.name).write_bytes(file.read_bytes())
+        (self.directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2) + "\n")
+        return self.directory
 
 
 class _Weights:

@@ -95,6 +95,7 @@ class NodeOptions:
     probe_delay_s: float = 0.0  # tests: this peer answers link probes as over a slow link (live.probe.LinkProbe)
     checkpoint_dir: Path | None = None  # a server: where it saves its stage's state, and restores it from at start
     checkpoint_every: int = 10  # ...every this many epochs, and when it stops
+    export_to: Path | None = None  # a server that is the data source: where it writes the trained model at the end
     eval_data: Path | None = None  # the data source: a held-out text file to evaluate the swarm's parameters on...
     eval_every: int = 10  # ...after every this many global batches...
     eval_rows: int = 64  # ...on this many windows of it
@@ -137,6 +138,9 @@ class NodeOptions:
         if self.checkpoint_dir is not None and self.role != "server":
             raise ConfigError("checkpoint_dir", self.checkpoint_dir, "servers hold the stage's state; a "
                                                                      f"{self.role} saves none")
+        if self.export_to is not None and self.role != "server":
+            raise ConfigError("export_to", self.export_to, "the data source (the stage-0 FS) exports the model; a "
+                                                           f"{self.role} does not")
         if self.keep_state and self.role != "server":
             raise ConfigError("keep_state", self.keep_state, "a BS is told to hold the stage's state; a "
                                                              f"{self.role} does not")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -37,6 +38,8 @@ from p2ptrain.live.planning import Joined, join_by_plan
 from p2ptrain.live.probe import LinkProbe, measure_compute
 from p2ptrain.live.publisher import serve_plan
 from p2ptrain.models import build_stage
+from p2ptrain.models.hf import load_pretrained
+from p2ptrain.node.export import export_swarm
 from p2ptrain.node.metrics import publish_metrics
 from p2ptrain.node.options import NodeOptions, RecipeOptions
 from p2ptrain.protocol.deadlines import Throughput
@@ -88,6 +91,8 @@ class Peer:
         self._planner: asyncio.Task | None = None
         self._planner_stop = threading.Event()
         self.started = time.time()  # this process's incarnation: the link probe tells it, and a restart changes it
+        # the run starts from a Hugging Face checkpoint (`--init-from`), which this peer may have no copy of
+        self._pretrained_run = config.init_from is not None
 
     # -- life cycle ----------------------------------------------------------------------------------------------
 
@@ -245,7 +250,8 @@ class Peer:
                                                     "give this peer the run's recipe flags")
             return
         publisher, recipe = found
-        config = adopt(recipe, {**take.given, "run_id": run_id})
+        config = await asyncio.to_thread(adopt, recipe, {**take.given, "run_id": run_id})  # fingerprints files
+        self._pretrained_run = recipe.init_from is not None
         placement = self.placement
         if placement is not None and (placement.stage, placement.server_role) == (0, "fs"):
             for name in LOCAL_FIELDS:  # it may become the data source, which reads them
@@ -328,12 +334,13 @@ class Peer:
             self._announcer.set_membership(stage, Membership(
                 peer_id=self.peer_id, role=role, compute=float(options.compute_power or 0.0),
                 holds_state=self.worker is not None, certificate=certificate.signature if certificate else None,
-                data_source=bool(certificate and certificate.data_source)))
+                data_source=bool(certificate and certificate.data_source), layers=placement.layers))
         if self.worker is not None:
             if options.role == "client":
                 self._announcer.set_membership(stage, Membership(peer_id=self.peer_id, role="worker",
                                                                  compute=self.worker.compute,
-                                                                 client_mode=options.network.client_mode))
+                                                                 client_mode=options.network.client_mode,
+                                                                 layers=placement.layers))
             self._spawn(self.worker.run(self._stopping))
         if isinstance(self.server, FrontalServer) and stage == 0:
             source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed, tokenizer=config.tokenizer)
@@ -341,7 +348,8 @@ class Peer:
                                 lost_s=settings.server_lost_s, timeout_s=settings.probe_timeout_s)
             self.feeder = DataFeeder(server=self.server, source=source, layout=membership.layout,
                                      is_leader=membership.leads, epochs=options.epochs,
-                                     max_in_flight=options.max_in_flight, watch=watch, held_out=self._held_out())
+                                     max_in_flight=options.max_in_flight, watch=watch, held_out=self._held_out(),
+                                     at_end=functools.partial(self._export, caller) if options.export_to else None)
             self._spawn(self.feeder.run(self._stopping))
             # the swarm carries its recipe: peers read the data source's (`p2ptrain.recipe`)
             recipe = await asyncio.to_thread(Recipe.of, config)  # fingerprints its data: maybe large
@@ -359,6 +367,12 @@ class Peer:
         config, placement = self.config, self.placement
         start, end = placement.layers
         model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
+        if config.init_from is not None:
+            await asyncio.to_thread(load_pretrained, model, config.init_from)
+        elif self._pretrained_run and self.options.role == "server":  # no mate need have the state: servers bring it
+            raise ConfigError("init_from", None, "the run starts from a checkpoint, and a server holds its stage's "
+                                                 "state: give it its own copy of the checkpoint (its sha256 is in "
+                                                 "the swarm's recipe)")
         deposits = None
         if self.options.role == "server":  # it keeps its stage's workers' gradients while they average
             # deposits still arriving tell the server their sender is alive
@@ -383,10 +397,13 @@ class Peer:
                         servers=lambda: membership.servers(placement.stage), norm_keeper=membership.data_source,
                         compute=compute, client_mode=self.options.network.client_mode, fault=self.options.fault,
                         dump_dir=self.options.dump_grads, download_state=self._download_state, holds_only=holds_only,
+                        pretrained=config.init_from is not None,
                         after_step=self._after_step if self.options.checkpoint_dir is not None else None)
         if self.options.checkpoint_dir is not None:
             self._restore(worker)
-        await StageStateServer(worker=worker).add_p2p_handlers(self._p2p)
+        state_server = StageStateServer(worker=worker)
+        await state_server.add_p2p_handlers(self._p2p)
+        caller.add_local(state_server)  # an export by this peer takes its own stage's state from it
         if self.options.role == "server":  # it holds the stage's parameters: it takes part in evaluation
             await StageEvaluator(worker=worker, caller=caller,
                                  servers=lambda stage: sum(membership.servers(stage), [])).add_p2p_handlers(self._p2p)
@@ -433,9 +450,25 @@ class Peer:
                 model_state=model_state, optimizer_state=optimizer_state)
             logger.info(f"saved stage {placement.stage} at epoch {epoch} to {path}")
 
+    async def _export(self, caller: Caller) -> None:
+        """The data source's last act (`--export-to`): the model as every stage stands after the last closed epoch."""
+        await export_swarm(dht=self.dht, caller=caller, config=self.config, epoch=self.server.state.closed_epoch + 1,
+                           path=self.options.export_to, owner=self.options.owner)
+
     async def _download_state(self, worker: Worker) -> int | None:
         """Load the stage's current state into `worker` from a stage mate (`client.state_sync`); its epoch, or None
-        if no mate served one."""
+        if no mate served one. A worker that has only the seed's weights of a run that starts from a checkpoint it
+        has no copy of must not compute on them: it asks until a mate serves the state, or the peer stops."""
+        while True:
+            epoch = await self._download_from_mates(worker)
+            if epoch is not None or not (self._pretrained_run and worker.master.holds_seed) or self._stopping.is_set():
+                return epoch
+            logger.warning(f"worker {worker.worker_id}: the run starts from a checkpoint this peer has no copy of, "
+                           f"and no stage mate served stage {worker.stage}'s state yet; asking again in "
+                           f"{self.settings.membership_period_s:.0f} s")
+            await asyncio.sleep(self.settings.membership_period_s)
+
+    async def _download_from_mates(self, worker: Worker) -> int | None:
         try:  # a fresh read: the membership cache knows servers only, and may not have read the DHT yet
             servers, mates = await asyncio.wait_for(asyncio.to_thread(
                 get_state_holders, self.dht, self.config.run_id, worker.stage, owner=self.options.owner),

@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -83,9 +83,10 @@ class DataFeeder:
 
     def __init__(self, *, server: FrontalServer, source: TextSource, layout: Callable[[], Layout | None],
                  is_leader: Callable[[str], bool], epochs: int, max_in_flight: int, watch: ServerWatch,
-                 held_out: HeldOut | None = None):
+                 held_out: HeldOut | None = None, at_end: Callable[[], Awaitable[None]] | None = None):
         self.server, self.source, self.layout, self.is_leader = server, source, layout, is_leader
         self.epochs, self.max_in_flight, self.watch, self.held_out = epochs, max_in_flight, watch, held_out
+        self.at_end = at_end  # what the run does once its last epoch closed (the export), before it is finished
         self._evaluations: set[asyncio.Task] = set()
         self.rows, self.microbatches = server.config.rows_per_microbatch, server.config.microbatches
         self.progress = FeederProgress()
@@ -163,6 +164,8 @@ class DataFeeder:
                 return  # stopped
             epoch += 1
         await asyncio.gather(*self._evaluations)
+        if self.at_end is not None:
+            await self.at_end()
         self.progress.finished = True
         logger.info(f"data source: all {self.epochs} epochs done")
 
