@@ -97,6 +97,12 @@ class RunConfig:
         layers = self.model_config.num_layers
         if not 1 <= self.num_stages <= layers:
             raise ConfigError("num_stages", self.num_stages, f"must be between 1 and the model's {layers} layers")
+        if self.num_stages > 1 and self.model_config.tie_embeddings:
+            # the first stage would hold the embeddings and the last a copy as its output layer, whose gradients
+            # nothing combines across stages yet: the copies would drift apart
+            raise ConfigError("num_stages", self.num_stages, "the model ties its output layer to its embeddings, "
+                                                             "which a swarm does not keep equal across stages yet: "
+                                                             "train it in 1 stage, or untie them")
         for name in ("rows_per_microbatch", "microbatches", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be at least 1")

@@ -19,8 +19,10 @@ from typing import TYPE_CHECKING
 from p2ptrain.cli import check_maddrs, count, index, positive, run_id, writable_file
 from p2ptrain.config import AVERAGING_CODECS, RunConfig, RuntimeConfig
 from p2ptrain.models import TRAINABLE
+from p2ptrain.models.configs import ModelConfig
+from p2ptrain.models.hf_config import CheckpointError, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
-from p2ptrain.planner.presets import PRESETS, model_spec
+from p2ptrain.planner.presets import PRESETS, ModelSpec, config_spec, model_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
 
 if TYPE_CHECKING:
@@ -35,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog=LIVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("swarm", nargs="?", help="swarm file (peers/*.toml); omit it with --initial-peers")
     parser.add_argument("--model", choices=PRESETS, help="model preset (default: the file's [model])")
+    parser.add_argument("--model-config", metavar="PATH",
+                        help="plan the model of a Hugging Face config.json (llama or albert), or of a checkpoint "
+                             "folder holding one, instead of a preset")
     parser.add_argument("--batch-tokens", type=count, help="tokens per global batch (default: the file's [batch])")
     parser.add_argument("--microbatches", type=count, help="microbatches per global batch (default: the file's)")
     parser.add_argument("--averaging-codec", choices=tuple(AVERAGING_CODECS),
@@ -103,10 +108,16 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except SwarmFileError as error:
         parser.error(str(error))
     preset = args.model or (swarm.model.name if swarm.model is not None and swarm.model.name in PRESETS else None)
-    if args.averaging_codec is not None and preset is None:
+    if args.model_config is not None:
+        preset = None
+    elif args.averaging_codec is not None and preset is None:
         parser.error(f"--averaging-codec: {args.swarm}'s [model] is given by its numbers; fix: pass --model, or fold "
                      "the codec into its param_bytes_per_layer")
-    if preset is None:
+    if args.model_config is not None:
+        model = config_spec(hf_model_config(parser, args), precision=swarm.precision, offload=swarm.offload,
+                            averaging_codec=args.averaging_codec or swarm.averaging_codec,
+                            name=config_name(args.model_config))
+    elif preset is None:
         model = swarm.model
     else:
         model = model_spec(preset, precision=swarm.precision, offload=swarm.offload,
@@ -137,8 +148,24 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     print(format_plan(plan, title=f"{args.planner} plan for {args.swarm} ({model.name}, {tokens} tokens in "
                                   f"{microbatches} microbatches)"))
     if args.json is not None:
-        args.json.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+        args.json.write_text(json.dumps({**plan.to_json(), "model": model.to_json()}, indent=2) + "\n")
     return 0
+
+
+def hf_model_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ModelConfig:
+    """--model-config's model (and not beside --model)."""
+    if args.model is not None:
+        parser.error("--model-config and --model name the model both; give one")
+    try:
+        return read_config(args.model_config)
+    except CheckpointError as e:
+        parser.error(f"--model-config {args.model_config}: {e}")
+
+
+def config_name(path: str) -> str:
+    """A model's name after its config file's folder (or the folder given)."""
+    where = Path(path).resolve()
+    return where.parent.name if where.is_file() else where.name
 
 
 def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -150,9 +177,13 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.batch_tokens is not None:
         parser.error("--batch-tokens is for swarm files; a live swarm trains --batch-rows x --microbatches x "
                      "--seq-len tokens per batch")
-    model = args.model or PEER_DEFAULTS.model
-    if model not in TRAINABLE:
-        parser.error(f"--model {model}: peers can train only {', '.join(TRAINABLE)}")
+    codec = args.averaging_codec or PEER_DEFAULTS.averaging_codec
+    if args.model_config is not None:
+        model = config_spec(hf_model_config(parser, args), averaging_codec=codec, name=config_name(args.model_config))
+    elif (args.model or PEER_DEFAULTS.model) not in TRAINABLE:
+        parser.error(f"--model {args.model}: peers can train only {', '.join(TRAINABLE)}")
+    else:
+        model = model_spec(args.model or PEER_DEFAULTS.model, averaging_codec=codec)
     microbatches = args.microbatches or PEER_DEFAULTS.microbatches
     tokens = ((args.batch_rows or PEER_DEFAULTS.rows_per_microbatch) * microbatches
               * (args.seq_len or PEER_DEFAULTS.seq_len))
@@ -186,24 +217,24 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
 
 
-def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignatureValidator, run_id: str, model: str,
+def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignatureValidator, run_id: str,
+               model: ModelSpec,
                tokens: int, microbatches: int, expect: int, stop: threading.Event) -> int:
     from p2ptrain.live.publisher import plan_swarm, publish
 
     settings = RuntimeConfig(plan_timeout_s=args.expect_timeout or RuntimeConfig.plan_timeout_s)
     try:
-        spec = model_spec(model, averaging_codec=args.averaging_codec or PEER_DEFAULTS.averaging_codec)
-        plan = plan_swarm(dht, run_id=run_id, model=spec, tokens=tokens, microbatches=microbatches, planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
+        plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches, planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
                           stop=stop, average_every=args.average_every)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1
     if plan is None:
         return 1
-    print(format_plan(plan, title=f"{args.planner} plan for the peers of run {run_id} ({model}, "
+    print(format_plan(plan, title=f"{args.planner} plan for the peers of run {run_id} ({model.name}, "
                                   f"{tokens} tokens in {microbatches} microbatches)"), flush=True)
     if args.json is not None:
-        args.json.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
+        args.json.write_text(json.dumps({**plan.to_json(), "model": model.to_json()}, indent=2) + "\n")
     if args.publish:
         publish(dht, signer=signer, run_id=run_id, plan=plan.to_json(), publish_for_s=args.publish_for,
                 settings=settings, stop=stop)

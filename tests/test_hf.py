@@ -207,3 +207,33 @@ def test_an_export_in_shards_of_a_stage_each_loads_back_and_a_partial_one_is_ref
     with pytest.raises(ValueError, match="export needs every layer"):
         partial.close()
     assert not (tmp_path / "partial" / "config.json").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "albert"])
+def test_the_planner_prices_a_transformers_config_by_the_layer_transformers_builds(tmp_path, family):
+    """`python -m p2ptrain.plan --model-config PATH` plans the model of a transformers config.json: the bytes and
+    FLOPs of a layer follow the parameters of the layer transformers builds from that config."""
+    from p2ptrain.plan import main
+    from p2ptrain.planner.presets import config_spec
+
+    if family == "llama":
+        hf = transformers.LlamaConfig(vocab_size=1000, hidden_size=96, intermediate_size=200, num_hidden_layers=6,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+                                      attention_bias=True)
+        layer = transformers.LlamaForCausalLM(hf).model.layers[0]
+    else:
+        hf = transformers.AlbertConfig(vocab_size=1000, embedding_size=16, hidden_size=96, intermediate_size=200,
+                                       num_hidden_layers=6, num_attention_heads=6, max_position_embeddings=128)
+        layer = transformers.AlbertForMaskedLM(hf).albert.encoder.albert_layer_groups[0].albert_layers[0]
+    hf.save_pretrained(tmp_path / "model")
+    params = sum(p.numel() for p in layer.parameters())
+    spec = config_spec(read_config(tmp_path / "model" / "config.json"), name="model")
+    assert spec.layers == 6 and spec.param_bytes_per_layer == 4 * params
+    assert spec.flops_per_token_per_layer > 6 * params  # forward and backward of every weight, attention on top
+    out = tmp_path / "plan.json"
+    assert main(["peers/local.toml", "--model-config", str(tmp_path / "model"), "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert plan["model"] == spec.to_json()
+    assert sum(end - start for start, end in (stage["layers"] for stage in plan["stages"])) == 6
+    with pytest.raises(SystemExit):
+        main(["peers/local.toml", "--model-config", str(tmp_path / "model"), "--model", "llama-tiny"])

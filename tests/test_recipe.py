@@ -185,3 +185,10 @@ def test_a_run_started_from_a_checkpoint_takes_its_model_and_carries_its_fingerp
         RunConfig(init_from=str(tmp_path))
     with pytest.raises(ConfigError, match="another model than the run's"):
         RunConfig(init_from=str(tmp_path / "ckpt"), architecture=LlamaConfig())
+
+
+def test_embeddings_tied_across_stages_are_refused_until_their_copies_are_kept_equal() -> None:
+    tied = dataclasses.replace(LlamaConfig(), tie_embeddings=True)
+    assert RunConfig(model="tied", architecture=tied, num_stages=1).model_config.tie_embeddings
+    with pytest.raises(ConfigError, match="ties its output layer to its embeddings"):
+        RunConfig(model="tied", architecture=tied, num_stages=2)

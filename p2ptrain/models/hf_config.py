@@ -27,8 +27,8 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    """The model config of a checkpoint directory's config.json."""
-    file = checkpoint_dir(path) / "config.json"
+    """The model config of a checkpoint directory's config.json, or of a config.json file itself."""
+    file = Path(path) if Path(path).is_file() else checkpoint_dir(path) / "config.json"
     try:
         hf = json.loads(file.read_text())
     except FileNotFoundError:
