@@ -105,7 +105,8 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
                        help="epochs of linear warm-up to --lr")
     group.add_argument("--decay-epochs", type=index, default=defaults.decay_epochs,
                        help="the epoch where the cosine decay after the warm-up reaches --min-lr (0: no decay)")
-    group.add_argument("--min-lr", type=non_negative, default=defaults.min_lr)
+    group.add_argument("--min-lr", type=non_negative, default=defaults.min_lr,
+                       help="the learning rate the cosine decay ends at")
     group.add_argument("--weight-decay", type=non_negative, default=defaults.weight_decay,
                        help="weight decay of matrices and embeddings")
     group.add_argument("--clip-norm", type=non_negative, default=defaults.clip_norm,

@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--init-from", metavar="PATH",
                         help="start from a local Hugging Face checkpoint directory (config.json and safetensors)")
     parser.add_argument("--seq-len", type=count, default=64)
+    parser.add_argument("--batch-rows", type=count,
+                        help="rows per microbatch (default: the swarm file's [batch] tokens over --microbatches x "
+                             "--seq-len)")
+    parser.add_argument("--microbatches", type=count, help="microbatches per global batch (default: the swarm "
+                                                           "file's [batch], else 4)")
     parser.add_argument("--compression", choices=CODECS, default="none")
     parser.add_argument("--data", help="a local text file, a folder of .txt files or a datasets folder (save_to_disk) "
                                        "(default: the embedded corpus)")
@@ -185,11 +190,13 @@ def main(argv: list[str] | None = None) -> None:
         swarm_file = load_swarm(args.peers)
     except SwarmFileError as e:
         parser.error(str(e))
-    tokens, microbatches = swarm_file.batch_tokens or 4096, swarm_file.microbatches or 4
-    rows = tokens // (microbatches * args.seq_len)
+    microbatches = args.microbatches or swarm_file.microbatches or 4
+    batch_tokens = swarm_file.batch_tokens or 4096
+    rows = args.batch_rows or batch_tokens // (microbatches * args.seq_len)
     if rows < 1:
-        parser.error(f"{args.peers}: [batch] tokens = {tokens} is less than one row per microbatch of --seq-len "
-                     f"{args.seq_len}; raise it or lower --seq-len")
+        parser.error(f"{args.peers}: [batch] tokens = {batch_tokens} is less than one row per microbatch "
+                     f"of --seq-len {args.seq_len}; raise it, lower --seq-len or give --batch-rows")
+    tokens = rows * microbatches * args.seq_len
     if args.decay_epochs is None:
         args.decay_epochs = args.epochs if args.epochs > args.warmup_epochs else 0
     with refusing(parser, {**RECIPE_FLAGS, "num_stages": "--stages"}):  # what every peer will check, checked first

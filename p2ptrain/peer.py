@@ -208,10 +208,9 @@ def parse_args(argv: list[str] | None = None) -> Command:
             planning = PlanningOptions(planner_key=read_planner_key(args.planner_key))
         except (OSError, ValueError) as e:
             fail(parser, "--planner-key", args.planner_key, str(e))
+    given = given_recipe(parser, args, config, argv) if args.role != "bootstrap" else {}
     with refusing(parser, NODE_FLAGS):
-        placement = None if args.role == "bootstrap" or planned else Placement(
-            stage=args.stage, server_role=args.server_role, layers=_layers(parser, args, config),
-            num_stages=config.num_stages)
+        placement = None if args.role == "bootstrap" or planned else _placement(parser, args, config, given)
         network = NetworkOptions(
             initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs),
             announce_maddrs=tuple(args.announce_maddrs) if args.announce_maddrs is not None else None,
@@ -224,8 +223,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, export_to=args.export_to,
             eval_data=args.eval_data,
             eval_every=args.eval_every, eval_rows=args.eval_rows, owner=owner, certificate=certificate,
-            recipe=None if args.role == "bootstrap" else RecipeOptions(
-                given=given_recipe(parser, args, config, argv), layers_given=args.layers is not None))
+            recipe=None if args.role == "bootstrap" else RecipeOptions(given=given,
+                                                                       layers_given=args.layers is not None))
         settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, recipe_timeout_s=args.recipe_timeout,
                                  **deadlines_from(args))
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
@@ -265,6 +264,16 @@ def _authority(parser: argparse.ArgumentParser, args: argparse.Namespace,
     except CertificateError as e:
         fail(parser, "--certificate", path, str(e))
     return owner, certificate
+
+
+def _placement(parser: argparse.ArgumentParser, args: argparse.Namespace, config: RunConfig,
+               given: dict[str, object]) -> Placement:
+    """--stage, --server-role and --layers. Without --num-stages or --layers, the stages are the swarm's recipe's:
+    a stage past the defaults' is placed provisionally, and checked once the recipe is taken (`Peer._take_recipe`)."""
+    if "num_stages" not in given and args.layers is None and args.stage >= config.num_stages:
+        return Placement(stage=args.stage, server_role=args.server_role, layers=(0, 1), num_stages=args.stage + 1)
+    return Placement(stage=args.stage, server_role=args.server_role, layers=_layers(parser, args, config),
+                     num_stages=config.num_stages)
 
 
 def _layers(parser: argparse.ArgumentParser, args: argparse.Namespace, config: RunConfig) -> tuple[int, int]:

@@ -67,7 +67,7 @@ PEER_CASES = [
     (["--data", "SHORT"], "--data SHORT: 9 bytes, too short for one sequence of 64 + 1 tokens"),
     (["--tokenizer", "MISSING"], "--tokenizer MISSING: no such file or folder; give the path of a local tokenizer.json"),
     (["--tokenizer", "SHORT"], "--tokenizer SHORT: not a tokenizers file"),
-    (["--stage", "5"], "--stage 5: not in 0..1"),
+    (["--stage", "5", "--num-stages", "2"], "--stage 5: not in 0..1"),
     (["--layers", "3:9"], "--layers 3:9: must lie within 0:4"),
     (["--layers", "x"], "--layers x: expected START:END"),
     (["--initial-peers", "garbage"], "--initial-peers garbage: not a multiaddr"),

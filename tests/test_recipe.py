@@ -131,6 +131,10 @@ def test_a_volunteer_given_only_the_swarms_address_trains_with_its_recipe_and_a_
                               "--seq-len", "64", *bare], capture_output=True, text=True, timeout=180)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "--seq-len 64: the swarm's recipe has 32" in refused.stderr, refused.stderr[-2000:]
+    # a stage past the defaults' is the recipe's to judge: this run has 2
+    refused = subprocess.run([sys.executable, "-m", "p2ptrain.peer", "--role", "client", "--stage", "3", *bare],
+                             capture_output=True, text=True, timeout=180)
+    assert refused.returncode == 2 and "--stage 3: not in 0..1" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.timeout(300)

@@ -248,21 +248,22 @@ class Peer:
                 raise ConfigError("run_id", run_id, f"no recipe of this run in the swarm after "
                                                     f"{settings.recipe_timeout_s:.0f} s: is its data source up? Or "
                                                     "give this peer the run's recipe flags")
-            return
-        publisher, recipe = found
-        config = await asyncio.to_thread(adopt, recipe, {**take.given, "run_id": run_id})  # fingerprints files
-        self._pretrained_run = recipe.init_from is not None
-        placement = self.placement
-        if placement is not None and (placement.stage, placement.server_role) == (0, "fs"):
-            for name in LOCAL_FIELDS:  # it may become the data source, which reads them
-                if getattr(recipe, name) is not None and getattr(config, name) is None:
-                    raise ConfigError(name, None, f"a stage-0 FS feeds the run's data: give it its own copy of the "
-                                                  f"run's {name} (sha256 {getattr(recipe, name)})")
-        if placement is not None and not take.layers_given:
-            self.placement = dataclasses.replace(placement, layers=config.stage_layers(placement.stage),
-                                                 num_stages=config.num_stages)
-        self.config = config
-        logger.info(f"took the recipe of run {run_id} from its data source {publisher}: {recipe.describe()}")
+        else:
+            publisher, recipe = found
+            config = await asyncio.to_thread(adopt, recipe, {**take.given, "run_id": run_id})  # fingerprints files
+            self._pretrained_run = recipe.init_from is not None
+            placement = self.placement
+            if placement is not None and (placement.stage, placement.server_role) == (0, "fs"):
+                for name in LOCAL_FIELDS:  # it may become the data source, which reads them
+                    if getattr(recipe, name) is not None and getattr(config, name) is None:
+                        raise ConfigError(name, None, f"a stage-0 FS feeds the run's data: give it its own copy of "
+                                                      f"the run's {name} (sha256 {getattr(recipe, name)})")
+            self.config = config
+            logger.info(f"took the recipe of run {run_id} from its data source {publisher}: {recipe.describe()}")
+        if self.placement is not None and not take.layers_given and not self._stopping.is_set():
+            # the stage's layers in the run's split (a stage the run does not have is refused here)
+            self.placement = dataclasses.replace(self.placement, layers=self.config.stage_layers(self.placement.stage),
+                                                 num_stages=self.config.num_stages)
 
     async def _read_until(self, read: Callable[[], T], deadline: float) -> T:
         """`read()` in a thread until it finds something, `deadline` (time.monotonic) passes or the peer stops."""
