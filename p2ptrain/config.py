@@ -97,12 +97,6 @@ class RunConfig:
         layers = self.model_config.num_layers
         if not 1 <= self.num_stages <= layers:
             raise ConfigError("num_stages", self.num_stages, f"must be between 1 and the model's {layers} layers")
-        if self.num_stages > 1 and self.model_config.tie_embeddings:
-            # the first stage would hold the embeddings and the last a copy as its output layer, whose gradients
-            # nothing combines across stages yet: the copies would drift apart
-            raise ConfigError("num_stages", self.num_stages, "the model ties its output layer to its embeddings, "
-                                                             "which a swarm does not keep equal across stages yet: "
-                                                             "train it in 1 stage, or untie them")
         for name in ("rows_per_microbatch", "microbatches", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, getattr(self, name), "must be at least 1")
@@ -139,6 +133,11 @@ class RunConfig:
         if self.average_every > 1 and self.clip_norm:
             # a worker's own gradients between rounds have no global norm that all stages share
             raise ConfigError("clip_norm", self.clip_norm, "cannot clip with average_every > 1; set it to 0")
+        if self.average_every > 1 and self.shares_across_stages:
+            # between rounds each stage would step its copy of a shared tensor on its own gradients alone
+            raise ConfigError("average_every", self.average_every, "the model's stages share tensors (tied "
+                                                                   "embeddings, shared blocks), which stay equal only "
+                                                                   "when averaged at every epoch; use 1")
         if self.average_every > 1 and self.dpu:
             raise ConfigError("dpu", self.dpu, "delayed updates are for average_every = 1; turn one of them off")
         if self.fault_policy not in FAULT_POLICIES:
@@ -179,6 +178,13 @@ class RunConfig:
         if self.tokenizer is None:
             return preset
         return dataclasses.replace(preset, vocab_size=vocab_size(self.tokenizer))
+
+    @property
+    def shares_across_stages(self) -> bool:
+        """Whether stages hold copies of one tensor, whose gradients are summed across them at every epoch
+        (`protocol.sharing`): tied embeddings in several stages, or ALBERT's blocks."""
+        model = self.model_config
+        return self.num_stages > 1 and (model.tie_embeddings or model.family == "albert")
 
     @property
     def averaging_wire(self) -> str:

@@ -191,8 +191,10 @@ def test_a_run_started_from_a_checkpoint_takes_its_model_and_carries_its_fingerp
         RunConfig(init_from=str(tmp_path / "ckpt"), architecture=LlamaConfig())
 
 
-def test_embeddings_tied_across_stages_are_refused_until_their_copies_are_kept_equal() -> None:
+def test_tensors_shared_across_stages_are_averaged_at_every_epoch() -> None:
     tied = dataclasses.replace(LlamaConfig(), tie_embeddings=True)
-    assert RunConfig(model="tied", architecture=tied, num_stages=1).model_config.tie_embeddings
-    with pytest.raises(ConfigError, match="ties its output layer to its embeddings"):
-        RunConfig(model="tied", architecture=tied, num_stages=2)
+    assert not RunConfig(model="tied", architecture=tied, num_stages=1).shares_across_stages
+    assert RunConfig(model="tied", architecture=tied, num_stages=2).shares_across_stages
+    assert not RunConfig(num_stages=2).shares_across_stages
+    with pytest.raises(ConfigError, match="stay equal only when averaged at every epoch"):
+        RunConfig(model="tied", architecture=tied, num_stages=2, average_every=4)

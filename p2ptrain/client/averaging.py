@@ -241,7 +241,7 @@ class StageAllReduce(ServicerBase):
     def __init__(self, *, p2p: P2P | None, run_id: str, stage: int, timeout: float, caller: Caller,
                  throughput: Throughput | None = None, slack: float = RuntimeConfig.deadline_slack,
                  probe_every_s: float = 1.0, probe_timeout_s: float = 2.0,
-                 codec: str = "none", deposits: GradientDeposits | None = None):
+                 codec: str = "none", deposits: GradientDeposits | None = None, namespace: str | None = None):
         self.p2p, self.timeout, self.caller = p2p, timeout, caller
         self.wire: CompressionBase = WireCodec(codec)  # how gradients travel (module doc); `codec` is one of CODECS
         self.itemsize = WIRE_BYTES[codec]
@@ -252,7 +252,8 @@ class StageAllReduce(ServicerBase):
         self._depositor = Caller(p2p=p2p, peer_id=caller.peer_id, codec=codec, timeout=timeout, slack=caller.slack,
                                  assumed_rate=caller.assumed_rate, rates=caller.rates)
         self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
-        self.stage, self.prefix = stage, f"{run_id}_stage{stage}_allreduce"
+        # the stage's own rounds, or (`namespace`) another kind of round its members take part in
+        self.stage, self.prefix = stage, f"{run_id}_{namespace or f'stage{stage}'}_allreduce"
         self._runners: dict[bytes, asyncio.Future] = {}
         self._finishing: set[asyncio.Task] = set()  # runners of rounds already averaged, ending (`_finish`)
 

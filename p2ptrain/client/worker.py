@@ -23,7 +23,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import torch
 
@@ -40,19 +40,23 @@ from p2ptrain.protocol.messages import (
     Message,
     PushInputGrads,
     PushOutputs,
+    ReportGroup,
     ReportNorm,
     Request,
+    StageGroup,
     TakeTask,
     TaskOffer,
     TaskReply,
 )
 from p2ptrain.protocol.optimization import Digest, clip_coefficient
 from p2ptrain.protocol.rows import Rows
+from p2ptrain.protocol.sharing import shared_rounds
 from p2ptrain.protocol.taskpool import Kind
 from p2ptrain.state.params import StageParams
 from p2ptrain.transport import Caller, Refused
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SLOW_AVERAGING_S = 1.0  # how much longer each round takes with the fault "slow-averaging" (`NodeOptions.fault`)
 FAILED_AVERAGING_EPOCH = 3  # the epoch whose round fails with the fault "failed-averaging"
@@ -96,7 +100,7 @@ class Worker:
         fault: str = "none", dump_dir: Path | None = None,
         download_state: Callable[[Worker], Awaitable[int | None]] | None = None,
         holds_only: bool = False, after_step: Callable[[Worker], Awaitable[None]] | None = None,
-        pretrained: bool = False,
+        pretrained: bool = False, shared_averager: StageAllReduce | None = None,
     ):
         self.worker_id, self.stage, self.config, self.settings = worker_id, stage, config, settings
         self.model, self.averager, self.caller, self.norm_keeper = model, averager, caller, norm_keeper
@@ -117,6 +121,13 @@ class Worker:
         self._deposited: tuple[int, int] = (-1, 0)  # the epoch and rows of the gradients it last deposited
         self._interval_rows = 0  # with average_every > 1: the rows its own steps took since the stage's last round
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # tensors other stages hold copies of (`protocol.sharing`): the index of each in `params` -> checkpoint key;
+        # their gradients are summed across the holding stages in rounds of `shared_averager`
+        self.shared_averager = shared_averager
+        shared = model.shared_parameters() if shared_averager is not None else {}
+        self.shared_keys = {index: shared[name] for index, name in
+                            enumerate(name for name, p in model.named_parameters() if p.requires_grad)
+                            if name in shared}
         self.accumulated = [torch.zeros_like(p) for p in self.params]
         self.rows_accumulated = 0
         self.epoch = 0
@@ -479,6 +490,9 @@ class Worker:
             if self.fault == "failed-averaging" and epoch == FAILED_AVERAGING_EPOCH:
                 raise RuntimeError(f"fault failed-averaging: the round of epoch {epoch} fails here on purpose")
             averaged, result = await self.averager.average(grads, epoch=epoch, rows=weight, group=group)
+            skipped: set[int] = set()
+            if self.shared_averager is not None and result.ok:
+                averaged, skipped = await self._combine_shared(averaged, epoch=epoch, rows=weight, group=group)
         except Exception as e:  # whatever went wrong, no averaging failure ends the worker: a failed round
             averaged, result = grads, RoundResult(group_size=0, ok=False, reason=repr(e))
         finally:
@@ -500,7 +514,8 @@ class Worker:
                         "place of its own step (its previous round failed)")
         else:
             self._stale = False
-            norm = await self._global_norm(averaged, epoch, members=len(group)) if self.config.clip_norm else None
+            norm = await self._global_norm([g for i, g in enumerate(averaged) if i not in skipped], epoch,
+                                           members=len(group)) if self.config.clip_norm else None
             self._apply(averaged, epoch=epoch, norm=norm)
             logger.info(f"worker {self.worker_id}: stage {self.stage} stepped epoch {epoch} ({rows} rows, averaged in "
                         f"a group of {result.group_size}, lr {lr:.3g}"
@@ -534,6 +549,49 @@ class Worker:
         self._stale = False
         return True
 
+    async def _combine_shared(self, averaged: list[torch.Tensor], *, epoch: int, rows: int,
+                              group: tuple[GroupMember, ...]) -> tuple[list[torch.Tensor], set[int]]:
+        """The stage's average with its shared tensors' part summed over every stage that holds them, in one round
+        across those stages' groups per set of them (`protocol.sharing`); and the indices of the shared tensors whose
+        norm another stage counts (the first holder does), so the global norm counts each once. Raises if the data
+        source names no groups in time or a round does not average every member."""
+        entry = StageGroup(stage=self.stage, group=group, shared=tuple(sorted(set(self.shared_keys.values()))))
+        wait_s = self.averager.deadline_s(self.config.num_stages * sum(g.numel() for g in averaged),
+                                          members=len(group))
+        stages = await self._ask_data_source(ReportGroup(epoch=epoch, group=entry), lambda reply: reply.stages,
+                                             wait_s=wait_s)
+        if stages is None:
+            raise RuntimeError(f"the data source named no groups of epoch {epoch} of the stages that share tensors "
+                               f"within {wait_s:.0f} s")
+        index = {key: i for i, key in self.shared_keys.items()}
+        combined, skipped = list(averaged), set()
+        for shared in shared_rounds(stages, self.stage):
+            indices = [index[key] for key in shared.keys]
+            parts, result = await self.shared_averager.average([averaged[i] for i in indices], epoch=epoch, rows=rows,
+                                                               group=shared.members)
+            if not result.ok or result.group_size != len(shared.members):
+                # a member lost in it takes its stage's weight out of the mean, which then is no longer the sum's
+                raise RuntimeError(f"the round of the tensors stages {shared.stages} share did not average all "
+                                   f"{len(shared.members)} members ({result.reason or f'{result.group_size} did'})")
+            for i, part in zip(indices, parts):
+                combined[i] = part * len(shared.stages)
+            if self.stage != shared.stages[0]:
+                skipped.update(indices)
+        return combined, skipped
+
+    async def _ask_data_source(self, request: Request, answer: Callable[[Message], T | None], *,
+                               wait_s: float) -> T | None:
+        """Ask the data source `request` until `answer` finds what it waits for in a reply; None after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            keeper = self.norm_keeper()
+            reply = await self._call(keeper, FRONTAL_SERVER, request) if keeper is not None else None
+            found = answer(reply) if reply is not None else None
+            if found is not None:
+                return found
+            await asyncio.sleep(self.settings.norm_poll_s)
+        return None
+
     async def _global_norm(self, averaged: list[torch.Tensor], epoch: int, *, members: int) -> float | None:
         """The norm of the whole model's averaged gradient: this stage's part goes to the data source, which
         answers once every stage's has. None if none comes within the deadline of as many rounds as there are
@@ -544,13 +602,9 @@ class Worker:
         request = ReportNorm(epoch=epoch, stage=self.stage, squared_norm=squared)
         wait_s = self.averager.deadline_s(self.config.num_stages * sum(grad.numel() for grad in averaged),
                                           members=members)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            keeper = self.norm_keeper()
-            reply = await self._call(keeper, FRONTAL_SERVER, request) if keeper is not None else None
-            if reply is not None and reply.norm is not None:
-                return reply.norm
-            await asyncio.sleep(self.settings.norm_poll_s)
+        norm = await self._ask_data_source(request, lambda reply: reply.norm, wait_s=wait_s)
+        if norm is not None:
+            return norm
         logger.warning(f"worker {self.worker_id}: no global gradient norm of epoch {epoch} within "
                        f"{wait_s:.0f} s; stepping unclipped")
         return None

@@ -390,6 +390,14 @@ class Peer:
                                   probe_timeout_s=self.settings.liveness_timeout_s, codec=config.averaging_wire,
                                   deposits=deposits)
         await averager.start()
+        shared = None
+        if config.shares_across_stages:  # rounds across the stages that hold copies of a tensor
+            shared = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage, namespace="shared",
+                                    timeout=self.settings.averaging_timeout_s, caller=caller,
+                                    throughput=averager.throughput, slack=self.settings.deadline_slack,
+                                    probe_every_s=self.settings.probe_silent_s,
+                                    probe_timeout_s=self.settings.liveness_timeout_s, codec=config.averaging_wire)
+            await shared.start()
         holds_only = not self.options.does_compute
         # what live planning measured was one block; tasks are sized by the speed on the whole stage
         compute = 1.0 if holds_only else self.options.compute_power or measure_compute(model, config)
@@ -398,7 +406,7 @@ class Peer:
                         servers=lambda: membership.servers(placement.stage), norm_keeper=membership.data_source,
                         compute=compute, client_mode=self.options.network.client_mode, fault=self.options.fault,
                         dump_dir=self.options.dump_grads, download_state=self._download_state, holds_only=holds_only,
-                        pretrained=config.init_from is not None,
+                        pretrained=config.init_from is not None, shared_averager=shared,
                         after_step=self._after_step if self.options.checkpoint_dir is not None else None)
         if self.options.checkpoint_dir is not None:
             self._restore(worker)

@@ -91,6 +91,7 @@ Timestamp = Annotated[float, Between(0.0, 1e12)]  # seconds since the epoch of U
 Stage = Annotated[int, Between(0, MAX_STAGES - 1)]
 Layer = Annotated[int, Between(0, MAX_LAYERS)]
 Norm = Annotated[float, Between(0.0, 1e300)]  # a norm or a squared norm
+SharedKey = Annotated[str, Length(1, 256)]  # the checkpoint key of a tensor several stages hold
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -524,6 +525,43 @@ class ReportNorm(Request):
     epoch: Epoch
     stage: Stage
     squared_norm: Norm
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageGroup(Message):
+    """A stage's averaging group of an epoch and the tensors of its that other stages may hold too, by checkpoint key
+    (`protocol.sharing`)."""
+
+    stage: Stage
+    group: tuple[GroupMember, ...]
+    shared: tuple[SharedKey, ...]
+
+    def check(self, path: str) -> None:
+        if len(set(self.shared)) != len(self.shared):
+            raise MessageError(f"{path}.shared: a key is listed twice")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageGroups(Message):
+    """Every stage's group of an epoch, once every stage reported its own; None until then."""
+
+    stages: tuple[StageGroup, ...] | None = None
+
+    def check(self, path: str) -> None:
+        if self.stages is not None and [entry.stage for entry in self.stages] != list(range(len(self.stages))):
+            raise MessageError(f"{path}.stages: not one group per stage, in order")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportGroup(Request):
+    """A worker of a run whose stages share tensors hands the data source its stage's group of `epoch`, and asks
+    for every stage's (`protocol.sharing.GroupBook`); it asks again until every stage reported."""
+
+    method: ClassVar[str] = "rpc_report_group"
+    reply: ClassVar[type[Message]] = StageGroups
+
+    epoch: Epoch
+    group: StageGroup
 
 
 @dataclass(frozen=True, kw_only=True)

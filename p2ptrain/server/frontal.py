@@ -32,13 +32,16 @@ from p2ptrain.protocol.messages import (
     PushInputGrads,
     PushOutputGrads,
     PushRows,
+    ReportGroup,
     ReportNorm,
     ReportTask,
+    StageGroups,
     TaskOffer,
     TaskReply,
 )
 from p2ptrain.protocol.optimization import NormBook
 from p2ptrain.protocol.rows import Rows, split_by_compute
+from p2ptrain.protocol.sharing import GroupBook
 from p2ptrain.protocol.taskpool import Kind, Task
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.state import FrontalState, MicrobatchInputs, RedoWork, Result
@@ -179,6 +182,26 @@ class FrontalServer(StageServer[FrontalState]):
             return GlobalNorm(norm=self.norms.global_norm(request.epoch))
         return GlobalNorm(norm=self.norms.report(epoch=request.epoch, stage=request.stage,
                                                  squared_norm=request.squared_norm))
+
+    @cached_property
+    def groups(self) -> GroupBook:
+        return GroupBook(num_stages=self.config.num_stages, kept=self.settings.closures_kept)
+
+    def rpc_report_group(self, requests: Requests, context: P2PContext) -> Responses:
+        """A worker's stage group of an epoch, for the rounds across stages that hold the same tensors."""
+        return self.serve(requests, context, ReportGroup, self.report_group)
+
+    async def report_group(self, request: ReportGroup, sender: str) -> StageGroups:
+        if not self.is_first:
+            raise Refused("stage groups go to the data source, a stage-0 FS")
+        stage = request.group.stage
+        if stage >= self.config.num_stages:
+            raise Refused(f"stage {stage} is not in 0..{self.config.num_stages - 1}")
+        if self.authority is not None and not any(self.authority.authorizes(sender, stage, role)
+                                                  for role in ("fs", "bs")):
+            # in a run with an owner, only the stage's servers (in its every group) report; anyone else reads
+            return StageGroups(stages=self.groups.groups(request.epoch))
+        return StageGroups(stages=self.groups.report(epoch=request.epoch, entry=request.group))
 
     def rpc_fetch_inputs(self, requests: Requests, context: P2PContext) -> Responses:
         """The stored inputs of some rows, for a worker that recomputes a forward pass it does not hold."""
