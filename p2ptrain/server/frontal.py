@@ -171,14 +171,7 @@ class FrontalServer(StageServer[FrontalState]):
         return self.serve(requests, context, ReportNorm, self.report_norm)
 
     async def report_norm(self, request: ReportNorm, sender: str) -> GlobalNorm:
-        if not self.is_first:
-            raise Refused("gradient norms go to the data source, a stage-0 FS")
-        if request.stage >= self.config.num_stages:
-            raise Refused(f"stage {request.stage} is not in 0..{self.config.num_stages - 1}")
-        if self.authority is not None and not any(self.authority.authorizes(sender, request.stage, role)
-                                                  for role in ("fs", "bs")):
-            # in a run with an owner, only the stage's servers (their replicas average with the workers) count:
-            # anyone may be a volunteer, and the first report of a stage's norm sets every stage's clipping
+        if not self._counts_report(request.stage, sender, what="gradient norms"):
             return GlobalNorm(norm=self.norms.global_norm(request.epoch))
         return GlobalNorm(norm=self.norms.report(epoch=request.epoch, stage=request.stage,
                                                  squared_norm=request.squared_norm))
@@ -192,16 +185,19 @@ class FrontalServer(StageServer[FrontalState]):
         return self.serve(requests, context, ReportGroup, self.report_group)
 
     async def report_group(self, request: ReportGroup, sender: str) -> StageGroups:
-        if not self.is_first:
-            raise Refused("stage groups go to the data source, a stage-0 FS")
-        stage = request.group.stage
-        if stage >= self.config.num_stages:
-            raise Refused(f"stage {stage} is not in 0..{self.config.num_stages - 1}")
-        if self.authority is not None and not any(self.authority.authorizes(sender, stage, role)
-                                                  for role in ("fs", "bs")):
-            # in a run with an owner, only the stage's servers (in its every group) report; anyone else reads
+        if not self._counts_report(request.group.stage, sender, what="stage groups"):
             return StageGroups(stages=self.groups.groups(request.epoch))
         return StageGroups(stages=self.groups.report(epoch=request.epoch, entry=request.group))
+
+    def _counts_report(self, stage: int, sender: str, *, what: str) -> bool:
+        """Whether the data source records `sender`'s report for `stage` (else the sender only reads the answer).
+        In a run with an owner, only the stage's servers (in its every group) count: anyone may be a volunteer, and
+        the first report of a stage sets what every stage does with it."""
+        if not self.is_first:
+            raise Refused(f"{what} go to the data source, a stage-0 FS")
+        if stage >= self.config.num_stages:
+            raise Refused(f"stage {stage} is not in 0..{self.config.num_stages - 1}")
+        return self.authority is None or any(self.authority.authorizes(sender, stage, role) for role in ("fs", "bs"))
 
     def rpc_fetch_inputs(self, requests: Requests, context: P2PContext) -> Responses:
         """The stored inputs of some rows, for a worker that recomputes a forward pass it does not hold."""
