@@ -148,8 +148,24 @@ class RunConfig:
             if tokens > self.model_config.vocab_size:
                 raise ConfigError("tokenizer", self.tokenizer, f"has {tokens} tokens, more than the model's "
                                                                f"vocabulary of {self.model_config.vocab_size}")
+        if not self.model_config.causal:
+            self._check_masking()
         if self.data is not None:
             self._check_data(Path(self.data))
+
+    def _check_masking(self) -> None:
+        """A masked-LM model (`data.Masking`) needs a mask token: id 256 past the byte-level tokens, or the
+        tokenizer's."""
+        if self.tokenizer is None:
+            if self.model_config.vocab_size <= 256:
+                raise ConfigError("model", self.model, "a masked-LM model on byte-level tokens takes id 256 for its "
+                                                       "mask token: it needs a vocabulary of 257 or more")
+            return
+        from p2ptrain.tokenizer import mask_token_id
+
+        if mask_token_id(self.tokenizer) is None:
+            raise ConfigError("tokenizer", self.tokenizer, "has no mask token ([MASK] or <mask>), which a masked-LM "
+                                                           "model needs")
 
     def _check_data(self, path: Path) -> None:
         if path.is_dir():

@@ -17,19 +17,25 @@ Tokens are UTF-8 bytes (`ByteTokenizer`) unless the recipe names a tokenizer (`-
 `tokenizer.json` read with Hugging Face's `tokenizers`, or a local `transformers` tokenizer folder). Either way the
 whole text becomes one stream of tokens, documents one after the other (a blank line between two), and every row is
 a window of `seq_len + 1` tokens of it: documents are packed into rows, and a row may span the end of one and the
-start of the next, as GPT-style pretraining packs them.
+start of the next, as GPT-style pretraining packs them. A masked-LM model (ALBERT) trains on the same windows,
+corrupted as BERT corrupts them (`Masking`).
 """
 from __future__ import annotations
 
 import random
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from p2ptrain.tokenizer import load_tokenizer
+from p2ptrain.tokenizer import load_tokenizer, mask_token_id
+
+if TYPE_CHECKING:
+    from p2ptrain.config import RunConfig
 
 
 class ByteTokenizer:
@@ -87,11 +93,48 @@ def _dataset_documents(folder: Path) -> list[str]:
     return [text for text in loaded["text"] if text]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Masking:
+    """BERT's masked-LM corruption of a row: `count(seq_len)` positions drawn at random, of which 80% become the
+    mask token, 10% a random token and 10% stay; the labels are the original ids there and -100 elsewhere. Every row
+    has the same count of masked positions, so the loss per token of a batch, as the swarm averages it, is a fixed
+    multiple of the mean loss of a masked token (which `models.albert` reports)."""
+
+    mask_id: int
+    vocab: int  # a random replacement draws from ids [0, vocab)
+    rate: float = 0.15
+
+    @classmethod
+    def of(cls, config: RunConfig) -> Masking | None:
+        """The run's masking: none for a causal model; byte-level tokens take id 256 for the mask."""
+        if config.model_config.causal:
+            return None
+        if config.tokenizer is None:
+            return cls(mask_id=ByteTokenizer.vocab_size, vocab=ByteTokenizer.vocab_size)
+        return cls(mask_id=mask_token_id(config.tokenizer), vocab=load_tokenizer(config.tokenizer)[1])
+
+    def count(self, seq_len: int) -> int:
+        return max(1, round(self.rate * seq_len))
+
+    def apply(self, ids: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """(corrupted ids, labels) of int64 rows `ids`, drawn from `rng`."""
+        rows, seq_len = ids.shape
+        chosen = torch.from_numpy(rng.random((rows, seq_len)).argsort(axis=1)[:, :self.count(seq_len)])
+        kind = torch.from_numpy(rng.random(chosen.shape))
+        random_ids = torch.from_numpy(rng.integers(0, self.vocab, size=chosen.shape))
+        original = ids.gather(1, chosen)
+        replaced = torch.where(kind < 0.8, torch.full_like(original, self.mask_id),
+                               torch.where(kind < 0.9, random_ids, original))
+        labels = torch.full_like(ids, -100).scatter(1, chosen, original)
+        return ids.scatter(1, chosen, replaced), labels
+
+
 class TextSource:
-    """Fixed-length training windows drawn deterministically from one text."""
+    """Fixed-length training windows drawn deterministically from one text: next-token pairs, or masked-LM ones
+    (`masking`)."""
 
     def __init__(self, *, text: str | None = None, path: str | None = None, seq_len: int, seed: int,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, masking: Masking | None = None):
         if text is not None and path is not None:
             raise ValueError("give text or path, not both")
         if seq_len < 1:
@@ -111,15 +154,19 @@ class TextSource:
         self.seq_len = seq_len
         self.seed = seed
         self.origin = origin
+        self.masking = masking
 
     def microbatch(self, epoch: int, index: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids, labels), both int64 [rows, seq_len]; labels[:, t] is the token after input_ids[:, t]."""
+        """(input_ids, labels), both int64 [rows, seq_len]; labels[:, t] is the token after input_ids[:, t], or with
+        masking the original token where input_ids[:, t] was corrupted and -100 elsewhere."""
         if min(epoch, index) < 0 or rows < 1:
             raise ValueError(f"need epoch >= 0, index >= 0, rows >= 1; got {epoch}, {index}, {rows}")
         # numpy seeds from the whole (seed, epoch, index) tuple, so neighbouring batches are unrelated
         rng = np.random.default_rng([self.seed, epoch, index])
         starts = torch.from_numpy(rng.integers(0, len(self.tokens) - self.seq_len, size=rows))
         windows = self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)].long()
+        if self.masking is not None:
+            return self.masking.apply(windows[:, :-1].contiguous(), rng)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def held_out(self, *, rows: int, per_call: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

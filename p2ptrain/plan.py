@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 from p2ptrain.cli import check_maddrs, count, index, positive, run_id, writable_file
 from p2ptrain.config import AVERAGING_CODECS, RunConfig, RuntimeConfig
-from p2ptrain.models import TRAINABLE
 from p2ptrain.models.configs import ModelConfig
 from p2ptrain.models.hf_config import CheckpointError, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
@@ -180,8 +179,6 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     codec = args.averaging_codec or PEER_DEFAULTS.averaging_codec
     if args.model_config is not None:
         model = config_spec(hf_model_config(parser, args), averaging_codec=codec, name=config_name(args.model_config))
-    elif (args.model or PEER_DEFAULTS.model) not in TRAINABLE:
-        parser.error(f"--model {args.model}: peers can train only {', '.join(TRAINABLE)}")
     else:
         model = model_spec(args.model or PEER_DEFAULTS.model, averaging_codec=codec)
     microbatches = args.microbatches or PEER_DEFAULTS.microbatches

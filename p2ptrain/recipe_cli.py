@@ -32,7 +32,6 @@ from p2ptrain.cli import (
 from p2ptrain.config import CODECS, RunConfig
 
 BOOTSTRAP_PORT = 31337  # the port the printed bootstrap command listens on
-EXAMPLES = "examples:\n" + "\n".join(line for line in __doc__.splitlines() if line.startswith("    python"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +41,7 @@ class Family:
 
     name: str
     description: str  # the script's --help
-    sizes: dict[str, str]
+    sizes: dict[str, str]  # the first is the default; the last, the paper's, is for planning
     local_sizes: tuple[str, ...]
     defaults: RunConfig = field(default_factory=RunConfig)
 
@@ -50,7 +49,7 @@ class Family:
 def build_parser(family: Family) -> argparse.ArgumentParser:
     defaults = family.defaults
     parser = argparse.ArgumentParser(prog=f"python recipes/{family.name}.py", description=family.description,
-                                     epilog=EXAMPLES.replace("llama", family.name),
+                                     epilog=examples(family),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     what = parser.add_argument_group("what to do (default: train in a local swarm on this machine)")
     modes = what.add_mutually_exclusive_group()
@@ -94,6 +93,14 @@ def build_parser(family: Family) -> argparse.ArgumentParser:
     add_optimization_flags(parser, defaults=defaults)
     parser.set_defaults(decay_epochs=None)  # as the launcher: decay over the whole run unless told otherwise
     return parser
+
+
+def examples(family: Family) -> str:
+    """The module doc's examples, for `family`."""
+    big = list(family.sizes)[-1]
+    lines = [line.replace("llama-33b", big).replace("llama", family.name) for line in __doc__.splitlines()
+             if line.startswith("    python")]
+    return "examples:\n" + "\n".join(lines)
 
 
 def main(family: Family, argv: Sequence[str] | None = None) -> int:

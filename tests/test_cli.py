@@ -143,7 +143,7 @@ PLAN_CASES = [
     (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--expect-timeout", "0"], "argument --expect-timeout: 0"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--batch-rows", "0"], "argument --batch-rows: 0"),
     (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run-id", "a b"], "argument --run-id: a b"),
-    (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model", "albert-xxlarge"], "--model albert-xxlarge: peers can"),
+    (["--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model-config", "NODIR"], "--model-config NODIR: NODIR: not a "),
 ]
 STATUS_CASES = [
     ([], "the following arguments are required: --initial-peers"),

@@ -114,7 +114,7 @@ def test_the_planner_identity_round_trips_and_peers_refuse_a_file_without_a_key(
     (["p2ptrain.plan", "peers/local.toml", "--publish"], "--publish is for live planning"),
     (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--publish"], "needs --planner-identity"),
     (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--batch-tokens", "64"], "--batch-tokens is for"),
-    (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model", "albert-xxlarge"], "can train only"),
+    (["p2ptrain.plan", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--model-config", "/nonexistent"], "--model-config"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "/nonexistent.pub"], "--planner-key"),
     (["p2ptrain.peer", "--role", "server", "--plan"], "--plan needs --planner-identity"),
     (["p2ptrain.peer", "--role", "client", "--plan", "--planner-identity", "k"], "--plan is for a server"),

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from p2ptrain.config import RunConfig
-from p2ptrain.data import TextSource
-from p2ptrain.models import build_stage, from_pretrained
+from p2ptrain.data import Masking, TextSource
+from p2ptrain.models import build_stage, from_pretrained, model_config
 from p2ptrain.models.hf_config import read_config
 from p2ptrain.protocol.messages import GroupMember, StageGroup
 from p2ptrain.protocol.sharing import GroupBook, shared_rounds
@@ -46,6 +46,59 @@ def test_the_book_answers_once_every_stage_reported_and_keeps_the_first_report()
 
 
 ROWS, MICROBATCHES, SEQ, SEED, CLIP = 4, 2, 32, 3, 0.05
+RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES), "--seq-len", str(SEQ),
+          "--seed", str(SEED), "--lr", "0.003", "--clip-norm", str(CLIP)]
+
+
+def run_two_stages(swarm, epochs: int) -> dict:
+    for stage in (1, 0):
+        swarm.peer(f"bs{stage}", "--role", "server", "--stage", str(stage), "--server-role", "bs")
+        swarm.peer(f"client{stage}", "--role", "client", "--stage", str(stage))
+    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
+    report = swarm.wait_finished(timeout=300)
+    assert all(stage["rows_averaged"] == ROWS * MICROBATCHES for e in report["epochs"] for stage in e["stages"])
+    return report
+
+
+def one_process_gradients(whole, source: TextSource) -> dict[str, torch.Tensor]:
+    """The whole model, the whole first batch, its mean token loss, clipped by the norm of its gradient: the
+    gradient by checkpoint key (a tied or shared tensor is one tensor here)."""
+    for index in range(MICROBATCHES):
+        inputs, labels = source.microbatch(0, index, ROWS)
+        (whole(inputs, labels) / (ROWS * MICROBATCHES * SEQ)).backward()
+    assert torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP) > 2 * CLIP, "the clip must be active"
+    keys = whole.hf_names()
+    return {keys[name]: p.grad for name, p in whole.named_parameters()}
+
+
+def check_dumps(dumps, config, reference: dict[str, torch.Tensor], epochs: int) -> set[str]:
+    """Every worker's applied gradient of epoch 0 against one process's, key by key; and after every epoch, every
+    copy of every tensor the two stages share equal. The shared keys."""
+    stages = {stage: build_stage(config, start=start, end=end)
+              for stage, (start, end) in enumerate([(0, config.num_layers // 2), (config.num_layers // 2,
+                                                                                  config.num_layers)])}
+    names = {stage: module.hf_names() for stage, module in stages.items()}
+    shared = set(stages[0].shared_parameters().values()) & set(stages[1].shared_parameters().values())
+    copies: dict[tuple[int, str], torch.Tensor] = {}  # (epoch, key) -> the copy after its step
+    covered, seen = set(), set()
+    for path in sorted(dumps.glob("*.pt")):
+        dump = torch.load(path)
+        stage, epoch = dump["stage"], int(path.stem.rsplit("epoch", 1)[1])
+        seen.add((stage, epoch))
+        if epoch == 0:
+            for name, grad in dump["grads"].items():
+                key = names[stage][name]
+                error = ((grad - reference[key]).norm() / reference[key].norm()).item()
+                assert error < 1e-5, f"{path.name}: {key} differs from one process by {error:.2e}"
+                covered.add(key)
+        for name, param in dump["params"].items():
+            if names[stage].get(name) in shared:
+                held = copies.setdefault((epoch, names[stage][name]), param)
+                assert torch.equal(held, param), f"{path.name}: its copy of {names[stage][name]} differs"
+    assert covered == set(reference)
+    assert seen == {(stage, epoch) for stage in (0, 1) for epoch in range(epochs)}
+    return shared
 
 
 @pytest.mark.timeout(420)
@@ -60,45 +113,28 @@ def test_tied_embeddings_in_two_stages_step_on_the_whole_models_gradient_and_sta
     torch.manual_seed(5)
     transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "ckpt")
     dumps, epochs = tmp_path / "grads", 3
-    swarm = make_swarm("tied", ["--init-from", str(tmp_path / "ckpt"), "--num-stages", "2", "--batch-rows", str(ROWS),
-                                "--microbatches", str(MICROBATCHES), "--seq-len", str(SEQ), "--seed", str(SEED),
-                                "--lr", "0.003", "--clip-norm", str(CLIP), "--dump-grads", str(dumps)])
-    for stage in (1, 0):
-        swarm.peer(f"bs{stage}", "--role", "server", "--stage", str(stage), "--server-role", "bs")
-        swarm.peer(f"client{stage}", "--role", "client", "--stage", str(stage))
-    swarm.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
-    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(epochs))
-    report = swarm.wait_finished(timeout=300)
-    assert all(stage["rows_averaged"] == ROWS * MICROBATCHES for e in report["epochs"] for stage in e["stages"])
-
-    # one process: the whole model, the whole batch, its mean token loss, clipped by the norm of its gradient
+    run_two_stages(make_swarm("tied", ["--init-from", str(tmp_path / "ckpt"), *RECIPE, "--dump-grads", str(dumps)]),
+                   epochs)
     (whole,) = from_pretrained(tmp_path / "ckpt")
-    source = TextSource(seq_len=SEQ, seed=SEED)
-    for index in range(MICROBATCHES):
-        inputs, labels = source.microbatch(0, index, ROWS)
-        (whole(inputs, labels) / (ROWS * MICROBATCHES * SEQ)).backward()
-    assert torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP) > 2 * CLIP
-    keys = whole.hf_names()
-    reference = {keys[name]: p.grad for name, p in whole.named_parameters()}
+    reference = one_process_gradients(whole, TextSource(seq_len=SEQ, seed=SEED))
+    shared = check_dumps(dumps, read_config(tmp_path / "ckpt"), reference, epochs)
+    assert shared == {"model.embed_tokens.weight"}
 
-    config = RunConfig(model="tied", init_from=str(tmp_path / "ckpt")).model_config
-    assert read_config(tmp_path / "ckpt").tie_embeddings
-    names = {stage: build_stage(config, start=2 * stage, end=2 * stage + 2).hf_names() for stage in (0, 1)}
-    copies: dict[int, dict[int, torch.Tensor]] = {}  # epoch -> stage -> the tied tensor after its step
-    covered = set()
-    for path in sorted(dumps.glob("*.pt")):
-        dump = torch.load(path)
-        stage, epoch = dump["stage"], int(path.stem.rsplit("epoch", 1)[1])
-        if epoch == 0:
-            for name, grad in dump["grads"].items():
-                key = names[stage][name]
-                error = ((grad - reference[key]).norm() / reference[key].norm()).item()
-                assert error < 1e-5, f"{path.name}: {key} differs from one process by {error:.2e}"
-                covered.add(key)
-        tied = dump["params"]["embed.weight" if stage == 0 else "lm_head.weight"]
-        previous = copies.setdefault(epoch, {}).setdefault(stage, tied)
-        assert torch.equal(previous, tied), f"{path.name}: stage mates hold different copies"
-    assert covered == set(reference)
-    assert sorted(copies) == list(range(epochs))
-    for epoch, held in copies.items():
-        assert set(held) == {0, 1} and torch.equal(held[0], held[1]), f"the copies differ after epoch {epoch}"
+
+@pytest.mark.timeout(420)
+def test_an_albert_swarm_sums_its_shared_block_over_two_stages_and_keeps_every_copy_equal(make_swarm, tmp_path):
+    """albert-tiny in 2 stages: one block group applied by all 4 layers, so each stage holds a copy of it, and the
+    word embeddings in the first and the decoder tied to them in the last. It trains on masked-LM batches; one
+    global batch's gradients equal one process's (1e-5 relative) and every shared copy is equal after every
+    epoch."""
+    dumps, epochs = tmp_path / "grads", 4
+    report = run_two_stages(make_swarm("albert", ["--model", "albert-tiny", *RECIPE, "--dump-grads", str(dumps)]),
+                            epochs)
+    config = model_config("albert-tiny")
+    whole = build_stage(config, start=0, end=config.num_layers, seed=SEED)
+    masking = Masking.of(RunConfig(model="albert-tiny"))
+    reference = one_process_gradients(whole, TextSource(seq_len=SEQ, seed=SEED, masking=masking))
+    shared = check_dumps(dumps, config, reference, epochs)
+    assert "albert.embeddings.word_embeddings.weight" in shared and len(shared) > 10  # the word matrix and the block
+    losses = [e["loss"] for e in report["epochs"]]
+    assert losses[-1] < losses[0], losses

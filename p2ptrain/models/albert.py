@@ -77,8 +77,9 @@ class MLMHead(nn.Module):
 
 class AlbertStage(StageModel):
     """Layers [start, end) of an ALBERT; the embeddings if start == 0, the MLM head and loss if end == num_layers.
-    Labels of -100 (unmasked tokens) count for nothing in the loss. With tied embeddings the decoder is the word
-    embedding matrix: one tensor when one stage holds both, otherwise a copy."""
+    Labels of -100 (unmasked tokens) count for nothing in the loss, which is scaled to every token (`forward`).
+    With tied embeddings the decoder is the word embedding matrix: one tensor when one stage holds both, otherwise a
+    copy."""
 
     def __init__(self, config: AlbertConfig, *, start: int, end: int, seed: int = 0):
         super().__init__(config, start=start, end=end)
@@ -108,7 +109,11 @@ class AlbertStage(StageModel):
         logits = self.head(x)
         if labels is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        # summed over the masked tokens and scaled to every token of the rows: divided by the batch's tokens, as the
+        # swarm averages, it is the mean loss of a masked token (every row has as many, `data.Masking`)
+        masked = (labels != -100).sum().clamp(min=1)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        return loss * labels.numel() / masked
 
     def shared_parameters(self) -> dict[str, str]:
         """The blocks (other stages may apply the same groups) and, when tied, the word matrix; keyed by their

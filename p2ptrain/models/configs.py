@@ -242,8 +242,11 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "llama-small": LlamaConfig(hidden_size=256, intermediate_size=688, num_layers=8, num_heads=8, num_kv_heads=4),
     "llama-33b": LlamaConfig(vocab_size=32000, hidden_size=6656, intermediate_size=17920, num_layers=60,
                              num_heads=52, num_kv_heads=52, max_seq_len=2048),
-    "albert-tiny": AlbertConfig(vocab_size=256, embedding_size=32, hidden_size=64, intermediate_size=176,
+    # byte-level tokens and the mask token, id 256, that its masked-LM batches need
+    "albert-tiny": AlbertConfig(vocab_size=257, embedding_size=32, hidden_size=64, intermediate_size=176,
                                 num_layers=4, num_heads=4, max_seq_len=128),
+    "albert-small": AlbertConfig(vocab_size=257, embedding_size=64, hidden_size=256, intermediate_size=1024,
+                                 num_layers=8, num_heads=8, max_seq_len=256),
     "albert-xxlarge": AlbertConfig(),
 }
 

@@ -15,9 +15,9 @@ STAGE_MODELS: dict[str, str] = {"llama": "p2ptrain.models.llama:LlamaStage",
 
 
 def trainable(config: ModelConfig) -> bool:
-    """Whether a swarm can train the model: its data source feeds next-token batches, so causal models (masked-LM
-    batches and the shared blocks' averaging across stages come with ALBERT's swarm recipe)."""
-    return config.family in STAGE_MODELS and config.causal
+    """Whether a swarm can train the model: a family with a stage implementation (a causal model on next-token
+    batches, a bidirectional one on masked-LM batches, `data.Masking`)."""
+    return config.family in STAGE_MODELS
 
 
 # the presets a swarm can train

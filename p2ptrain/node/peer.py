@@ -19,7 +19,7 @@ from p2ptrain.client.averaging import GradientDeposits, StageAllReduce
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
-from p2ptrain.data import TextSource
+from p2ptrain.data import Masking, TextSource
 from p2ptrain.dht import (
     Announcer,
     EpochMetrics,
@@ -344,7 +344,8 @@ class Peer:
                                                                  layers=placement.layers))
             self._spawn(self.worker.run(self._stopping))
         if isinstance(self.server, FrontalServer) and stage == 0:
-            source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed, tokenizer=config.tokenizer)
+            source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed, tokenizer=config.tokenizer,
+                                masking=Masking.of(config))
             watch = ServerWatch(caller=caller, servers=membership.all_servers, period_s=settings.server_check_s,
                                 lost_s=settings.server_lost_s, timeout_s=settings.probe_timeout_s)
             self.feeder = DataFeeder(server=self.server, source=source, layout=membership.layout,
@@ -425,7 +426,7 @@ class Peer:
         if options.eval_data is None:
             return None
         source = TextSource(path=str(options.eval_data), seq_len=config.seq_len, seed=config.seed,
-                            tokenizer=config.tokenizer)
+                            tokenizer=config.tokenizer, masking=Masking.of(config))
         return HeldOut(windows=source.held_out(rows=options.eval_rows, per_call=config.rows_per_microbatch),
                        every=options.eval_every)
 
