@@ -484,20 +484,23 @@ class Worker:
 
     async def _average_and_step_now(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                     group: tuple[GroupMember, ...], seconds: float, weight: int) -> None:
+        skipped: set[int] = set()  # shared tensors whose norm another stage counts
+        shared_failed = False
         try:
             if self.fault == "slow-averaging":
                 await asyncio.sleep(SLOW_AVERAGING_S)
             if self.fault == "failed-averaging" and epoch == FAILED_AVERAGING_EPOCH:
                 raise RuntimeError(f"fault failed-averaging: the round of epoch {epoch} fails here on purpose")
             averaged, result = await self.averager.average(grads, epoch=epoch, rows=weight, group=group)
-            skipped: set[int] = set()
             if self.shared_averager is not None and result.ok:
                 averaged, skipped = await self._combine_shared(averaged, epoch=epoch, rows=weight, group=group)
+        except SharedRoundFailed as e:  # even a lone worker of its stage must not step its shared copies alone
+            averaged, result, shared_failed = grads, RoundResult(group_size=0, ok=False, reason=str(e)), True
         except Exception as e:  # whatever went wrong, no averaging failure ends the worker: a failed round
             averaged, result = grads, RoundResult(group_size=0, ok=False, reason=repr(e))
         finally:
             self._averaging_with = frozenset()
-        if _failed(result, group):
+        if shared_failed or _failed(result, group):
             # a step on its own gradients would leave this peer's parameters apart from its mates' for good: it skips
             # the step and takes a mate's state after its next round instead
             logger.error(f"worker {self.worker_id}: stage {self.stage} averaging of epoch {epoch} failed "
@@ -561,8 +564,8 @@ class Worker:
         stages = await self._ask_data_source(ReportGroup(epoch=epoch, group=entry), lambda reply: reply.stages,
                                              wait_s=wait_s)
         if stages is None:
-            raise RuntimeError(f"the data source named no groups of epoch {epoch} of the stages that share tensors "
-                               f"within {wait_s:.0f} s")
+            raise SharedRoundFailed(f"the data source named no groups of epoch {epoch} of the stages that share "
+                                    f"tensors within {wait_s:.0f} s")
         index = {key: i for i, key in self.shared_keys.items()}
         combined, skipped = list(averaged), set()
         for shared in shared_rounds(stages, self.stage):
@@ -571,8 +574,9 @@ class Worker:
                                                                group=shared.members)
             if not result.ok or result.group_size != len(shared.members):
                 # a member lost in it takes its stage's weight out of the mean, which then is no longer the sum's
-                raise RuntimeError(f"the round of the tensors stages {shared.stages} share did not average all "
-                                   f"{len(shared.members)} members ({result.reason or f'{result.group_size} did'})")
+                raise SharedRoundFailed(f"the round of the tensors stages {shared.stages} share did not average "
+                                        f"all {len(shared.members)} members "
+                                        f"({result.reason or f'{result.group_size} did'})")
             for i, part in zip(indices, parts):
                 combined[i] = part * len(shared.stages)
             if self.stage != shared.stages[0]:
@@ -628,6 +632,10 @@ class Worker:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"stage": self.stage, "layers": [self.model.start, self.model.end], "grads": grads,
                     "params": params}, self.dump_dir / f"stage{self.stage}-{self.worker_id}-epoch{epoch}.pt")
+
+
+class SharedRoundFailed(RuntimeError):
+    """The tensors this stage shares with others were not summed across them (`Worker._combine_shared`)."""
 
 
 def _failed(result: RoundResult, group: tuple[GroupMember, ...]) -> bool:
