@@ -21,6 +21,7 @@ from p2ptrain.config import (
     check_run_id,
 )
 from p2ptrain.models import TRAINABLE
+from p2ptrain.models.hf_config import checkpoint_name
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -223,7 +224,18 @@ def model_name(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str
     if args.model is not None:
         fail(parser, "--model", args.model, "--init-from takes the model from the checkpoint's config.json; drop "
                                             "--model")
-    return Path(args.init_from).resolve().name
+    return checkpoint_name(args.init_from)
+
+
+def recipe_args(config: RunConfig) -> list[str]:
+    """The recipe flags that give a peer, or the launcher, `config`'s model, batch, codec, data, tokenizer and
+    optimization (its run id and stages go apart: the launcher names them otherwise)."""
+    model = ["--init-from", config.init_from] if config.init_from else ["--model", config.model]
+    return [*model, "--batch-rows", str(config.rows_per_microbatch), "--microbatches", str(config.microbatches),
+            "--seq-len", str(config.seq_len), "--compression", config.compression,
+            *(["--data", config.data] if config.data else []),
+            *(["--tokenizer", config.tokenizer] if config.tokenizer else []),
+            *(item for name in OPTIMIZATION_FIELDS for item in (RECIPE_FLAGS[name], flag_value(getattr(config, name))))]
 
 
 def given_recipe(parser: argparse.ArgumentParser, args: argparse.Namespace, config: RunConfig,

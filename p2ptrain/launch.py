@@ -25,17 +25,16 @@ from tqdm import tqdm
 from p2ptrain import links
 from p2ptrain.cli import (
     LOOPBACK,
-    OPTIMIZATION_FIELDS,
     RECIPE_FLAGS,
     add_deadline_flags,
     add_optimization_flags,
     count,
     deadline_args,
     existing_file,
-    flag_value,
     model_name,
     optimization_from,
     positive,
+    recipe_args,
     refusing,
     run_id,
 )
@@ -219,12 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     # the status reader's DHT needs torch and hivemind: load them before the first peer starts, so that a Ctrl-C
     # soon after the swarm is up finds this process watching it, not importing
     importlib.import_module("p2ptrain.dht")
-    model = ["--init-from", config.init_from] if config.init_from else ["--model", config.model]
-    common = ["--run-id", config.run_id, *model, "--seq-len", str(config.seq_len), "--batch-rows",
-              str(rows), "--microbatches", str(microbatches), "--epochs", str(args.epochs), "--compression",
-              config.compression, "--host-maddrs", LOOPBACK, *(["--data", config.data] if config.data else []),
-              *(["--tokenizer", config.tokenizer] if config.tokenizer else []),
-              *(item for name in OPTIMIZATION_FIELDS for item in (RECIPE_FLAGS[name], flag_value(getattr(config, name)))),
+    common = ["--run-id", config.run_id, *recipe_args(config), "--epochs", str(args.epochs), "--host-maddrs", LOOPBACK,
               *(["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)] if args.eval_data else []),
               *deadline_args(args)]
     swarm = Swarm(workdir=workdir)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.cli import check_maddrs, count, index, positive, run_id, writable_file
 from p2ptrain.config import AVERAGING_CODECS, RunConfig, RuntimeConfig
 from p2ptrain.models.configs import ModelConfig
-from p2ptrain.models.hf_config import CheckpointError, read_config
+from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
 from p2ptrain.planner.presets import PRESETS, ModelSpec, config_spec, model_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
@@ -115,7 +115,7 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     if args.model_config is not None:
         model = config_spec(hf_model_config(parser, args), precision=swarm.precision, offload=swarm.offload,
                             averaging_codec=args.averaging_codec or swarm.averaging_codec,
-                            name=config_name(args.model_config))
+                            name=checkpoint_name(args.model_config))
     elif preset is None:
         model = swarm.model
     else:
@@ -161,12 +161,6 @@ def hf_model_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         parser.error(f"--model-config {args.model_config}: {e}")
 
 
-def config_name(path: str) -> str:
-    """A model's name after its config file's folder (or the folder given)."""
-    where = Path(path).resolve()
-    return where.parent.name if where.is_file() else where.name
-
-
 def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Plan the peers that announced themselves in the swarm at --initial-peers; with --publish, publish it."""
     if args.publish and args.planner_identity is None:
@@ -178,7 +172,7 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      "--seq-len tokens per batch")
     codec = args.averaging_codec or PEER_DEFAULTS.averaging_codec
     if args.model_config is not None:
-        model = config_spec(hf_model_config(parser, args), averaging_codec=codec, name=config_name(args.model_config))
+        model = config_spec(hf_model_config(parser, args), averaging_codec=codec, name=checkpoint_name(args.model_config))
     else:
         model = model_spec(args.model or PEER_DEFAULTS.model, averaging_codec=codec)
     microbatches = args.microbatches or PEER_DEFAULTS.microbatches
@@ -221,7 +215,8 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
 
     settings = RuntimeConfig(plan_timeout_s=args.expect_timeout or RuntimeConfig.plan_timeout_s)
     try:
-        plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches, planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
+        plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
+                          planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
                           stop=stop, average_every=args.average_every)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)

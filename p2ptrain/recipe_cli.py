@@ -18,18 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2ptrain.cli import (
-    OPTIMIZATION_FIELDS,
     RECIPE_FLAGS,
     add_optimization_flags,
     check_maddrs,
     count,
     existing_file,
-    flag_value,
     optimization_from,
+    recipe_args,
     refusing,
     run_id,
 )
 from p2ptrain.config import CODECS, RunConfig
+from p2ptrain.models.hf_config import checkpoint_name
 
 BOOTSTRAP_PORT = 31337  # the port the printed bootstrap command listens on
 
@@ -130,36 +130,19 @@ def run_config(parser: argparse.ArgumentParser, args: argparse.Namespace, family
     """The run's recipe, checked before anything starts (exit 2 naming the flag)."""
     with refusing(parser, {**RECIPE_FLAGS, "num_stages": "--stages"}):
         return RunConfig(run_id=args.run_id, model=family.sizes[args.size] if args.init_from is None
-                         else Path(args.init_from).resolve().name, num_stages=args.stages or family.defaults.num_stages,
+                         else checkpoint_name(args.init_from), num_stages=args.stages or family.defaults.num_stages,
                          rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
                          compression=args.compression, data=args.data, tokenizer=args.tokenizer,
                          init_from=args.init_from, **optimization_from(args))
 
 
-def recipe_args(config: RunConfig) -> list[str]:
-    """The peer flags of the recipe (what the data source publishes for everyone else)."""
-    model = ["--init-from", config.init_from] if config.init_from else ["--model", config.model]
-    return [*model, "--num-stages", str(config.num_stages), "--batch-rows", str(config.rows_per_microbatch),
-            "--microbatches", str(config.microbatches), "--seq-len", str(config.seq_len),
-            "--compression", config.compression,
-            *(["--data", config.data] if config.data else []),
-            *(["--tokenizer", config.tokenizer] if config.tokenizer else []),
-            *(item for name in OPTIMIZATION_FIELDS for item in (RECIPE_FLAGS[name], flag_value(getattr(config, name))))]
-
-
 def launch_args(args: argparse.Namespace, config: RunConfig) -> list[str]:
     """`python -m p2ptrain.launch`'s arguments for this recipe on this machine."""
-    model = ["--init-from", config.init_from] if config.init_from else ["--model", config.model]
-    return [*([str(args.peers)] if args.peers else []), *model, "--stages", str(config.num_stages),
-            "--epochs", str(args.epochs), "--batch-rows", str(config.rows_per_microbatch),
-            "--microbatches", str(config.microbatches), "--seq-len", str(config.seq_len),
-            "--compression", config.compression, "--run-id", config.run_id,
-            *(["--data", config.data] if config.data else []),
-            *(["--tokenizer", config.tokenizer] if config.tokenizer else []),
+    return [*([str(args.peers)] if args.peers else []), *recipe_args(config), "--stages", str(config.num_stages),
+            "--epochs", str(args.epochs), "--run-id", config.run_id,
             *(["--eval-data", str(args.eval_data)] if args.eval_data else []),
             *(["--export-to", str(args.export_to)] if args.export_to else []),
-            *(["--workdir", str(args.workdir)] if args.workdir else []),
-            *(item for name in OPTIMIZATION_FIELDS for item in (RECIPE_FLAGS[name], flag_value(getattr(config, name))))]
+            *(["--workdir", str(args.workdir)] if args.workdir else [])]
 
 
 def plan(args: argparse.Namespace, config: RunConfig) -> int:
@@ -187,7 +170,8 @@ def commands(args: argparse.Namespace, config: RunConfig) -> str:
              "", f"# 2. The servers, on reliable machines: an FS and a BS per stage ({config.num_stages} stages). The "
                  "stage-0 FS is the data source: it holds the recipe and publishes it",
              shlex.join([*peer, "--role", "server", "--stage", "0", "--server-role", "fs", *joins,
-                         "--run-id", config.run_id, *recipe_args(config), "--epochs", str(args.epochs),
+                         "--run-id", config.run_id, *recipe_args(config), "--num-stages", str(config.num_stages),
+                         "--epochs", str(args.epochs),
                          *(["--export-to", str(args.export_to)] if args.export_to else []),
                          "--checkpoint-dir", "checkpoints/fs0"])]
     for stage in range(config.num_stages):

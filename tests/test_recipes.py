@@ -13,7 +13,7 @@ import pytest
 from p2ptrain.models import MODEL_CONFIGS
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-ADDR = "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWFPVJUMLEmqeCF9d9Gc6sc2BGVUDFRjg8CMppWk7apiCR"
+ADDR = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWFPVJUMLEmqeCF9d9Gc6sc2BGVUDFRjg8CMppWk7apiCR"
 
 
 def family(name: str):

@@ -100,7 +100,11 @@ def get_state_holders(dht: hivemind.DHT, run_id: str, stage: int, *, owner: Owne
                       ) -> tuple[list[str], list[str]]:
     """The peer ids of the peers that hold `stage`'s state and can be dialed for it: its servers that hold it (every
     FS, a BS given --keep-state or that computes) and, apart, its workers (clients) not in client mode."""
-    members = get_stage_members(dht, run_id, stage, owner=owner)
+    return state_holders(get_stage_members(dht, run_id, stage, owner=owner))
+
+
+def state_holders(members: list[Membership]) -> tuple[list[str], list[str]]:
+    """`get_state_holders` of a stage's `members`."""
     servers = holding_servers(members)
     workers = {m.peer_id for m in members if m.role == "worker" and not m.client_mode}
     return sorted(servers), sorted(workers - servers)

@@ -26,6 +26,12 @@ def checkpoint_dir(path: str | Path) -> Path:
                           "model.safetensors)")
 
 
+def checkpoint_name(path: str | Path) -> str:
+    """A checkpoint's model named after its folder (of a config.json file given, the file's folder)."""
+    where = Path(path).resolve()
+    return where.parent.name if where.is_file() else where.name
+
+
 def read_config(path: str | Path) -> ModelConfig:
     """The model config of a checkpoint directory's config.json, or of a config.json file itself."""
     file = Path(path) if Path(path).is_file() else checkpoint_dir(path) / "config.json"

@@ -18,7 +18,7 @@ import torch
 
 from p2ptrain.client.state_sync import load_state_from_peers
 from p2ptrain.config import RunConfig
-from p2ptrain.dht.readers import get_stage_members, holding_servers
+from p2ptrain.dht.readers import get_stage_members, state_holders
 from p2ptrain.live.authority import Owner
 from p2ptrain.models import build_stage
 from p2ptrain.models.hf import ExportWriter
@@ -53,10 +53,10 @@ async def export_swarm(*, dht: hivemind.DHT, caller: Caller, config: RunConfig, 
     writer = ExportWriter(path, config.model_config, num_shards=config.num_stages, extra_files=extra)
     for stage in range(config.num_stages):
         members = await asyncio.to_thread(get_stage_members, dht, config.run_id, stage, owner=owner)
-        servers = holding_servers(members)
-        mates = {m.peer_id for m in members if m.role == "worker" and not m.client_mode} - servers
+        servers, mates = state_holders(members)
         # the layers its holders announce (a plan may split the model unevenly), else the recipe's even split
-        announced = Counter(m.layers for m in members if m.peer_id in servers | mates and m.layers is not None)
+        holders = {*servers, *mates}
+        announced = Counter(m.layers for m in members if m.peer_id in holders and m.layers is not None)
         layers = announced.most_common(1)[0][0] if announced else config.stage_layers(stage)
         copy = StageCopy(asker=f"{caller.peer_id}/export", stage=stage, layers=layers, config=config, epoch=epoch)
         served = await load_state_from_peers(copy, caller=caller, servers=servers, candidates=mates)

@@ -383,22 +383,21 @@ class Peer:
                                         numel=sum(p.numel() for p in model.parameters() if p.requires_grad),
                                         hearing=hearing)
             await deposits.add_p2p_handlers(self._p2p)
-        averager = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage,
-                                  timeout=self.settings.averaging_timeout_s, caller=caller,
-                                  throughput=Throughput(assumed=self.settings.slowest_uplink),
-                                  slack=self.settings.deadline_slack,
-                                  probe_every_s=self.settings.probe_silent_s,
-                                  probe_timeout_s=self.settings.liveness_timeout_s, codec=config.averaging_wire,
-                                  deposits=deposits)
-        await averager.start()
-        shared = None
-        if config.shares_across_stages:  # rounds across the stages that hold copies of a tensor
-            shared = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage, namespace="shared",
-                                    timeout=self.settings.averaging_timeout_s, caller=caller,
-                                    throughput=averager.throughput, slack=self.settings.deadline_slack,
-                                    probe_every_s=self.settings.probe_silent_s,
-                                    probe_timeout_s=self.settings.liveness_timeout_s, codec=config.averaging_wire)
-            await shared.start()
+        throughput = Throughput(assumed=self.settings.slowest_uplink)  # what its rounds measure of its link
+
+        async def all_reduce(*, namespace: str | None = None, deposits: GradientDeposits | None = None
+                             ) -> StageAllReduce:
+            averager = StageAllReduce(p2p=self._p2p, run_id=config.run_id, stage=placement.stage, namespace=namespace,
+                                      timeout=self.settings.averaging_timeout_s, caller=caller, throughput=throughput,
+                                      slack=self.settings.deadline_slack, probe_every_s=self.settings.probe_silent_s,
+                                      probe_timeout_s=self.settings.liveness_timeout_s, codec=config.averaging_wire,
+                                      deposits=deposits)
+            await averager.start()
+            return averager
+
+        averager = await all_reduce(deposits=deposits)
+        # rounds across the stages that hold copies of a tensor
+        shared = await all_reduce(namespace="shared") if config.shares_across_stages else None
         holds_only = not self.options.does_compute
         # what live planning measured was one block; tasks are sized by the speed on the whole stage
         compute = 1.0 if holds_only else self.options.compute_power or measure_compute(model, config)
