@@ -212,7 +212,8 @@ def test_an_export_in_shards_of_a_stage_each_loads_back_and_a_partial_one_is_ref
 @pytest.mark.parametrize("family", ["llama", "albert"])
 def test_the_planner_prices_a_transformers_config_by_the_layer_transformers_builds(tmp_path, family):
     """`python -m p2ptrain.plan --model-config PATH` plans the model of a transformers config.json: the bytes and
-    FLOPs of a layer follow the parameters of the layer transformers builds from that config."""
+    FLOPs of a layer (of ALBERT's shared group and tied word matrix) follow the parameters transformers builds from
+    that config."""
     from p2ptrain.plan import main
     from p2ptrain.planner.presets import config_spec
 
@@ -228,7 +229,11 @@ def test_the_planner_prices_a_transformers_config_by_the_layer_transformers_buil
     hf.save_pretrained(tmp_path / "model")
     params = sum(p.numel() for p in layer.parameters())
     spec = config_spec(read_config(tmp_path / "model" / "config.json"), name="model")
-    assert spec.layers == 6 and spec.param_bytes_per_layer == 4 * params
+    if family == "llama":
+        assert spec.layers == 6 and spec.param_bytes_per_layer == 4 * params
+    else:  # the layers apply one shared group, which a stage holds once (ModelSpec.shared)
+        assert spec.layers == 6 and spec.param_bytes_per_layer == 0
+        assert [t.param_bytes for t in spec.shared] == [4 * params, 4 * 1000 * 16]
     assert spec.flops_per_token_per_layer > 6 * params  # forward and backward of every weight, attention on top
     out = tmp_path / "plan.json"
     assert main(["peers/local.toml", "--model-config", str(tmp_path / "model"), "--json", str(out)]) == 0

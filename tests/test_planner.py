@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from p2ptrain.models import model_config
+from p2ptrain.models import build_stage, model_config
+from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
-from p2ptrain.planner import Plan, PlanningError, make_plan, model_spec
+from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
 from p2ptrain.planner.baselines import random_layout
 from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate, lower_bound, memory_lower_bound
 from p2ptrain.planner.generate import geo_swarm
-from p2ptrain.planner.presets import ModelSpec
-from p2ptrain.planner.search import Engine, allocate
+from p2ptrain.planner.presets import ModelSpec, config_spec
+from p2ptrain.planner.search import Engine, Group, allocate
 from p2ptrain.planner.swarmfile import load_swarm
+from p2ptrain.protocol.messages import GroupMember, StageGroup
+from p2ptrain.protocol.sharing import shared_rounds
 
 PEERS = Path(__file__).parent.parent / "peers"
 
@@ -73,6 +77,120 @@ def test_albert_and_offload_modes() -> None:
     assert none.param_bytes_per_layer == opt.param_bytes_per_layer
     with pytest.raises(ValueError):
         model_spec("gpt-5")
+
+
+@pytest.mark.parametrize("config", [
+    AlbertConfig(vocab_size=300, embedding_size=16, hidden_size=32, intermediate_size=64, num_layers=6, num_heads=2,
+                 max_seq_len=32),
+    AlbertConfig(vocab_size=300, embedding_size=16, hidden_size=32, intermediate_size=64, num_layers=6, num_heads=2,
+                 num_groups=3, max_seq_len=32, tie_embeddings=False),
+    LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_layers=5, num_heads=4, num_kv_heads=2,
+                max_seq_len=32, tie_embeddings=True)], ids=["albert", "albert-3-groups-untied", "llama-tied"])
+def test_shared_bytes_are_the_tensors_each_stage_of_the_runtime_shares(config: AlbertConfig | LlamaConfig) -> None:
+    """What the planner prices as a stage's shared tensors is what the runtime's stage holds and keeps equal across
+    stages (`shared_parameters`), for every split into up to 3 stages; an ALBERT layer owns nothing, and the
+    stages' sharing rounds are the runtime's (`protocol.sharing.shared_rounds`)."""
+    spec = config_spec(config)
+    assert spec.flops_per_token_per_layer == model_spec_flops(config)
+    if isinstance(config, AlbertConfig):
+        assert spec.param_bytes_per_layer == 0
+        assert spec.memory_bytes_per_layer == 4 * config.hidden_size * config.max_seq_len
+    layers = config.num_layers
+    for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, layers), k) for k in (1, 2)):
+        ranges = list(zip((0, *cuts), (*cuts, layers)))
+        stages = [build_stage(config, start=start, end=end) for start, end in ranges]
+        wl = Workload(model=spec, batch_tokens=64, microbatches=2)
+        keys = [set(stage.shared_parameters().values()) for stage in stages]
+        for k, (stage, (start, end)) in enumerate(zip(stages, ranges)):
+            named = dict(stage.named_parameters())
+            elsewhere = set().union(*keys[:k], *keys[k + 1:])
+            shared = {key: named[name].numel() for name, key in stage.shared_parameters().items() if key in elsewhere}
+            own = sum(named[name].numel() for name in named if name.startswith(("layers.", "groups.")))
+            own -= sum(n for name, n in ((name, named[name].numel()) for name in stage.shared_parameters())
+                       if name.startswith(("layers.", "groups.")))
+            held = [t for t in spec.shared if t.held_by(start, end)]
+            crossing = [t for t in held if sum(t.held_by(*r) for r in ranges) > 1]
+            assert sum(t.param_bytes for t in crossing) == 4 * sum(shared.values()), (ranges, start)
+            assert cost.stage_bytes(wl, start, end)[0] == 4 * own + sum(t.param_bytes for t in held)
+        groups = [StageGroup(stage=k, group=(GroupMember(peer_id=f"p{k}", client_mode=False, rows=1),),
+                             shared=tuple(sorted(set(s.shared_parameters().values())))) for k, s in enumerate(stages)]
+        runtime = sorted({r.stages for k in range(len(stages)) for r in shared_rounds(groups, k)})
+        assert [h for h, _ in cost.shared_rounds(wl, ranges)] == runtime
+
+
+def model_spec_flops(config: AlbertConfig | LlamaConfig) -> float:
+    attended = (config.max_seq_len + 1) / 2 if config.causal else config.max_seq_len
+    return 3 * (2 * config.layer_parameters() + 4 * config.hidden_size * attended)
+
+
+def _albert_swarm(n: int, seed: int, memory: float) -> tuple[Network, Workload]:
+    rng = np.random.default_rng(seed)
+    net = Network.from_matrices(flops=rng.uniform(1e12, 5e12, n), memory=np.full(n, memory),
+                                latency_s=rng.uniform(1e-3, 0.05, (n, n)),
+                                bandwidth_bytes_s=rng.uniform(1e7, 1e9, (n, n)))
+    return net, Workload(model=model_spec("albert-xxlarge", precision="fp16"), batch_tokens=2048 * 64,
+                         microbatches=16)
+
+
+def test_an_albert_stage_holds_its_block_once_and_averages_it_across_stages() -> None:
+    """A stage holds ALBERT's one block once however many layers apply it: a device with room for the block and 12
+    layers' inputs holds the whole model (the former per-layer pricing needed 12 blocks). Its averaging is the
+    stage's round over the block, then the round across the stages' workers, by hand."""
+    model = model_spec("albert-xxlarge", precision="fp16")
+    block, tied = model.shared
+    net, wl = _albert_swarm(6, 1, block.memory_bytes + tied.memory_bytes + 12 * model.memory_bytes_per_layer)
+    whole = [StageLayout(fs=np.array([0]), bs=np.array([1]), clients=np.array([2, 3], dtype=int), layers=12)]
+    assert evaluate(net, wl, whole).feasible
+    split = [StageLayout(fs=np.array([0]), bs=np.array([1]), clients=np.array([2]), layers=5),
+             StageLayout(fs=np.array([3]), bs=np.array([4]), clients=np.array([5]), layers=7)]
+    result = evaluate(net, wl, split)
+    assert result.feasible
+
+    def allreduce(workers: list[int], nbytes: float) -> float:
+        pairs = [(i, j) for i in workers for j in workers if i != j]
+        n = len(workers)
+        return (2 * (n - 1) / n * nbytes * max(net.inv_bandwidth[i, j] for i, j in pairs)
+                + 2 * (n - 1) * max(net.latency[i, j] for i, j in pairs))
+
+    both = block.param_bytes + tied.param_bytes
+    across = allreduce([0, 1, 2, 3, 4, 5], both)
+    assert result.averaging_s == pytest.approx((allreduce([0, 1, 2], both) + across,
+                                                allreduce([3, 4, 5], both) + across), rel=1e-12)
+    poorer, _ = _albert_swarm(6, 1, block.memory_bytes + tied.memory_bytes + 4 * model.memory_bytes_per_layer)
+    assert not evaluate(poorer, wl, split).feasible  # 5 and 7 layers' inputs beside the block do not fit
+
+
+@pytest.mark.parametrize("preset,groups", [("albert-xxlarge", 1), ("albert-xxlarge", 3), ("llama-tied", 1)])
+def test_the_search_prices_shared_tensors_as_the_cost_model_does(preset: str, groups: int) -> None:
+    """The engine's score of a membership equals the cost model's PT of the layouts it picks for one block group and
+    tied embeddings, and is never below it for several groups; the refined plan is feasible and no worse than the
+    paper's."""
+    if preset == "llama-tied":
+        config = replace(model_config("llama-small"), tie_embeddings=True)
+    else:
+        config = replace(model_config(preset), num_groups=groups)
+    swarm = geo_swarm(24, seed=7)
+    model = config_spec(config, precision="fp16")
+    wl = Workload(model=model, batch_tokens=2048 * 64, microbatches=16)
+    engine = Engine(swarm.network(), wl, swarm.reliable)
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        layouts = random_layout(engine, rng)
+        if layouts is None:
+            continue
+        groups_ = [Group.of(s.fs, s.bs, s.clients) for s in layouts]
+        score = engine.score(groups_)
+        if not np.isfinite(score.pt):
+            continue
+        exact = evaluate(engine.net, wl, engine.layouts(groups_, score)).batch_time_s
+        if groups == 1:
+            assert score.pt == pytest.approx(exact, rel=1e-9)
+        else:
+            assert score.pt >= exact * (1 - 1e-9)
+    plan = make_plan(swarm, model, batch_tokens=wl.batch_tokens, microbatches=wl.microbatches)
+    paper = make_plan(swarm, model, batch_tokens=wl.batch_tokens, microbatches=wl.microbatches, planner="paper")
+    assert evaluate(engine.net, wl, plan.layouts(swarm.ids)).batch_time_s == pytest.approx(plan.predicted.batch_time_s)
+    assert plan.predicted.batch_time_s <= paper.predicted.batch_time_s * (1 + 1e-9)
 
 
 def _by_hand(net: Network, wl: Workload, stages: list[dict]) -> float:

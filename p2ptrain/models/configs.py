@@ -88,6 +88,10 @@ class LlamaConfig:
         mlp = 3 * h * self.intermediate_size + ((2 * self.intermediate_size + h) if self.mlp_bias else 0)
         return attention + mlp + 2 * h
 
+    def tied_parameters(self) -> int:
+        """Weights the output layer shares with the embeddings: the word matrix when tied, else none."""
+        return self.vocab_size * self.hidden_size if self.tie_embeddings else 0
+
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         """The config of a `transformers` LlamaConfig's dict (config.json), in the format of transformers 4.45 and
@@ -178,6 +182,10 @@ class AlbertConfig:
         """Weights of one encoder block: q, k, v, o with biases, the GELU MLP with biases, two LayerNorms."""
         h, i = self.hidden_size, self.intermediate_size
         return 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+
+    def tied_parameters(self) -> int:
+        """Weights the MLM decoder shares with the embeddings: the factorized word matrix when tied, else none."""
+        return self.vocab_size * self.embedding_size if self.tie_embeddings else 0
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> AlbertConfig:

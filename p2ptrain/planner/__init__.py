@@ -55,6 +55,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     else:
         layouts = dtfm_layouts(engine, seed=seed)
     if layouts is None:
+        shared = sum(t.memory_bytes for t in model.shared)
         raise PlanningError(f"the {planner} planner found no plan whose servers can hold {model.layers} layers of "
-                            f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each")
+                            f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each"
+                            + (f" beside {shared / 2**30:.3g} GiB of shared tensors" if shared else ""))
     return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner, reliable=reliable)

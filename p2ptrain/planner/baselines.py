@@ -21,20 +21,19 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
-from p2ptrain.planner.cost import StageLayout, evaluate
+from p2ptrain.planner.cost import StageLayout, evaluate, layers_that_fit
 from p2ptrain.planner.paper import open_path, split_roles
 from p2ptrain.planner.search import Engine, Group
 
 
 def _caps(engine: Engine, members: np.ndarray) -> int:
-    return int(engine.net.memory[members].min() // engine.wl.model.memory_bytes_per_layer)
+    return int(layers_that_fit(engine.net.memory[members].min(), engine.wl.model))
 
 
 def _with_clients(engine: Engine, groups: list[Group], layers: list[int]) -> list[StageLayout]:
     """Layouts, leaving idle every client that cannot hold its stage's layers."""
-    m = engine.wl.model.memory_bytes_per_layer
-    return [Group.of(g.fs, g.bs, [u for u in g.clients if engine.net.memory[u] >= n * m]).layout(n)
-            for g, n in zip(groups, layers)]
+    fit = layers_that_fit(engine.net.memory, engine.wl.model)
+    return [Group.of(g.fs, g.bs, [u for u in g.clients if fit[u] >= n]).layout(n) for g, n in zip(groups, layers)]
 
 
 def random_layout(engine: Engine, rng: np.random.Generator) -> list[StageLayout] | None:
@@ -124,7 +123,7 @@ class DTFM:
         self.engine, self.k, self.rng = engine, k, rng
         self.devices = devices
         net, wl = engine.net, engine.wl
-        stage_params = wl.model.param_bytes_per_layer * wl.model.layers / k
+        stage_params = wl.model.param_bytes_per_layer * wl.model.layers / k + wl.model.held(0, wl.model.layers)[0]
         # pairwise, before dividing by D_DP; a round every H batches
         self.dp = 2 * (net.latency + stage_params * net.inv_bandwidth) / wl.average_every
         self.dp_lat = 2 * net.latency / wl.average_every
@@ -235,12 +234,11 @@ class DTFM:
 def dtfm_layouts(engine: Engine, *, seed: int, population: int = 10, generations: int = 40,
                  degrees: int = 4) -> list[StageLayout] | None:
     rng = np.random.default_rng(seed)
-    total, m = engine.layers, engine.wl.model.memory_bytes_per_layer
+    total, fit = engine.layers, layers_that_fit(engine.net.memory, engine.wl.model)
     reliable_count = int(engine.reliable.sum())
     feasible = []
     for k in range(1, min(reliable_count // 2, total) + 1):
-        need = -(-total // k) * m
-        devices = np.flatnonzero(engine.net.memory >= need)
+        devices = np.flatnonzero(fit >= -(-total // k))
         if int(engine.reliable[devices].sum()) >= 2 * k:
             feasible.append((k, devices))
     if not feasible:

@@ -164,20 +164,58 @@ def link_extremes(net: Network, workers: np.ndarray) -> tuple[float, float]:
     return float(block(net.latency, workers, workers).max()), float(block(net.inv_bandwidth, workers, workers).max())
 
 
-def averaging_time(net: Network, wl: Workload, workers: np.ndarray, layers: int) -> float:
-    """AR_k = (2(n-1)/n · L_k·P / b_min + 2(n-1)·a_max) / H: a round's time, over the H batches between rounds;
-    0 for a single worker."""
+def round_time(net: Network, wl: Workload, workers: np.ndarray, nbytes: float) -> float:
+    """An all-reduce of ``nbytes`` among ``workers``: (2(n-1)/n · bytes / b_min + 2(n-1)·a_max) / H, a round's time
+    over the H batches between rounds; 0 for a single worker."""
     n = len(workers)
     if n <= 1:
         return 0.0
     a_max, inv_b_min = link_extremes(net, workers)
-    return (2 * (n - 1) / n * layers * wl.model.param_bytes_per_layer * inv_b_min + 2 * (n - 1) * a_max) \
-        / wl.average_every
+    return (2 * (n - 1) / n * nbytes * inv_b_min + 2 * (n - 1) * a_max) / wl.average_every
 
 
-def layer_capacity(net: Network, wl: Workload, workers: np.ndarray) -> int:
-    """Most layers every worker of the set can hold (L_k·M <= mem_w)."""
-    return int(np.floor(net.memory[workers].min() / wl.model.memory_bytes_per_layer))
+def stage_bytes(wl: Workload, start: int, end: int) -> tuple[float, float]:
+    """(bytes in the stage's averaging round, bytes of memory on each worker) of a stage of layers [start, end):
+    ``L_k·P`` and ``L_k·M``, plus the shared tensors it holds (``ModelSpec.shared``)."""
+    held_param, held_memory = wl.model.held(start, end)
+    layers = end - start
+    return layers * wl.model.param_bytes_per_layer + held_param, layers * wl.model.memory_bytes_per_layer + held_memory
+
+
+def shared_rounds(wl: Workload, ranges: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, ...], float]]:
+    """The rounds across stages that keep shared tensors equal (`protocol.sharing`): one per set of stages holding
+    the same shared tensors, with the bytes it averages; a tensor only one stage holds needs none."""
+    rounds: dict[tuple[int, ...], float] = {}
+    for tensors in wl.model.shared:
+        stages = tuple(k for k, (start, end) in enumerate(ranges) if tensors.held_by(start, end))
+        if len(stages) > 1:
+            rounds[stages] = rounds.get(stages, 0.0) + tensors.param_bytes
+    return sorted(rounds.items())
+
+
+def layer_ranges(stages: Sequence[StageLayout]) -> list[tuple[int, int]]:
+    """Each stage's layers [start, end), in pipeline order."""
+    ends = np.cumsum([s.layers for s in stages])
+    return [(int(end) - s.layers, int(end)) for s, end in zip(stages, ends)]
+
+
+def averaging_times(net: Network, wl: Workload, stages: Sequence[StageLayout]) -> tuple[float, ...]:
+    """AR_k: stage k's round over ``L_k·P`` plus its shared tensors' bytes, then every round across stages it takes
+    part in (their members wait for each holding stage's round, so a stage's averaging ends no earlier)."""
+    ranges = layer_ranges(stages)
+    times = [round_time(net, wl, s.workers, stage_bytes(wl, start, end)[0]) for s, (start, end) in zip(stages, ranges)]
+    for holders, nbytes in shared_rounds(wl, ranges):
+        across = round_time(net, wl, np.concatenate([stages[k].workers for k in holders]), nbytes)
+        for k in holders:
+            times[k] += across
+    return tuple(times)
+
+
+def layers_that_fit(memory: float | np.ndarray, model: ModelSpec) -> np.ndarray:
+    """Most layers a device of ``memory`` bytes can hold with every shared tensor besides (a stage may hold them
+    all), so a layer count within it fits wherever the stage sits in the pipeline."""
+    room = (np.asarray(memory, dtype=float) - sum(t.memory_bytes for t in model.shared)) / model.memory_bytes_per_layer
+    return np.maximum(np.floor(room), 0).astype(int)
 
 
 def lower_bound(net: Network, wl: Workload) -> float:
@@ -231,12 +269,12 @@ def layout_problems(net: Network, wl: Workload, stages: Sequence[StageLayout]) -
     seen = np.concatenate([s.workers for s in stages])
     if len(np.unique(seen)) != len(seen):
         problems.append("a device is placed twice")
-    for k, s in enumerate(stages):
+    for k, (s, (start, end)) in enumerate(zip(stages, layer_ranges(stages))):
         if len(s.fs) == 0 or len(s.bs) == 0:
             problems.append(f"stage {k} needs at least one FS and one BS")
         if s.layers < 1:
             problems.append(f"stage {k} has no layer")
-        elif s.layers > layer_capacity(net, wl, s.workers):
+        elif len(s.workers) and stage_bytes(wl, start, end)[1] > net.memory[s.workers].min():
             problems.append(f"stage {k}: {s.layers} layers exceed a worker's memory")
         if s.shares is not None and (len(s.shares) != len(s.workers) or np.any(np.asarray(s.shares) < 0)
                                      or not np.isclose(np.sum(s.shares), 1.0)):
@@ -254,6 +292,6 @@ def evaluate(net: Network, wl: Workload, stages: Sequence[StageLayout]) -> Evalu
     boundary = [0.0] + [inter_stage_time(net, wl, a.bs, b.fs) for a, b in zip(stages, stages[1:])] + [0.0]
     d = wl.microbatches
     times = tuple(d * (boundary[k] + boundary[k + 1] + data_parallel_time(net, wl, s)) for k, s in enumerate(stages))
-    averaging = tuple(averaging_time(net, wl, s.workers, s.layers) for s in stages)
+    averaging = averaging_times(net, wl, stages)
     return Evaluation(batch_time_s=max(max(times), max(averaging)), lower_bound_s=lb, stage_times_s=times,
                       averaging_s=averaging, feasible=True)

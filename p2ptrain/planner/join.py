@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate
+from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate, stage_bytes
 from p2ptrain.planner.records import StagePlan
 
 STAGE_CHOICES: tuple[str, ...] = ("cost", "paper")  # the default first
@@ -119,8 +119,7 @@ def choose_stage(view: SwarmView, joiner: Joiner, *, workload: Workload, rule: s
     for k, stage in enumerate(view.stages):
         servers = stage.fs + stage.bs
         reachable = all(s in joiner.links for s in servers)
-        layers = stage.layers[1] - stage.layers[0]
-        fits = layers * workload.model.memory_bytes_per_layer <= joiner.memory
+        fits = stage_bytes(workload, *stage.layers)[1] <= joiner.memory
         bandwidths = [joiner.links[s].bandwidth_bps for s in servers if s in joiner.links]
         predicted = math.inf
         if reachable and fits:
@@ -180,7 +179,7 @@ def _network(view: SwarmView, joiner: Joiner, ids: list[str], workload: Workload
     bandwidth = np.full((n, n), best_bandwidth)
     for (i, j), link in measured.items():
         latency[i, j], bandwidth[i, j] = link.latency_s, link.bandwidth_bps
-    whole_model = workload.model.layers * workload.model.memory_bytes_per_layer
+    whole_model = stage_bytes(workload, 0, workload.model.layers)[1]
     memory = [joiner.memory if device == joiner.peer_id else view.memory.get(device, whole_model) for device in ids]
     flops = [joiner.flops if device == joiner.peer_id else view.flops[device] for device in ids]
     return Network.from_matrices(flops=np.array(flops, dtype=float), memory=np.array(memory, dtype=float),

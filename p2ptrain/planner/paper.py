@@ -25,6 +25,7 @@ import numpy as np
 from networkx.algorithms.approximation import simulated_annealing_tsp
 from networkx.algorithms.community import kernighan_lin_bisection
 
+from p2ptrain.planner.cost import layers_that_fit
 from p2ptrain.planner.search import Engine, Group
 
 KL_LIMIT = 96  # Kernighan-Lin in pure Python is quadratic per pass; bigger clusters keep the spectral cut
@@ -193,14 +194,13 @@ def place_clients(engine: Engine, groups: list[Group], clients: np.ndarray) -> l
 def fit_memory(engine: Engine, groups: list[Group]) -> tuple[list[Group], list[int]] | None:
     """Proportional layers within the servers' memory; clients that cannot hold them are dropped (idle)."""
     wl, net = engine.wl, engine.net
-    server_caps = np.array([int(net.memory[list(g.servers)].min() // wl.model.memory_bytes_per_layer)
-                            for g in groups])
+    fit = layers_that_fit(net.memory, wl.model)
+    server_caps = np.array([int(fit[list(g.servers)].min()) for g in groups])
     speeds = np.array([net.flops[list(g.workers)].sum() for g in groups])
     layers = proportional_layers(speeds, server_caps, wl.model.layers)
     if layers is None:
         return None
-    kept = [Group.of(g.fs, g.bs, [u for u in g.clients if net.memory[u] >= n * wl.model.memory_bytes_per_layer])
-            for g, n in zip(groups, layers)]
+    kept = [Group.of(g.fs, g.bs, [u for u in g.clients if fit[u] >= n]) for g, n in zip(groups, layers)]
     return kept, layers
 
 

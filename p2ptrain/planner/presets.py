@@ -22,16 +22,49 @@ Every number is computed from a model config, never typed in. Assumptions (docs/
       only the weights in compute precision.
     * ``"all"`` (ZeRO-Offload of optimizer and parameters, DeepSpeed's ``offload_param``): weights are streamed
       from host memory layer by layer, so only the checkpointed activations stay per layer.
+
+Shared tensors (``ModelSpec.shared``, docs/design.md §3): parameters several layers apply, whose copies every stage
+applying one of those layers holds once and the stages keep equal by a round across them. ALBERT's block groups are
+such (a group's layers own nothing else, so their ``P`` is 0 and their ``M`` only the checkpointed input), and so
+are embeddings tied to the output layer, which the first and the last stage hold. Untied embeddings are left out, as
+the contract leaves them out.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from p2ptrain.config import AVERAGING_CODECS, WIRE_BYTES
-from p2ptrain.models.configs import MODEL_CONFIGS, ModelConfig
+from p2ptrain.models.configs import MODEL_CONFIGS, AlbertConfig, ModelConfig
 
 PRECISIONS: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedTensors:
+    """Parameters that the layers ``layers`` apply: every stage holding one of them keeps one copy, of
+    ``param_bytes`` in an averaging round (the ``P`` of the copy) and ``memory_bytes`` on a worker (its ``M``)."""
+
+    name: str
+    layers: tuple[int, ...]
+    param_bytes: float
+    memory_bytes: float
+
+    def __post_init__(self) -> None:
+        if not self.layers or min(self.layers) < 0 or list(self.layers) != sorted(set(self.layers)):
+            raise ValueError(f"shared tensors {self.name!r} need distinct layer indices >= 0 in order, got {self.layers}")
+        if self.param_bytes < 0 or self.memory_bytes < 0:
+            raise ValueError(f"shared tensors {self.name!r} need bytes >= 0")
+
+    def held_by(self, start: int, end: int) -> bool:
+        """Whether a stage of layers [start, end) holds a copy."""
+        first = bisect.bisect_left(self.layers, start)
+        return first < len(self.layers) and self.layers[first] < end
+
+    def to_json(self) -> dict[str, object]:
+        return {"name": self.name, "layers": list(self.layers), "param_bytes": self.param_bytes,
+                "memory_bytes": self.memory_bytes}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,20 +77,33 @@ class ModelSpec:
     param_bytes_per_layer: float
     memory_bytes_per_layer: float
     name: str = "custom"
+    shared: tuple[SharedTensors, ...] = ()
 
     def __post_init__(self) -> None:
         if self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
-        for field in ("flops_per_token_per_layer", "activation_bytes_per_token", "param_bytes_per_layer",
-                      "memory_bytes_per_layer"):
+        for field in ("flops_per_token_per_layer", "activation_bytes_per_token", "memory_bytes_per_layer"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)}")
+        if self.param_bytes_per_layer < 0 or (self.param_bytes_per_layer == 0 and not self.shared):
+            raise ValueError(f"param_bytes_per_layer must be > 0 (or 0 for layers whose parameters are all shared), "
+                             f"got {self.param_bytes_per_layer}")
+        for tensors in self.shared:
+            if max(tensors.layers) >= self.layers:
+                raise ValueError(f"shared tensors {tensors.name!r} name layer {max(tensors.layers)}, "
+                                 f"the model has {self.layers}")
 
-    def to_json(self) -> dict[str, float | int | str]:
+    def held(self, start: int, end: int) -> tuple[float, float]:
+        """(averaged bytes, memory bytes) of the shared tensors a stage of layers [start, end) holds."""
+        held = [t for t in self.shared if t.held_by(start, end)]
+        return sum(t.param_bytes for t in held), sum(t.memory_bytes for t in held)
+
+    def to_json(self) -> dict[str, object]:
         return {"name": self.name, "layers": self.layers, "flops_per_token_per_layer": self.flops_per_token_per_layer,
                 "activation_bytes_per_token": self.activation_bytes_per_token,
                 "param_bytes_per_layer": self.param_bytes_per_layer,
-                "memory_bytes_per_layer": self.memory_bytes_per_layer}
+                "memory_bytes_per_layer": self.memory_bytes_per_layer,
+                **({"shared": [t.to_json() for t in self.shared]} if self.shared else {})}
 
 
 def _state_bytes_per_param(precision: str, offload: str) -> int:
@@ -86,16 +132,22 @@ def averaged_bytes(precision: str, averaging_codec: str | None) -> float:
     return WIRE_BYTES[AVERAGING_CODECS[averaging_codec]]
 
 
-def _spec(*, name: str, layers: int, params: int, hidden: int, seq: int, attended: float, precision: str,
-          offload: str, averaging_codec: str | None) -> ModelSpec:
-    width = PRECISIONS[precision]
-    forward = 2.0 * params + 4.0 * hidden * attended
-    return ModelSpec(
-        name=name, layers=layers, flops_per_token_per_layer=3.0 * forward,
-        activation_bytes_per_token=float(hidden * width),
-        param_bytes_per_layer=params * averaged_bytes(precision, averaging_codec),
-        memory_bytes_per_layer=float(params * _state_bytes_per_param(precision, offload) + hidden * seq * width),
-    )
+def shared_tensors(config: ModelConfig, *, precision: str = "fp32", offload: str = "none",
+                   averaging_codec: str | None = None) -> tuple[SharedTensors, ...]:
+    """The tensors of ``config`` that several layers apply (module doc), by the layers whose stages hold them."""
+    wire, state = averaged_bytes(precision, averaging_codec), _state_bytes_per_param(precision, offload)
+    out = []
+    if isinstance(config, AlbertConfig):
+        block = config.layer_parameters()
+        for group in range(config.num_groups):
+            layers = tuple(i for i in range(config.num_layers) if config.group_of(i) == group)
+            out.append(SharedTensors(name=f"group {group}", layers=layers, param_bytes=block * wire,
+                                     memory_bytes=float(block * state)))
+    tied = config.tied_parameters()
+    if tied:
+        out.append(SharedTensors(name="tied embeddings", layers=tuple(sorted({0, config.num_layers - 1})),
+                                 param_bytes=tied * wire, memory_bytes=float(tied * state)))
+    return tuple(out)
 
 
 def config_spec(config: ModelConfig, *, precision: str = "fp32", offload: str = "none",
@@ -103,18 +155,21 @@ def config_spec(config: ModelConfig, *, precision: str = "fp32", offload: str = 
     """The cost model's view of a model config. A causal model (Llama) attends on average to (seq + 1) / 2 keys,
     a bidirectional one (ALBERT) to all seq keys.
 
-    ALBERT shares one block across all layers; the plan treats every layer as holding its own copy. A pipeline
-    cannot share one tensor between devices of different stages: each stage keeps a copy of the block and the
-    copies must be averaged, so P is the whole block's bytes per layer (what an untied ALBERT, i.e. a BERT-xxlarge,
-    would exchange) and M counts the block's state once per layer. Both overstate a stage that applies the block
-    several times (it needs one copy, not L_k), so ALBERT plans are conservative on memory and averaging; FLOPs and
-    activations are exact.
+    ALBERT's layers own no parameters: they apply their group's block, which a stage holds once however many of
+    its layers apply it (``shared``), so ``P`` is 0 and ``M`` the checkpointed input alone; the FLOPs are every
+    layer's.
     """
     _check(precision, offload, averaging_codec)
-    seq = config.max_seq_len
-    return _spec(name=name or config.family, layers=config.num_layers, params=config.layer_parameters(),
-                 hidden=config.hidden_size, seq=seq, attended=(seq + 1) / 2 if config.causal else float(seq),
-                 precision=precision, offload=offload, averaging_codec=averaging_codec)
+    seq, hidden, width = config.max_seq_len, config.hidden_size, PRECISIONS[precision]
+    attended = (seq + 1) / 2 if config.causal else float(seq)
+    own = 0 if isinstance(config, AlbertConfig) else config.layer_parameters()
+    forward = 2.0 * config.layer_parameters() + 4.0 * hidden * attended
+    return ModelSpec(
+        name=name or config.family, layers=config.num_layers, flops_per_token_per_layer=3.0 * forward,
+        activation_bytes_per_token=float(hidden * width),
+        param_bytes_per_layer=own * averaged_bytes(precision, averaging_codec),
+        memory_bytes_per_layer=float(own * _state_bytes_per_param(precision, offload) + hidden * seq * width),
+        shared=shared_tensors(config, precision=precision, offload=offload, averaging_codec=averaging_codec))
 
 
 PRESETS: tuple[str, ...] = tuple(MODEL_CONFIGS)

@@ -5,6 +5,12 @@ A stage's batch-time terms are linear in its layer count L_k under the contract'
 ``L_k <= cap_k`` from memory. So for fixed memberships the layer counts that minimise PT are found exactly
 (``allocate``), and a local search only has to move devices. A continuous relaxation of PT breaks ties between
 memberships whose integer PT is equal, so the search can cross plateaus.
+
+Shared tensors (``ModelSpec.shared``) add to a stage's memory and averaging what it holds, which depends on where
+its layers lie. The first and the last stage's layers are known from their counts; a middle stage is priced at the
+most any window of its count could hold, and a round across stages among every stage that might hold its tensors.
+That is exact for ALBERT's single block group and for tied embeddings, an upper bound for several block groups;
+plans are scored exactly (``cost.evaluate``) afterwards.
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from p2ptrain.planner.cost import Network, StageLayout, Workload, block, compute_shares, link_times
+from p2ptrain.planner.cost import Network, StageLayout, Workload, block, compute_shares, link_times, round_time
+from p2ptrain.planner.presets import ModelSpec
 
 FS, BS, CLIENT = 0, 1, 2
 
@@ -74,11 +81,55 @@ class GroupStats:
     comm: float            # max over workers of the link part of T_w, compute-proportional shares
     speed: float           # Σ c over workers
     ar_fixed: float        # 2(n-1)·a_max / H
+    ar_per_byte: float     # 2(n-1)/n / b_min / H
     ar_per_layer: float    # 2(n-1)/n · P / b_min / H
-    cap: int               # layers every worker can hold
+    memory: float          # the least memory of a worker
+    cap: int               # layers every worker can hold, shared tensors aside
     worst: int             # worker with the largest link time
     far: tuple[int, ...]   # workers at the ends of the highest-latency and of the lowest-bandwidth link
     weakest: int           # worker with the least memory
+
+
+@dataclass(frozen=True)
+class Held:
+    """Shared tensors' (averaged bytes, memory bytes) a stage of l = 1..L layers holds, by its place: ``only`` (one
+    stage), ``first``, ``last`` and ``middle`` (the most any window of l layers strictly inside holds), each an
+    (L, 2) array; and which stages may hold each tensor."""
+
+    only: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    middle: np.ndarray
+
+    @classmethod
+    def of(cls, model: ModelSpec) -> "Held":
+        n = model.layers
+        window = np.array([[model.held(start, end) for end in range(n + 1)] for start in range(n + 1)])
+        steps = np.arange(1, n + 1)
+        middle = np.array([window[np.arange(1, n - count), np.arange(1 + count, n)].max(axis=0) if n - count > 1 else window[0, n]
+                           for count in steps])
+        return cls(only=np.tile(window[0, n], (n, 1)), first=window[0, steps], last=window[n - steps, n],
+                   middle=middle)
+
+    def place(self, stage: int, stages: int) -> np.ndarray:
+        if stages == 1:
+            return self.only
+        return self.first if stage == 0 else self.last if stage == stages - 1 else self.middle
+
+
+def holders(model: ModelSpec, stages: int) -> list[tuple[tuple[int, ...], float]]:
+    """Rounds across stages as the engine prices them: for each set of stages that may hold the same shared tensors
+    (layer 0's stage, the last layer's, or any stage for a tensor an inner layer applies), the bytes they average."""
+    rounds: dict[tuple[int, ...], float] = {}
+    last = model.layers - 1
+    for tensors in model.shared:
+        if any(0 < layer < last for layer in tensors.layers):
+            may = tuple(range(stages))
+        else:
+            may = tuple(sorted({0 if layer == 0 else stages - 1 for layer in tensors.layers}))
+        if len(may) > 1:
+            rounds[may] = rounds.get(may, 0.0) + tensors.param_bytes
+    return sorted(rounds.items())
 
 
 @dataclass(frozen=True)
@@ -90,6 +141,7 @@ class Curves:
     ar0: np.ndarray
     ar1: np.ndarray
     cap: np.ndarray
+    averaging: np.ndarray | None = None  # stages x L: AR_k by layer count, where shared tensors make it non-linear
 
 
 @dataclass(eq=False)
@@ -183,6 +235,8 @@ class Engine:
         a = net.latency + wl.message_bytes * net.inv_bandwidth
         self.delay = (a + a.T) / 2  # the paper's edge label, one way: a + A/b averaged over both directions
         self.steps = np.arange(1, self.layers + 1, dtype=float)
+        self.held = Held.of(wl.model) if wl.model.shared else None
+        self._rounds: dict[tuple[Group, ...], float] = {}
 
     def stats(self, group: Group) -> GroupStats:
         cached = self._stats.get(group)
@@ -195,13 +249,14 @@ class Engine:
         lat, inv = block(net.latency, workers, workers), block(net.inv_bandwidth, workers, workers)
         a_max, inv_max = float(lat.max()), float(inv.max())
         ar_fixed = 2 * (n - 1) * a_max / wl.average_every  # `cost.averaging_time`'s parts
-        ar_per_layer = 2 * (n - 1) / n * wl.model.param_bytes_per_layer * inv_max / wl.average_every
+        ar_per_byte = 2 * (n - 1) / n * inv_max / wl.average_every if n > 1 else 0.0
         i, j = np.unravel_index(int(np.argmax(lat)), lat.shape)
         u, v = np.unravel_index(int(np.argmax(inv)), inv.shape)
         memory = net.memory[workers]
         stats = GroupStats(
             comm=float(links.max()), speed=float(net.flops[workers].sum()), ar_fixed=ar_fixed,
-            ar_per_layer=ar_per_layer, cap=int(np.floor(memory.min() / wl.model.memory_bytes_per_layer)),
+            ar_per_byte=ar_per_byte, ar_per_layer=ar_per_byte * wl.model.param_bytes_per_layer,
+            memory=float(memory.min()), cap=int(np.floor(memory.min() / wl.model.memory_bytes_per_layer)),
             worst=int(workers[int(np.argmax(links))]),
             far=(int(workers[i]), int(workers[j]), int(workers[u]), int(workers[v])),
             weakest=int(workers[int(np.argmin(memory))]))
@@ -226,7 +281,30 @@ class Engine:
         ar0 = np.array([s.ar_fixed for s in stats])
         ar1 = np.array([s.ar_per_layer for s in stats])
         cap = np.array([s.cap for s in stats])
-        return Curves(intercept, slope, ar0, ar1, cap)
+        if self.held is None:
+            return Curves(intercept, slope, ar0, ar1, cap)
+        rows, cap = self.averaging(groups)
+        return Curves(intercept, slope, rows[:, 0] - ar1, ar1, cap, rows)
+
+    def averaging(self, groups: Sequence[Group]) -> tuple[np.ndarray, np.ndarray]:
+        """Per stage: AR_k for l = 1..L layers (a stages x L array) and the most layers that fit, what the stage's
+        shared tensors (module doc) included."""
+        wl, steps, count = self.wl, self.steps, len(groups)
+        stats = [self.stats(g) for g in groups]
+        across = np.zeros(count)
+        for may, nbytes in holders(wl.model, count):
+            key = tuple(groups[k] for k in may)
+            time = self._rounds.get(key)
+            if time is None:
+                workers = np.array([w for g in key for w in g.workers], dtype=int)
+                time = self._rounds[key] = round_time(self.net, wl, workers, nbytes)
+            across[list(may)] += time
+        rows, caps = np.empty((count, self.layers)), np.empty(count, dtype=int)
+        for k, st in enumerate(stats):
+            held = self.held.place(k, count) if self.held is not None else np.zeros((self.layers, 2))
+            rows[k] = st.ar_fixed + st.ar_per_byte * (steps * wl.model.param_bytes_per_layer + held[:, 0]) + across[k]
+            caps[k] = int((steps * wl.model.memory_bytes_per_layer + held[:, 1] <= st.memory).sum())
+        return rows, caps
 
     def score(self, groups: Sequence[Group]) -> Score:
         self.scored += 1
@@ -236,7 +314,8 @@ class Engine:
         if c.cap.min() < 1 or c.cap.sum() < self.layers:
             return INFEASIBLE
         steps = self.steps
-        h = np.maximum(c.intercept[:, None] + c.slope[:, None] * steps, c.ar0[:, None] + c.ar1[:, None] * steps)
+        ar = c.ar0[:, None] + c.ar1[:, None] * steps if c.averaging is None else c.averaging
+        h = np.maximum(c.intercept[:, None] + c.slope[:, None] * steps, ar)
         h[steps[None, :] > c.cap[:, None]] = np.inf
         pt = best_time(h, self.layers)
         if not np.isfinite(pt):

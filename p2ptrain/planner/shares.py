@@ -57,13 +57,13 @@ def timed_layouts(engine: Engine, groups: list[Group]) -> list[StageLayout] | No
     per_layer = wl.microbatch_tokens * wl.model.flops_per_token_per_layer
     edges = [0.0] + [engine.boundary(a, b) for a, b in zip(groups, groups[1:])] + [0.0]
     rows, all_shares = [], []
+    averaging, caps = engine.averaging(groups)
     for k, g in enumerate(groups):
-        stats = engine.stats(g)
         alpha, link, workers = _partners(engine, g)
         beta = link[None, :] + steps[:, None] * per_layer / engine.net.flops[workers][None, :]
         level, shares = water_fill(alpha, beta)
-        h = np.maximum(d * (edges[k] + edges[k + 1] + level), stats.ar_fixed + stats.ar_per_layer * steps)
-        h[steps > stats.cap] = np.inf
+        h = np.maximum(d * (edges[k] + edges[k + 1] + level), averaging[k])
+        h[steps > caps[k]] = np.inf
         rows.append(h)
         all_shares.append(shares)
     pt, counts = allocate(np.array(rows), engine.layers)
