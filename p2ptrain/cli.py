@@ -15,9 +15,11 @@ from p2ptrain.config import (
     CODECS,
     FAULT_POLICIES,
     OPTIMIZERS,
+    PRECISIONS,
     ConfigError,
     RunConfig,
     RuntimeConfig,
+    check_device,
     check_run_id,
 )
 from p2ptrain.models import TRAINABLE
@@ -48,12 +50,19 @@ non_negative = _checked(float, lambda value: value >= 0, "must be 0 or more")
 fraction = _checked(float, lambda value: 0 <= value < 1, "must be in [0, 1)")
 
 
-def run_id(text: str) -> str:
-    try:
-        check_run_id(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(f"{text}: {e.problem}") from None
-    return text
+def _config_checked(check: Callable[[str], None]) -> Callable[[str], str]:
+    """An argparse type that takes a string `check` accepts (it raises a ConfigError saying what to fix)."""
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(f"{text}: {e.problem}") from None
+        return text
+    return parse
+
+
+run_id = _config_checked(check_run_id)
+device_name = _config_checked(check_device)  # auto, cpu, cuda or cuda:N
 
 
 def existing_file(text: str) -> Path:
@@ -78,13 +87,14 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "rows_per_microbatch": "--batch-rows", "microbatches": "--microbatches", "seq_len": "--seq-len",
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
-                "clip_norm": "--clip-norm", "dpu": "--dpu", "averaging_codec": "--averaging-codec",
+                "clip_norm": "--clip-norm", "dpu": "--dpu", "precision": "--precision",
+                "averaging_codec": "--averaging-codec",
                 "average_every": "--average-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
                 "compression": "--compression", "data": "--data",
                 "tokenizer": "--tokenizer", "init_from": "--init-from",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
-                       "averaging_codec", "average_every", "outer_lr", "outer_momentum")
+                       "precision", "averaging_codec", "average_every", "outer_lr", "outer_momentum")
 SWITCH = {"on": True, "off": False}
 
 
@@ -115,6 +125,9 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
     group.add_argument("--dpu", choices=tuple(SWITCH), default=flag_value(defaults.dpu),
                        help="delayed parameter updates: average and step in the background while the next epoch "
                             "computes on the previous parameters")
+    group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
+                       help="what the stages compute in: fp32, or bf16 under autocast; master weights, optimizer "
+                            "state and the wire stay fp32 either way")
     group.add_argument("--averaging-codec", choices=tuple(AVERAGING_CODECS), default=defaults.averaging_codec,
                        help="how each stage's all-reduce sends its gradients: fp32 (exact), fp16, or int8 (blockwise, "
                             "bitsandbytes; about a quarter of fp32's bytes); every member ends with the same average")

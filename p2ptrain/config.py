@@ -30,14 +30,24 @@ AVERAGING_CODECS: dict[str, str] = {"fp32": "none", "fp16": "fp16", "int8": "int
 # microbatches again from stage 0 in a later epoch (what SWARM does), so the two compare on one runtime
 FAULT_POLICIES: tuple[str, ...] = ("taskpool", "swarm")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
+# what a stage computes in (`client.device`): fp32, or bf16 under autocast, with fp32 master weights and optimizer
+# state either way
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device takes (`client.device.resolve_device`)
 
 
 def check_run_id(run_id: str) -> None:
     """A run id prefixes DHT keys: letters, digits and a few marks only."""
     if not RUN_ID_PATTERN.fullmatch(run_id):
         raise ConfigError("run_id", run_id, "use 1 to 64 letters, digits, '.', '_' or '-'")
+
+
+def check_device(device: str) -> None:
+    """A device name as `--device` takes it; whether this machine has it is checked where the peer computes."""
+    if not DEVICE_PATTERN.fullmatch(device):
+        raise ConfigError("device", device, "unknown device; use auto, cpu, cuda or cuda:N")
 
 
 class ConfigError(ValueError):
@@ -66,6 +76,7 @@ class RunConfig:
     weight_decay: float = 0.01  # on matrices and embeddings only (StageModel.optimizer_groups)
     clip_norm: float = 0.0  # clip the gradient by its global norm across all stages to this (0: no clipping)
     dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
+    precision: str = "fp32"  # what the stages compute in: one of PRECISIONS
     averaging_codec: str = "fp32"  # how the stage's all-reduce and its deposits send gradients: one of AVERAGING_CODECS
     # DiLoCo: each worker steps on its own gradients, and the stage averages once every `average_every` epochs, the
     # difference its parameters moved since the last round, on which an outer SGD with Nesterov momentum steps
@@ -119,6 +130,8 @@ class RunConfig:
         if self.decay_epochs and self.decay_epochs <= self.warmup_epochs:
             raise ConfigError("decay_epochs", self.decay_epochs,
                               f"must be 0 (no decay) or past the warm-up's {self.warmup_epochs} epochs")
+        if self.precision not in PRECISIONS:
+            raise ConfigError("precision", self.precision, f"unknown precision; choose one of {', '.join(PRECISIONS)}")
         if self.compression not in CODECS:
             raise ConfigError("compression", self.compression, f"unknown codec; choose one of {', '.join(CODECS)}")
         if self.averaging_codec not in AVERAGING_CODECS:

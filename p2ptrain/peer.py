@@ -29,6 +29,7 @@ from p2ptrain.cli import (
     check_maddrs,
     count,
     deadlines_from,
+    device_name,
     existing_file,
     fail,
     given_recipe,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 # NodeOptions and RuntimeConfig fields and the flags that set them
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
+              "device": "--device",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "recipe_timeout_s": "--recipe-timeout",
               **DEADLINE_FLAGS,
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=count, default=10, metavar="N", help="with --eval-data: every N epochs")
     run.add_argument("--eval-rows", type=count, default=64, help="with --eval-data: windows of --seq-len tokens")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
+    run.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
+                     help="where this peer's stage computes and keeps its parameters and optimizer state (auto: the "
+                          "first CUDA device when there is one, else the CPU); tensors travel from the host")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
     run.add_argument("--fault", choices=FAULTS, default="none",
@@ -218,7 +223,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
         options = NodeOptions(
             role=args.role, placement=placement, computes=args.compute, keep_state=args.keep_state, network=network, planning=planning,
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
-            threads=args.threads, dump_grads=args.dump_grads, fault=args.fault,
+            threads=args.threads, device=args.device, dump_grads=args.dump_grads, fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, export_to=args.export_to,
             eval_data=args.eval_data,

@@ -22,6 +22,7 @@ from p2ptrain.cli import (
     add_optimization_flags,
     check_maddrs,
     count,
+    device_name,
     existing_file,
     optimization_from,
     recipe_args,
@@ -88,6 +89,8 @@ def build_parser(family: Family) -> argparse.ArgumentParser:
     run.add_argument("--peers", type=existing_file, metavar="SWARMFILE",
                      help="the local swarm's devices (default: peers/local.toml)")
     run.add_argument("--workdir", type=Path, help="where the local swarm's logs go (default: a temporary folder)")
+    run.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
+                     help="where the local swarm's peers compute (auto: the first CUDA device when there is one)")
     run.add_argument("--initial-peers", nargs="+", metavar="ADDR",
                      help="with --print-commands: the bootstrap peer's multiaddr (default: a placeholder)")
     add_optimization_flags(parser, defaults=defaults)
@@ -139,7 +142,7 @@ def run_config(parser: argparse.ArgumentParser, args: argparse.Namespace, family
 def launch_args(args: argparse.Namespace, config: RunConfig) -> list[str]:
     """`python -m p2ptrain.launch`'s arguments for this recipe on this machine."""
     return [*([str(args.peers)] if args.peers else []), *recipe_args(config), "--stages", str(config.num_stages),
-            "--epochs", str(args.epochs), "--run-id", config.run_id,
+            "--epochs", str(args.epochs), "--run-id", config.run_id, "--device", args.device,
             *(["--eval-data", str(args.eval_data)] if args.eval_data else []),
             *(["--export-to", str(args.export_to)] if args.export_to else []),
             *(["--workdir", str(args.workdir)] if args.workdir else [])]

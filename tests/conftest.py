@@ -18,6 +18,17 @@ from p2ptrain.live.authority import Owner
 from p2ptrain.status import History, collect
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch sees none on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 class TestSwarm(Swarm):
     """Swarm plus the helpers tests need: start peers by role, and wait for the data source to finish."""
 

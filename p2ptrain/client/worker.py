@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import torch
 
 from p2ptrain.client.averaging import RoundResult, StageAllReduce
+from p2ptrain.client.device import autocast, to_device, to_host
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.closure import judge
@@ -121,6 +122,7 @@ class Worker:
         self._deposited: tuple[int, int] = (-1, 0)  # the epoch and rows of the gradients it last deposited
         self._interval_rows = 0  # with average_every > 1: the rows its own steps took since the stage's last round
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device  # the peer put the model where it computes (`client.device`)
         # tensors other stages hold copies of (`protocol.sharing`): the index of each in `params` -> checkpoint key;
         # their gradients are summed across the holding stages in rounds of `shared_averager`
         self.shared_averager = shared_averager
@@ -285,12 +287,13 @@ class Worker:
         return reply
 
     async def _run_task(self, reply: TaskReply) -> None:
+        inputs, labels, grad = (to_device(t, self.device) for t in (reply.inputs, reply.labels, reply.grad))
         if reply.task.kind == Kind.FORWARD:
-            await self._forward(reply.task, reply.inputs, reply.labels)
+            await self._forward(reply.task, inputs, labels)
         elif reply.task.kind == Kind.BACKWARD:
-            await self._backward(reply.task, reply.grad)
+            await self._backward(reply.task, grad)
         else:
-            await self._redo(reply.task, reply.inputs, reply.labels, reply.grad)
+            await self._redo(reply.task, inputs, labels, grad)
 
     async def _redo(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor,
                     grad: torch.Tensor | None) -> None:
@@ -310,7 +313,7 @@ class Worker:
             await self._loss_task(offer, inputs, labels)
             return
         state = await self._forward_state(offer, inputs)
-        result = self._outputs(offer, outputs=self._corrupt(state.outputs.detach()), labels=labels)
+        result = self._outputs(offer, outputs=self._corrupt(to_host(state.outputs)), labels=to_host(labels))
         # the BS acknowledges a push it recorded already, so a retry after a lost reply is harmless
         if await self._call(offer.bs, BACKWARD_SERVER, result, attempts=self.settings.push_attempts) is not None:
             self.cache[offer.task] = state
@@ -323,7 +326,7 @@ class Worker:
         loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
         if await self._push_input_grads(offer, grads, issuer=offer.fs):
             # the BS counts each row's loss once, so a retry after a lost reply is harmless
-            await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=self._corrupt(loss.detach())),
+            await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=self._corrupt(to_host(loss))),
                              attempts=self.settings.push_attempts)
 
     async def _forward_state(self, offer: TaskOffer, inputs: torch.Tensor) -> ForwardState:
@@ -339,12 +342,13 @@ class Worker:
                            client_mode=self.client_mode, **tensors)
 
     def _forward_compute(self, inputs: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast(self.device, self.config.precision):
             return self.model(inputs)
 
     def _loss_and_grads(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         with torch.enable_grad():
-            loss = self.model(inputs, labels)
+            with autocast(self.device, self.config.precision):
+                loss = self.model(inputs, labels)
             targets = self.params + ([] if self.is_first else [inputs])
             return loss, list(torch.autograd.grad(loss, targets))
 
@@ -377,7 +381,8 @@ class Worker:
         # the retry tells this worker to count the gradients the FS already counted
         request = PushInputGrads(task=offer.task, worker=self.worker_id, epoch=offer.epoch,
                                  microbatch=offer.microbatch, rows=offer.rows, issuer=issuer,
-                                 client_mode=self.client_mode, grad=None if self.is_first else self._corrupt(grads[-1]))
+                                 client_mode=self.client_mode,
+                                 grad=None if self.is_first else self._corrupt(to_host(grads[-1])))
         if await self._call(offer.fs, FRONTAL_SERVER, request, attempts=self.settings.push_attempts) is None:
             return False
         if offer.epoch != self.epoch:
@@ -454,7 +459,8 @@ class Worker:
         if self.config.averages_at(epoch):
             weight, self._interval_rows = self._interval_rows, 0
             self._averaging_with = frozenset(member.peer_id for member in group)
-            await self._average_and_step(self.master.pseudo_gradient(), epoch=epoch, rows=rows, group=group,
+            await self._average_and_step([to_host(g) for g in self.master.pseudo_gradient()], epoch=epoch, rows=rows,
+                                         group=group,
                                          seconds=seconds, weight=weight)
         else:
             self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=True,
@@ -464,10 +470,11 @@ class Worker:
         self.master.copy_to(self.model)
 
     def _mean_gradients(self) -> list[torch.Tensor]:
-        """What this worker hands in for its epoch (to the round, and deposited before it): its mean gradient per
-        token, which the round weights by its rows, so that the average is the batch mean."""
+        """What this worker hands in for its epoch (to the round, and deposited before it), on the host: its mean
+        gradient per token, which the round weights by its rows, so that the average is the batch mean."""
         tokens = self.rows_accumulated * self.config.seq_len
-        return [accumulated / tokens if tokens else torch.zeros_like(accumulated) for accumulated in self.accumulated]
+        return [to_host(accumulated / tokens if tokens else torch.zeros_like(accumulated))
+                for accumulated in self.accumulated]
 
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                 group: tuple[GroupMember, ...], seconds: float, weight: int | None = None) -> None:

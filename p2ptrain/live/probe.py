@@ -14,6 +14,7 @@ import time
 import torch
 from hivemind.p2p import P2PContext
 
+from p2ptrain.client.device import autocast
 from p2ptrain.config import RunConfig
 from p2ptrain.dht import Link
 from p2ptrain.models import build_stage
@@ -94,11 +95,15 @@ def available_memory() -> int:
 def measure_compute(model: StageModel, config: RunConfig) -> float:
     """FLOP/s of this process on its stage: time one forward+backward of a microbatch-sized slice."""
     rows = max(1, min(config.rows_per_microbatch, 4))
-    inputs = model.example_inputs(rows, config.seq_len)
+    device = next(model.parameters()).device
+    inputs = model.example_inputs(rows, config.seq_len).to(device)
     params = sum(p.numel() for p in model.parameters())
     started = time.perf_counter()
-    output = model(inputs)
+    with autocast(device, config.precision):
+        output = model(inputs)
     output.float().sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     model.zero_grad(set_to_none=True)
     return 6.0 * params * rows * config.seq_len / max(time.perf_counter() - started, 1e-6)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from p2ptrain.config import ConfigError
+from p2ptrain.config import ConfigError, check_device
 from p2ptrain.planner.join import STAGE_CHOICES
 from p2ptrain.protocol.layout import PeerRole, Placement
 
@@ -89,6 +89,7 @@ class NodeOptions:
     max_in_flight: int = 4  # microbatches the data source keeps in the pipeline at once
     compute_power: float | None = None  # this worker's FLOP/s; None: measured
     threads: int = 1  # torch threads of this process
+    device: str = "auto"  # where a worker computes: auto (CUDA when there is one), cpu, cuda or cuda:N
     dump_grads: Path | None = None  # where workers save the averaged gradients of each epoch (tests)
     fault: str = "none"  # one of FAULTS (tests)
     stage_choice: str = "cost"  # how a client without a placement picks its stage: one of STAGE_CHOICES
@@ -133,6 +134,7 @@ class NodeOptions:
                 self.certificate.stage, self.certificate.role) != (self.placement.stage, self.placement.server_role):
             raise ConfigError("certificate", self.certificate, f"it authorizes the {self.certificate.role.upper()} of "
                                                                f"stage {self.certificate.stage}, not this server's place")
+        check_device(self.device)
         if self.computes and self.role != "server":
             raise ConfigError("computes", self.computes, "only a server is told to compute; a client always does")
         if self.checkpoint_dir is not None and self.role != "server":

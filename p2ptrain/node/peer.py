@@ -16,6 +16,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
 from p2ptrain.client.averaging import GradientDeposits, StageAllReduce
+from p2ptrain.client.device import resolve_device
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
@@ -375,6 +376,7 @@ class Peer:
             raise ConfigError("init_from", None, "the run starts from a checkpoint, and a server holds its stage's "
                                                  "state: give it its own copy of the checkpoint (its sha256 is in "
                                                  "the swarm's recipe)")
+        model.to(resolve_device(self.options.device))
         deposits = None
         if self.options.role == "server":  # it keeps its stage's workers' gradients while they average
             # deposits still arriving tell the server their sender is alive

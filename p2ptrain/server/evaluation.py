@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.p2p import P2PContext
 
+from p2ptrain.client.device import autocast, to_device, to_host
 from p2ptrain.compression import BadTensorError, check_tensor
 from p2ptrain.protocol.messages import MAX_ROWS, STAGE_EVAL, EvalForward, EvalLoss
 from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
@@ -58,10 +59,12 @@ class StageEvaluator(Service):
         except BadTensorError as e:
             raise Refused(str(e)) from None
         await self._wait_for(request.epoch)
-        with torch.no_grad():
+        device = worker.device
+        inputs, labels = to_device(request.inputs, device), to_device(request.labels, device)
+        with torch.no_grad(), autocast(device, config.precision):
             if model.is_last:
-                return EvalLoss(loss_sum=float(model(request.inputs, request.labels)), tokens=request.labels.numel())
-            hidden = model(request.inputs)
+                return EvalLoss(loss_sum=float(model(inputs, labels)), tokens=request.labels.numel())
+            hidden = to_host(model(inputs))
         onward = EvalForward(epoch=request.epoch, stage=worker.stage + 1, inputs=hidden, labels=request.labels)
         for server in self.servers(worker.stage + 1):
             try:

@@ -85,7 +85,7 @@ class StageParams:
         learning rate of that epoch, which it returns; the state is then current for `epoch + 1`."""
         lr = self.schedule.at(epoch)
         for param, grad in zip(self.trainable, grads):
-            param.grad = grad
+            param.grad = grad.to(param.device)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -107,6 +107,7 @@ class StageParams:
         with torch.no_grad():
             for anchor, momentum, grad, param in zip(self.outer.anchor, self.outer.momentum, averaged,
                                                      self.trainable):
+                grad = grad.to(param.device)
                 momentum.mul_(mu).add_(grad)
                 anchor.sub_(grad.add(momentum, alpha=mu), alpha=self.outer_lr)
                 param.copy_(anchor)
@@ -136,11 +137,12 @@ class StageParams:
         return decode_state(blob, self.module, self.optimizer)
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor], OptimizerState]:
-        """The epoch, and copies of the parameters and of the optimizer state, taken together with no await in
+        """The epoch, and host copies of the parameters and of the optimizer state, taken together with no await in
         between (module doc)."""
-        model_state = {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+        model_state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.module.state_dict().items()}
         optimizer_state = self.optimizer.state_dict()
-        optimizer_state["state"] = {index: {name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+        optimizer_state["state"] = {index: {name: value.detach().to("cpu", copy=True)
+                                            if isinstance(value, torch.Tensor) else value
                                             for name, value in entries.items()}
                                     for index, entries in optimizer_state["state"].items()}
         return self.epoch, model_state, optimizer_state
