@@ -88,13 +88,15 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
                 "clip_norm": "--clip-norm", "dpu": "--dpu", "precision": "--precision",
+                "offload_optimizer": "--offload-optimizer",
                 "averaging_codec": "--averaging-codec",
                 "average_every": "--average-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
                 "compression": "--compression", "data": "--data",
                 "tokenizer": "--tokenizer", "init_from": "--init-from",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
-                       "precision", "averaging_codec", "average_every", "outer_lr", "outer_momentum")
+                       "precision", "offload_optimizer", "averaging_codec", "average_every", "outer_lr",
+                       "outer_momentum")
 SWITCH = {"on": True, "off": False}
 
 
@@ -110,7 +112,8 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
     delayed parameter updates (part of the recipe)."""
     group = parser.add_argument_group("optimization (the same on every peer)")
     group.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer,
-                       help="AdamW, or LAMB (bitsandbytes, 32-bit); both with weight decay on matrices only")
+                       help="AdamW; AdamW with 8-bit state (bitsandbytes: about a quarter of AdamW's state); or LAMB "
+                            "(bitsandbytes, 32-bit); all with weight decay on matrices only")
     group.add_argument("--lr", type=positive, default=defaults.lr, help="peak learning rate, after the warm-up")
     group.add_argument("--warmup-epochs", type=index, default=defaults.warmup_epochs,
                        help="epochs of linear warm-up to --lr")
@@ -128,6 +131,10 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="what the stages compute in: fp32, or bf16 under autocast; master weights, optimizer "
                             "state and the wire stay fp32 either way")
+    group.add_argument("--offload-optimizer", choices=tuple(SWITCH), nargs="?", const="on",
+                       default=flag_value(defaults.offload_optimizer),
+                       help="keep the master weights, accumulated gradients and optimizer state in host memory "
+                            "(ZeRO-Offload), only the weights computed with on the device")
     group.add_argument("--averaging-codec", choices=tuple(AVERAGING_CODECS), default=defaults.averaging_codec,
                        help="how each stage's all-reduce sends its gradients: fp32 (exact), fp16, or int8 (blockwise, "
                             "bitsandbytes; about a quarter of fp32's bytes); every member ends with the same average")
@@ -143,7 +150,8 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
 
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:
     """The RunConfig fields of `add_optimization_flags`."""
-    return {name: SWITCH[args.dpu] if name == "dpu" else getattr(args, name) for name in OPTIMIZATION_FIELDS}
+    return {name: SWITCH[getattr(args, name)] if name in ("dpu", "offload_optimizer") else getattr(args, name)
+            for name in OPTIMIZATION_FIELDS}
 
 
 # RuntimeConfig fields of the deadlines (docs/design.md §5) and the flags that set them; a peer's own, not the recipe's

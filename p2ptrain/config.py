@@ -29,7 +29,7 @@ AVERAGING_CODECS: dict[str, str] = {"fp32": "none", "fp16": "fp16", "int8": "int
 # stage from the inputs the FS keeps (the paper's task pool); "swarm" drops them, and the data source feeds their
 # microbatches again from stage 0 in a later epoch (what SWARM does), so the two compare on one runtime
 FAULT_POLICIES: tuple[str, ...] = ("taskpool", "swarm")
-OPTIMIZERS: tuple[str, ...] = ("adamw", "lamb")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "lamb")
 # what a stage computes in (`client.device`): fp32, or bf16 under autocast, with fp32 master weights and optimizer
 # state either way
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
@@ -77,6 +77,9 @@ class RunConfig:
     clip_norm: float = 0.0  # clip the gradient by its global norm across all stages to this (0: no clipping)
     dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
     precision: str = "fp32"  # what the stages compute in: one of PRECISIONS
+    # the master copy, accumulated gradients and optimizer state in host memory (ZeRO-Offload), only the weights
+    # computed with on the device
+    offload_optimizer: bool = False
     averaging_codec: str = "fp32"  # how the stage's all-reduce and its deposits send gradients: one of AVERAGING_CODECS
     # DiLoCo: each worker steps on its own gradients, and the stage averages once every `average_every` epochs, the
     # difference its parameters moved since the last round, on which an outer SGD with Nesterov momentum steps

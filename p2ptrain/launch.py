@@ -42,7 +42,7 @@ from p2ptrain.cli import (
 from p2ptrain.config import CODECS, RunConfig
 from p2ptrain.models import TRAINABLE
 from p2ptrain.planner import PlanningError, make_plan
-from p2ptrain.planner.presets import config_spec
+from p2ptrain.planner.presets import run_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
 
 DEFAULT_PEERS = Path(__file__).resolve().parent.parent / "peers" / "local.toml"
@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(config.json, safetensors) that transformers loads")
     parser.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
                         help="where every peer computes (auto: the first CUDA device when there is one, else the CPU)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="every peer checkpoints activations: keeps each block's input only and computes the "
+                             "block again in backward")
     parser.add_argument("--report", type=Path, metavar="PATH",
                         help="write the swarm's last status report (JSON, as `python -m p2ptrain.status --json`) here")
     emulated = parser.add_argument_group("emulated links (python -m p2ptrain.links; root, ip and tc)")
@@ -210,8 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         if folder is not None and folder.exists() and not folder.is_dir():
             parser.error(f"{flag} {folder}: is a file; give a folder")
     try:
-        plan = make_plan(swarm_file, config_spec(config.model_config, averaging_codec=config.averaging_codec,
-                                                 name=config.model),
+        plan = make_plan(swarm_file, run_spec(config),
                          batch_tokens=tokens, microbatches=microbatches, planner="refined",
                          stages=args.stages, average_every=config.average_every).to_json()
     except PlanningError as e:
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     # soon after the swarm is up finds this process watching it, not importing
     importlib.import_module("p2ptrain.dht")
     common = ["--run-id", config.run_id, *recipe_args(config), "--epochs", str(args.epochs), "--host-maddrs", LOOPBACK,
-              "--device", args.device,
+              "--device", args.device, *(["--recompute"] if args.recompute else []),
               *(["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)] if args.eval_data else []),
               *deadline_args(args)]
     swarm = Swarm(workdir=workdir)

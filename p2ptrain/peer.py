@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 # NodeOptions and RuntimeConfig fields and the flags that set them
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
-              "device": "--device",
+              "device": "--device", "recompute": "--recompute",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "recipe_timeout_s": "--recipe-timeout",
               **DEADLINE_FLAGS,
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
                      help="where this peer's stage computes and keeps its parameters and optimizer state (auto: the "
                           "first CUDA device when there is one, else the CPU); tensors travel from the host")
+    run.add_argument("--recompute", action="store_true",
+                     help="activation checkpointing: keep each block's input only while a microbatch is in flight "
+                          "and compute the block again in backward (less memory, a third more compute)")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
     run.add_argument("--fault", choices=FAULTS, default="none",
@@ -223,7 +226,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
         options = NodeOptions(
             role=args.role, placement=placement, computes=args.compute, keep_state=args.keep_state, network=network, planning=planning,
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
-            threads=args.threads, device=args.device, dump_grads=args.dump_grads, fault=args.fault,
+            threads=args.threads, device=args.device, recompute=args.recompute, dump_grads=args.dump_grads,
+            fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, export_to=args.export_to,
             eval_data=args.eval_data,

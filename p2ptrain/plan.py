@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2ptrain.cli import check_maddrs, count, index, positive, run_id, writable_file
-from p2ptrain.config import AVERAGING_CODECS, RunConfig, RuntimeConfig
+from p2ptrain.config import AVERAGING_CODECS, OPTIMIZERS, RunConfig, RuntimeConfig
 from p2ptrain.models.configs import ModelConfig
 from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
-from p2ptrain.planner.presets import PRESETS, ModelSpec, config_spec, model_spec
+from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, config_spec, model_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
 
 if TYPE_CHECKING:
@@ -45,6 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how the run's stages average (the peers' --averaging-codec): the bytes of a round "
                              "(default: the file's [model] averaging_codec, else the precision's own width; live: "
                              f"{PEER_DEFAULTS.averaging_codec})")
+    parser.add_argument("--precision", choices=tuple(PRECISIONS),
+                        help="the run's compute precision: the weights' bytes on a worker and what an average sends "
+                             "without a codec (default: the file's [model] precision; live: the peers' default, "
+                             f"{PEER_DEFAULTS.precision})")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS,
+                        help="the run's optimizer (the peers' --optimizer): its state's bytes on a worker (default: "
+                             f"the file's [model] optimizer, else {PEER_DEFAULTS.optimizer})")
+    parser.add_argument("--offload", choices=OFFLOADS,
+                        help="what workers keep in host memory: none, the optimizer (the peers' --offload-optimizer) "
+                             "or all (planning only) (default: the file's [model] offload; live: none)")
     parser.add_argument("--average-every", type=count, default=PEER_DEFAULTS.average_every, metavar="H",
                         help="the run's stages average once every H global batches (the peers' --average-every): "
                              "a batch carries 1/H of a round's time")
@@ -112,15 +122,17 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     elif args.averaging_codec is not None and preset is None:
         parser.error(f"--averaging-codec: {args.swarm}'s [model] is given by its numbers; fix: pass --model, or fold "
                      "the codec into its param_bytes_per_layer")
+    if preset is None and args.model_config is None and (args.precision or args.offload or args.optimizer):
+        parser.error(f"--precision, --offload and --optimizer: {args.swarm}'s [model] is given by its numbers; fix: "
+                     "pass --model, or fold them into its memory_bytes_per_layer")
+    states = {"precision": args.precision or swarm.precision, "optimizer": args.optimizer or swarm.optimizer,
+              "offload": args.offload or swarm.offload, "averaging_codec": args.averaging_codec or swarm.averaging_codec}
     if args.model_config is not None:
-        model = config_spec(hf_model_config(parser, args), precision=swarm.precision, offload=swarm.offload,
-                            averaging_codec=args.averaging_codec or swarm.averaging_codec,
-                            name=checkpoint_name(args.model_config))
+        model = config_spec(hf_model_config(parser, args), **states, name=checkpoint_name(args.model_config))
     elif preset is None:
         model = swarm.model
     else:
-        model = model_spec(preset, precision=swarm.precision, offload=swarm.offload,
-                           averaging_codec=args.averaging_codec or swarm.averaging_codec)
+        model = model_spec(preset, **states)
     if model is None:
         parser.error(f"{args.swarm}: [model]: the file names no model; fix: pass --model or add a [model] section")
     tokens = args.batch_tokens or swarm.batch_tokens
@@ -170,11 +182,13 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.batch_tokens is not None:
         parser.error("--batch-tokens is for swarm files; a live swarm trains --batch-rows x --microbatches x "
                      "--seq-len tokens per batch")
-    codec = args.averaging_codec or PEER_DEFAULTS.averaging_codec
+    states = {"precision": args.precision or PEER_DEFAULTS.precision,
+              "optimizer": args.optimizer or PEER_DEFAULTS.optimizer,
+              "offload": args.offload or "none", "averaging_codec": args.averaging_codec or PEER_DEFAULTS.averaging_codec}
     if args.model_config is not None:
-        model = config_spec(hf_model_config(parser, args), averaging_codec=codec, name=checkpoint_name(args.model_config))
+        model = config_spec(hf_model_config(parser, args), **states, name=checkpoint_name(args.model_config))
     else:
-        model = model_spec(args.model or PEER_DEFAULTS.model, averaging_codec=codec)
+        model = model_spec(args.model or PEER_DEFAULTS.model, **states)
     microbatches = args.microbatches or PEER_DEFAULTS.microbatches
     tokens = ((args.batch_rows or PEER_DEFAULTS.rows_per_microbatch) * microbatches
               * (args.seq_len or PEER_DEFAULTS.seq_len))

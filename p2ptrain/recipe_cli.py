@@ -91,6 +91,8 @@ def build_parser(family: Family) -> argparse.ArgumentParser:
     run.add_argument("--workdir", type=Path, help="where the local swarm's logs go (default: a temporary folder)")
     run.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
                      help="where the local swarm's peers compute (auto: the first CUDA device when there is one)")
+    run.add_argument("--recompute", action="store_true",
+                     help="the local swarm's peers checkpoint activations (less memory, a third more compute)")
     run.add_argument("--initial-peers", nargs="+", metavar="ADDR",
                      help="with --print-commands: the bootstrap peer's multiaddr (default: a placeholder)")
     add_optimization_flags(parser, defaults=defaults)
@@ -143,9 +145,19 @@ def launch_args(args: argparse.Namespace, config: RunConfig) -> list[str]:
     """`python -m p2ptrain.launch`'s arguments for this recipe on this machine."""
     return [*([str(args.peers)] if args.peers else []), *recipe_args(config), "--stages", str(config.num_stages),
             "--epochs", str(args.epochs), "--run-id", config.run_id, "--device", args.device,
+            *(["--recompute"] if args.recompute else []),
             *(["--eval-data", str(args.eval_data)] if args.eval_data else []),
             *(["--export-to", str(args.export_to)] if args.export_to else []),
             *(["--workdir", str(args.workdir)] if args.workdir else [])]
+
+
+def memory_args(config: RunConfig) -> list[str]:
+    """The run's memory choices that differ from the defaults, for the planner; the swarm file's [model] says how
+    its devices run otherwise (the paper's files: fp16 with the optimizer offloaded)."""
+    defaults = RunConfig()
+    return [*(["--precision", config.precision] if config.precision != defaults.precision else []),
+            *(["--optimizer", config.optimizer] if config.optimizer != defaults.optimizer else []),
+            *(["--offload", "optimizer"] if config.offload_optimizer else [])]
 
 
 def plan(args: argparse.Namespace, config: RunConfig) -> int:
@@ -155,6 +167,7 @@ def plan(args: argparse.Namespace, config: RunConfig) -> int:
     model = ["--model-config", config.init_from] if config.init_from else ["--model", config.model]
     return plan_main([str(args.plan), *model, "--batch-tokens", str(config.tokens_per_epoch),
                       "--microbatches", str(config.microbatches), "--averaging-codec", config.averaging_codec,
+                      *memory_args(config),
                       "--average-every", str(config.average_every),
                       *(["--stages", str(args.stages)] if args.stages else [])])
 

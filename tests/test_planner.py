@@ -33,7 +33,11 @@ def test_llama_preset_counts_the_parameters_the_model_builds() -> None:
     assert spec.flops_per_token_per_layer == pytest.approx(3 * (2 * params + attention))
     assert spec.param_bytes_per_layer == 4 * params  # fp32 runs average in fp32
     assert spec.activation_bytes_per_token == 4 * config.hidden_size
-    assert spec.memory_bytes_per_layer == 16 * params + 4 * config.hidden_size * config.max_seq_len
+    assert sorted(config.layer_tensors()) == sorted(p.numel() for p in Block(config).parameters())
+    # weights, accumulated gradients, master copy, AdamW's two moments and its step per tensor (what a worker
+    # allocates: tests/test_precision.py), and one row's input
+    assert spec.memory_bytes_per_layer == 20 * params + 4 * len(config.layer_tensors()) \
+        + 4 * config.hidden_size * config.max_seq_len
 
 
 def test_p_counts_the_bytes_the_runs_averaging_codec_sends() -> None:

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.client.device import autocast, resolve_device, to_device, to_host
-from p2ptrain.config import ConfigError, RunConfig
-from p2ptrain.models import build_stage, model_config
+from p2ptrain.client.device import autocast, place, resolve_device, to_device, to_host
+from p2ptrain.client.worker import Worker
+from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
+from p2ptrain.models import build_stage
+from p2ptrain.planner.presets import PRECISIONS, run_spec
 from p2ptrain.state.params import StageParams
 
 
@@ -35,29 +37,107 @@ def test_a_peer_asked_for_a_device_this_machine_lacks_exits_2_naming_the_flag() 
     assert out.returncode == 2 and "--device" in out.stderr and "auto, cpu, cuda or cuda:N" in out.stderr
 
 
-def test_a_bf16_stage_computes_in_bf16_on_fp32_parameters() -> None:
-    """Autocast rounds the matmuls' inputs only: the loss is near fp32's, and the parameter gradients and the master
-    copy the optimizer steps stay fp32; what travels is fp32 on the host."""
-    config = model_config("llama-small")
-    stage = build_stage(config, start=4, end=8, seed=0)
-    hidden = torch.randn(2, 32, config.hidden_size, generator=torch.Generator().manual_seed(1))
-    labels = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+def test_a_bf16_stage_computes_in_bf16_beside_an_fp32_master_copy() -> None:
+    """A bf16 worker's model holds bf16 weights and computes under autocast (norms and softmax in fp32): its loss is
+    near fp32's; the master copy the optimizer steps is fp32, built before the cast; what travels is fp32."""
+    config = RunConfig(model="llama-small", precision="bf16")
+    hidden = torch.randn(2, 32, 256, generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
     device = torch.device("cpu")
     losses = {}
     for precision in ("fp32", "bf16"):
+        stage = build_stage(config.model_config, start=4, end=8, seed=0)
+        master = StageParams(model=stage, config=config)
+        model = place(stage, device, precision)
         with autocast(device, precision):
-            loss = stage(hidden, labels)
-            projected = stage.layers[0].attn.q_proj(hidden)
-        grads = torch.autograd.grad(loss, [p for p in stage.parameters() if p.requires_grad])
-        assert all(g.dtype == torch.float32 for g in grads)
-        assert projected.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+            loss = model(hidden, labels)
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        assert all(p.dtype == dtype for p in params) and all(g.dtype == dtype for g in grads)
+        assert all(p.dtype == torch.float32 for p in master.trainable)
         losses[precision] = float(loss)
     assert losses["bf16"] != losses["fp32"]  # it did compute in bf16
     assert abs(losses["bf16"] - losses["fp32"]) < 0.01 * losses["fp32"]
-    master = StageParams(model=stage, config=RunConfig(model="llama-small", precision="bf16"))
-    assert all(p.dtype == torch.float32 for p in master.module.parameters())
     assert to_host(torch.ones(2, dtype=torch.bfloat16)).dtype == torch.float32
     assert to_host(torch.ones(2, dtype=torch.int64)).dtype == torch.int64
+
+
+@pytest.mark.parametrize("model", ["llama-small", "albert-small"])
+def test_recompute_keeps_each_blocks_input_only_and_gives_the_same_gradients(model: str) -> None:
+    """`--recompute`: what a forward keeps for backward shrinks to the blocks' inputs (measured with autograd's
+    saved-tensor hooks), and the gradients are those of a plain forward."""
+    config = RunConfig(model=model).model_config
+    stage = build_stage(config, start=1, end=config.num_layers - 1, seed=0)
+    hidden = torch.randn(2, 64, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    params = [p for p in stage.parameters() if p.requires_grad]
+    kept, grads = {}, {}
+    for recompute in (False, True):
+        stage.recompute = recompute
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            inputs = hidden.clone().requires_grad_(True)
+            out = stage(inputs)
+        kept[recompute] = sum(t.numel() * t.element_size() for t in {id(t): t for t in saved}.values())
+        grads[recompute] = torch.autograd.grad(out.square().sum(), [inputs, *params])
+    assert kept[True] < 0.25 * kept[False], kept
+    for plain, recomputed in zip(grads[False], grads[True]):
+        torch.testing.assert_close(recomputed, plain, rtol=1e-5, atol=1e-6)
+
+
+def _one_layer_worker(config: RunConfig, device: torch.device) -> Worker:
+    """A worker of a stage of one middle layer, as a peer builds it, that has stepped once (so its optimizer state
+    exists); it reaches no server: none of its calls are made."""
+    stage = build_stage(config.model_config, start=1, end=2, seed=config.seed)
+    worker = Worker(worker_id="w", stage=1, config=config, settings=RuntimeConfig(), model=stage, averager=None,
+                    caller=None, servers=lambda: ([], []), compute=1.0, device=device)
+    worker.master.step([torch.zeros_like(p) for p in worker.master.trainable], epoch=0)
+    return worker
+
+
+def _allocated(worker: Worker) -> dict[str, int]:
+    """Bytes of the layer's parameters and optimizer state a worker holds, by what holds them."""
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # bitsandbytes' 8-bit AdamW keeps two quantization maps that all its parameters share (2 KiB in all, which the
+    # planner leaves out)
+    state = [value for entries in worker.master.optimizer.state.values() for name, value in entries.items()
+             if isinstance(value, torch.Tensor) and name not in ("qmap1", "qmap2")]
+    return {"weights": size(worker.params), "gradients": size(worker.accumulated),
+            "master": size(worker.master.trainable), "optimizer": size(state)}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on the device", "offloaded"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "lamb"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_planners_memory_per_layer_is_what_a_worker_allocates(precision: str, optimizer: str,
+                                                                  offload: bool) -> None:
+    """The planner's M for a run (`run_spec`: its precision, optimizer and offload) is the bytes a worker of one
+    layer allocates for its parameters and optimizer state (its weights, accumulated gradients, master copy and
+    optimizer state; with the optimizer offloaded, the weights alone stay on the device), plus one row's
+    checkpointed input, which the cost model adds."""
+    config = RunConfig(model="llama-small", precision=precision, optimizer=optimizer, offload_optimizer=offload)
+    worker = _one_layer_worker(config, torch.device("cpu"))
+    allocated = _allocated(worker)
+    spec = run_spec(config)
+    hidden, seq = config.model_config.hidden_size, config.model_config.max_seq_len
+    layer = spec.memory_bytes_per_layer - hidden * seq * PRECISIONS[precision]
+    assert layer == (allocated["weights"] if offload else sum(allocated.values())), allocated
+    assert all(p.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32) for p in worker.params)
+    assert all(p.dtype == torch.float32 for p in worker.master.trainable)
+    if optimizer == "adamw8bit":  # the matrices' moments are 8-bit
+        assert allocated["optimizer"] < 0.3 * 8 * sum(p.numel() for p in worker.master.trainable)
+
+
+def test_memory_per_layer_follows_precision_optimizer_and_offload() -> None:
+    """Each of the three choices changes M, as the runtime's allocations do (above)."""
+    def m(**choices) -> float:
+        return run_spec(RunConfig(model="llama-small", **choices)).memory_bytes_per_layer
+    base = m()
+    assert m(precision="bf16") < base and m(optimizer="adamw8bit") < 0.75 * base
+    assert m(offload_optimizer=True) < 0.3 * base
+    assert m(precision="bf16", optimizer="adamw8bit", offload_optimizer=True) < m(offload_optimizer=True)
 
 
 def _final_loss(tmp_path: Path, precision: str, epochs: int) -> tuple[float, float]:
@@ -82,6 +162,23 @@ def test_a_bf16_swarm_trains_llama_small_within_3_percent_of_the_fp32_swarm(tmp_
     assert abs(last16 - last32) <= 0.03 * last32, (last16, last32)
 
 
+@pytest.mark.timeout(300)
+def test_a_swarm_set_for_a_small_card_trains(tmp_path) -> None:
+    """bf16 weights, 8-bit AdamW, the optimizer offloaded and activations recomputed, all at once, in a local swarm:
+    it trains, and the swarm carries the recipe's choices."""
+    report = tmp_path / "report.json"
+    out = subprocess.run([sys.executable, "-m", "p2ptrain.launch", "--epochs", "6", "--precision", "bf16",
+                          "--optimizer", "adamw8bit", "--offload-optimizer", "--recompute", "--lr", "1e-2",
+                          "--run-id", "small-card", "--workdir", str(tmp_path / "logs"), "--report", str(report)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    status = json.loads(report.read_text())
+    recipe = status["recipe"]["config"]
+    assert (recipe["precision"], recipe["optimizer"], recipe["offload_optimizer"]) == ("bf16", "adamw8bit", True)
+    assert status["loss"] < status["epochs"][0]["loss"] - 0.5
+    assert all(stage["digests_agree"] for epoch in status["epochs"] for stage in epoch["stages"])
+
+
 @pytest.mark.cuda
 def test_a_stage_on_cuda_steps_there_and_travels_from_the_host() -> None:
     """On a CUDA device: the stage, its master copy and optimizer state live there; inputs come from the host,
@@ -103,6 +200,26 @@ def test_a_stage_on_cuda_steps_there_and_travels_from_the_host() -> None:
     other.load(model_state=model_state, optimizer_state=optimizer_state, epoch=epoch)
     assert other.digest() == master.digest()
     assert to_host(outputs).device.type == "cpu" and to_host(outputs).dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("offload", [False, True], ids=["on the device", "offloaded"])
+def test_the_planners_memory_per_layer_is_what_a_cuda_worker_allocates_there(offload: bool) -> None:
+    """On a CUDA device, the bytes a one-layer worker allocates there are the planner's M (its parameters and
+    optimizer state; offloaded, its weights alone), within the allocator's rounding."""
+    device = resolve_device("cuda")
+    config = RunConfig(model="llama-small", precision="bf16", optimizer="adamw8bit", offload_optimizer=offload)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    worker = _one_layer_worker(config, device)
+    torch.cuda.synchronize(device)
+    spec = run_spec(config)
+    hidden, seq = config.model_config.hidden_size, config.model_config.max_seq_len
+    layer = spec.memory_bytes_per_layer - hidden * seq * PRECISIONS[config.precision]
+    stage_buffers = sum(b.numel() * b.element_size() for b in worker.model.buffers())
+    assert torch.cuda.memory_allocated(device) - before - stage_buffers == pytest.approx(layer, rel=0.02)
+    assert all(p.device == device for p in worker.params)
+    assert all(t.device.type == ("cpu" if offload else "cuda") for t in worker.accumulated + worker.master.trainable)
 
 
 @pytest.mark.cuda

@@ -45,9 +45,14 @@ def test_holders_of_one_recipe_step_alike_and_a_snapshot_keeps_its_step():
     assert any(not torch.equal(kept[name], value) for name, value in a.module.state_dict().items())
 
 
-def test_an_encoded_state_loads_into_another_holder_bit_for_bit():
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "lamb"])
+def test_an_encoded_state_loads_into_another_holder_bit_for_bit(optimizer: str):
+    """For every optimizer, its state too: bitsandbytes' 8-bit AdamW keeps uint8 moments, their absmax and maps,
+    which a holder of another optimizer refuses."""
+    config = dataclasses.replace(CONFIG, optimizer=optimizer)
+
     async def main() -> None:
-        a, b = holder(), holder()
+        a, b = holder(config), holder(config)
         for epoch in range(2):
             a.step(grads(a, epoch), epoch=epoch)
         epoch, blob = await a.encoded()
@@ -59,6 +64,9 @@ def test_an_encoded_state_loads_into_another_holder_bit_for_bit():
         a.step(grads(a, 5), epoch=2)
         b.step(grads(b, 5), epoch=2)  # the optimizer state came too: the next step agrees as well
         assert a.digest() == b.digest()
+        other = holder(dataclasses.replace(CONFIG, optimizer="adamw" if optimizer == "adamw8bit" else "adamw8bit"))
+        with pytest.raises(StateMismatch):
+            other.decode((await a.encoded())[1])
 
     asyncio.run(main())
 

@@ -175,8 +175,8 @@ def test_the_optimizer_state_is_checked_against_the_local_parameters():
     exp_avg = state["state"][0]["exp_avg"]
     state["state"][0] = {**state["state"][0], "exp_avg": exp_avg.reshape(-1)[:-1].clone()}
     blob = encode_state({name: t.clone() for name, t in mate.model.state_dict().items()}, state)
-    with pytest.raises(StateMismatch, match=r"optimizer entry 'optimizer/0/exp_avg' is torch.float32 \[16383\], its "
-                                            r"parameter is torch.float32 \[256, 64\]"):
+    with pytest.raises(StateMismatch, match=r"optimizer entry 'optimizer/0/exp_avg' is torch.float32 \[16383\], this "
+                                            r"stage's optimizer keeps torch.float32 \[256, 64\] there"):
         joiner.master.decode(blob)
 
 

@@ -1,9 +1,10 @@
 """Where and in what a worker computes: its device (`--device`), the run's precision (`--precision`), and the one
 place tensors cross between the device and the host.
 
-A stage's parameters, its master copy and optimizer state live on the device; what travels (activations, gradients,
-averaging rounds, states) is fp32 on the host. bf16 runs compute under autocast on fp32 parameters, so master weights,
-gradients and optimizer state stay fp32 and only the matmuls' inputs are rounded.
+A stage's weights live on the device in the run's precision, its fp32 master copy, accumulated gradients and optimizer
+state there too or, offloaded (`--offload-optimizer`), in host memory; what travels (activations, gradients, averaging
+rounds, states) is fp32 on the host. bf16 runs compute under autocast with bf16 weights, so the master weights and
+the optimizer step stay fp32.
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError("device", name, f"this machine has {torch.cuda.device_count()} CUDA device(s), "
                                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return device
+
+
+def place(model: torch.nn.Module, device: torch.device, precision: str) -> torch.nn.Module:
+    """The model a worker computes with: on its device, its weights in the run's precision (autocast then computes
+    the ops that need it, norms and softmax, in fp32)."""
+    return model.to(device=device, dtype=DTYPES[precision])
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 import torch
 
 from p2ptrain.client.averaging import RoundResult, StageAllReduce
-from p2ptrain.client.device import autocast, to_device, to_host
+from p2ptrain.client.device import autocast, place, to_device, to_host
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.closure import judge
@@ -102,10 +102,17 @@ class Worker:
         download_state: Callable[[Worker], Awaitable[int | None]] | None = None,
         holds_only: bool = False, after_step: Callable[[Worker], Awaitable[None]] | None = None,
         pretrained: bool = False, shared_averager: StageAllReduce | None = None,
+        device: torch.device = torch.device("cpu"), recompute: bool = False,
     ):
         self.worker_id, self.stage, self.config, self.settings = worker_id, stage, config, settings
-        self.model, self.averager, self.caller, self.norm_keeper = model, averager, caller, norm_keeper
-        self.master = StageParams(model=model, config=config)
+        self.averager, self.caller, self.norm_keeper = averager, caller, norm_keeper
+        # the fp32 master copy, with the accumulated gradients and the optimizer state, on the device or, offloaded,
+        # in host memory; the model it computes with on the device, in the run's precision (`client.device`)
+        self.device = device
+        self.master = StageParams(model=model, config=config,
+                                  device=torch.device("cpu") if config.offload_optimizer else device)
+        self.model = place(model, device, config.precision)
+        self.model.recompute = recompute
         # its model holds a checkpoint's weights (the run starts from it): it serves them as the stage's, and a
         # running stage's are downloaded only if it finds the stage further on (catch-up)
         self.master.loaded = pretrained
@@ -121,16 +128,15 @@ class Worker:
         self._stepping: int | None = None  # the epoch this worker is averaging and stepping, while it does
         self._deposited: tuple[int, int] = (-1, 0)  # the epoch and rows of the gradients it last deposited
         self._interval_rows = 0  # with average_every > 1: the rows its own steps took since the stage's last round
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.device = self.params[0].device  # the peer put the model where it computes (`client.device`)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         # tensors other stages hold copies of (`protocol.sharing`): the index of each in `params` -> checkpoint key;
         # their gradients are summed across the holding stages in rounds of `shared_averager`
         self.shared_averager = shared_averager
-        shared = model.shared_parameters() if shared_averager is not None else {}
+        shared = self.model.shared_parameters() if shared_averager is not None else {}
         self.shared_keys = {index: shared[name] for index, name in
-                            enumerate(name for name, p in model.named_parameters() if p.requires_grad)
+                            enumerate(name for name, p in self.model.named_parameters() if p.requires_grad)
                             if name in shared}
-        self.accumulated = [torch.zeros_like(p) for p in self.params]
+        self.accumulated = [torch.zeros_like(p) for p in self.master.trainable]
         self.rows_accumulated = 0
         self.epoch = 0
         self.cache: dict[str, ForwardState] = {}
@@ -388,7 +394,7 @@ class Worker:
         if offer.epoch != self.epoch:
             raise RuntimeError(f"task of epoch {offer.epoch} computed at epoch {self.epoch}")
         for accumulated, param_grad in zip(self.accumulated, param_grads):
-            accumulated.add_(param_grad)
+            accumulated.add_(param_grad.to(accumulated.device))
         self.rows_accumulated += len(offer.rows)
         return True
 

@@ -28,7 +28,7 @@ from p2ptrain.live.probe import available_memory, measure_block_compute, measure
 from p2ptrain.live.swarm import NONCOMPUTING_FLOPS
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.join import Joiner, LinkEstimate, StageChoice, SwarmView, choose_stage
-from p2ptrain.planner.presets import config_spec
+from p2ptrain.planner.presets import run_spec
 from p2ptrain.planner.records import StagePlan
 from p2ptrain.protocol.layout import Placement
 from p2ptrain.transport import Caller
@@ -92,8 +92,7 @@ async def join_by_probing(*, dht: hivemind.DHT, p2p: P2P, peer_id: str, config: 
     joiner = Joiner(peer_id=peer_id, flops=compute, memory=float(memory),
                     links={s: LinkEstimate(latency_s=x.latency_s, bandwidth_bps=x.bandwidth_bps)
                            for s, x in links.items()})
-    workload = Workload(model=config_spec(config.model_config, averaging_codec=config.averaging_codec,
-                                          name=config.model),
+    workload = Workload(model=run_spec(config),
                         batch_tokens=config.tokens_per_epoch, microbatches=config.microbatches,
                         average_every=config.average_every)
     choice = choose_stage(view, joiner, workload=workload, rule=stage_choice)

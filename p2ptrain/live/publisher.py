@@ -17,7 +17,7 @@ from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers
 from p2ptrain.live.swarm import planning_peers, swarm_from_peers
 from p2ptrain.planner import Plan, format_plan, make_plan
-from p2ptrain.planner.presets import ModelSpec, config_spec
+from p2ptrain.planner.presets import ModelSpec, run_spec
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def serve_plan(dht: hivemind.DHT, *, signer: RSASignatureValidator, config: RunC
     stopped. Raises if the swarm cannot be planned, which ends the server with that error."""
     expect = expect if expect is not None else 2 * (stages or 1)
     tokens = config.tokens_per_epoch
-    model = config_spec(config.model_config, averaging_codec=config.averaging_codec, name=config.model)
+    model = run_spec(config)
     plan = plan_swarm(dht, run_id=config.run_id, model=model, tokens=tokens, microbatches=config.microbatches,
                       planner=planner, stages=stages, seed=config.seed,
                       expect=expect, settings=settings, stop=stop, average_every=config.average_every)

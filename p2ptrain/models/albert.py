@@ -103,7 +103,7 @@ class AlbertStage(StageModel):
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embeddings(inputs) if self.is_first else inputs
         for layer in range(self.start, self.end):
-            x = self.groups[str(self.config.group_of(layer))](x)
+            x = self.apply_block(self.groups[str(self.config.group_of(layer))], x)
         if not self.is_last:
             return x
         logits = self.head(x)

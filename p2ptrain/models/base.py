@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from p2ptrain.models.configs import ModelConfig
 
@@ -18,7 +19,12 @@ class StageModel(nn.Module, ABC):
     """Layers [start, end) of a model. The first stage takes token ids (rows, seq) and owns the embeddings; the
     others take hidden states (rows, seq, hidden). The last stage owns the head and, given labels, returns the
     summed token loss: summed, not averaged, so that rows split over workers add up to the whole batch's gradient.
-    Every peer that builds the same layers from the same seed gets the same weights."""
+    Every peer that builds the same layers from the same seed gets the same weights.
+
+    With `recompute` (activation checkpointing, `--recompute`), a forward that records gradients keeps only each
+    block's input, and backward runs the block again: less memory per microbatch in flight, a third more compute."""
+
+    recompute: bool = False
 
     def __init__(self, config: ModelConfig, *, start: int, end: int):
         super().__init__()
@@ -30,6 +36,12 @@ class StageModel(nn.Module, ABC):
     @abstractmethod
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states; in the last stage the logits, or the summed token loss given labels."""
+
+    def apply_block(self, block: nn.Module, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        """One block on `x` (the families' forward goes through here), checkpointed with `recompute`."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(block, x, *args, use_reentrant=False)
+        return block(x, *args)
 
     def example_inputs(self, rows: int, seq_len: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
         """Inputs of the shape and kind this stage takes, for probes and benchmarks."""
@@ -54,11 +66,17 @@ class StageModel(nn.Module, ABC):
                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
     def configure_optimizer(self, *, name: str = "adamw", lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        """AdamW, or LAMB (bitsandbytes' 32-bit one: layer-wise trust ratios for large batches)."""
+        """AdamW; bitsandbytes' 8-bit AdamW (blockwise-quantized moments: about a quarter of AdamW's state, for cards
+        of little memory); or LAMB (bitsandbytes' 32-bit one: layer-wise trust ratios for large batches)."""
         if name == "adamw":
             return torch.optim.AdamW(self.optimizer_groups(weight_decay), lr=lr)
+        # bitsandbytes loads slowly: only for runs that use it
+        if name == "adamw8bit":
+            from bitsandbytes.optim import AdamW8bit
+
+            return AdamW8bit(self.optimizer_groups(weight_decay), lr=lr)
         if name == "lamb":
-            from bitsandbytes.optim import LAMB  # bitsandbytes loads slowly: only for runs that use it
+            from bitsandbytes.optim import LAMB
 
             return LAMB(self.optimizer_groups(weight_decay), lr=lr, optim_bits=32)
-        raise ValueError(f"unknown optimizer {name!r}; choose adamw or lamb")
+        raise ValueError(f"unknown optimizer {name!r}; choose adamw, adamw8bit or lamb")

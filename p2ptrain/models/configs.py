@@ -80,13 +80,16 @@ class LlamaConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} must be divisible by num_kv_heads {self.num_kv_heads}")
 
+    def layer_tensors(self) -> tuple[int, ...]:
+        """The sizes of one decoder block's parameter tensors: q, k, v, o projections, the SwiGLU MLP and two RMSNorm
+        gains (and the biases where the config has them)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.num_heads * self.head_dim, \
+            self.num_kv_heads * self.head_dim
+        attention = (h * q, h * kv, h * kv, q * h, *((q, kv, kv, h) if self.attention_bias else ()))
+        return (*attention, h * i, h * i, i * h, *((i, i, h) if self.mlp_bias else ()), h, h)
+
     def layer_parameters(self) -> int:
-        """Weights of one decoder block: q, k, v, o projections, the SwiGLU MLP and two RMSNorm gains (and the
-        biases where the config has them)."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = 2 * h * q + 2 * h * kv + ((q + 2 * kv + h) if self.attention_bias else 0)
-        mlp = 3 * h * self.intermediate_size + ((2 * self.intermediate_size + h) if self.mlp_bias else 0)
-        return attention + mlp + 2 * h
+        return sum(self.layer_tensors())
 
     def tied_parameters(self) -> int:
         """Weights the output layer shares with the embeddings: the word matrix when tied, else none."""
@@ -178,10 +181,14 @@ class AlbertConfig:
         """The parameter group that layer `layer` applies (transformers' rule)."""
         return int(layer / (self.num_layers / self.num_groups))
 
-    def layer_parameters(self) -> int:
-        """Weights of one encoder block: q, k, v, o with biases, the GELU MLP with biases, two LayerNorms."""
+    def layer_tensors(self) -> tuple[int, ...]:
+        """The sizes of one encoder block's parameter tensors: q, k, v, o with biases, the GELU MLP with biases, two
+        LayerNorms."""
         h, i = self.hidden_size, self.intermediate_size
-        return 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+        return (h * h, h) * 4 + (h * i, i, i * h, h) + (h,) * 4
+
+    def layer_parameters(self) -> int:
+        return sum(self.layer_tensors())
 
     def tied_parameters(self) -> int:
         """Weights the MLM decoder shares with the embeddings: the factorized word matrix when tied, else none."""

@@ -138,7 +138,7 @@ class LlamaStage(StageModel):
         seq = x.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = self.apply_block(block, x, cos, sin)
         if not self.is_last:
             return x
         logits = self.lm_head(self.norm(x))

@@ -90,6 +90,7 @@ class NodeOptions:
     compute_power: float | None = None  # this worker's FLOP/s; None: measured
     threads: int = 1  # torch threads of this process
     device: str = "auto"  # where a worker computes: auto (CUDA when there is one), cpu, cuda or cuda:N
+    recompute: bool = False  # activation checkpointing: a worker keeps each block's input only (`StageModel`)
     dump_grads: Path | None = None  # where workers save the averaged gradients of each epoch (tests)
     fault: str = "none"  # one of FAULTS (tests)
     stage_choice: str = "cost"  # how a client without a placement picks its stage: one of STAGE_CHOICES

@@ -376,7 +376,6 @@ class Peer:
             raise ConfigError("init_from", None, "the run starts from a checkpoint, and a server holds its stage's "
                                                  "state: give it its own copy of the checkpoint (its sha256 is in "
                                                  "the swarm's recipe)")
-        model.to(resolve_device(self.options.device))
         deposits = None
         if self.options.role == "server":  # it keeps its stage's workers' gradients while they average
             # deposits still arriving tell the server their sender is alive
@@ -401,15 +400,19 @@ class Peer:
         # rounds across the stages that hold copies of a tensor
         shared = await all_reduce(namespace="shared") if config.shares_across_stages else None
         holds_only = not self.options.does_compute
-        # what live planning measured was one block; tasks are sized by the speed on the whole stage
-        compute = 1.0 if holds_only else self.options.compute_power or measure_compute(model, config)
         worker = Worker(worker_id=self.peer_id, stage=placement.stage, config=config, settings=self.settings,
                         model=model, averager=averager, caller=caller,
                         servers=lambda: membership.servers(placement.stage), norm_keeper=membership.data_source,
-                        compute=compute, client_mode=self.options.network.client_mode, fault=self.options.fault,
+                        compute=1.0 if holds_only else self.options.compute_power or 0.0,
+                        device=resolve_device(self.options.device), recompute=self.options.recompute,
+                        client_mode=self.options.network.client_mode, fault=self.options.fault,
                         dump_dir=self.options.dump_grads, download_state=self._download_state, holds_only=holds_only,
                         pretrained=config.init_from is not None, shared_averager=shared,
                         after_step=self._after_step if self.options.checkpoint_dir is not None else None)
+        if not (holds_only or self.options.compute_power):
+            # what live planning measured was one block; tasks are sized by the speed on the whole stage, where and
+            # in what precision it computes
+            worker.compute = measure_compute(worker.model, config)
         if self.options.checkpoint_dir is not None:
             self._restore(worker)
         state_server = StageStateServer(worker=worker)

@@ -15,13 +15,19 @@ Every number is computed from a model config, never typed in. Assumptions (docs/
   plus the layer's checkpointed input for one row (one sequence, the smallest task a worker takes). Workers
   recompute the forward from the stored input (docs/design.md §2), so a layer keeps only its input between passes; the
   transient working set of the one layer being recomputed is a constant the linear model leaves out.
-  What stays on the device depends on ``offload``:
-    * ``"none"``: weights + gradients + Adam's two moments (+ an fp32 master copy in mixed precision):
-      16 bytes per parameter for fp32 and mixed fp16/bf16, 32 for fp64.
-    * ``"optimizer"`` (ZeRO-Offload): gradients, master weights and Adam live in host memory; the device keeps
-      only the weights in compute precision.
-    * ``"all"`` (ZeRO-Offload of optimizer and parameters, DeepSpeed's ``offload_param``): weights are streamed
-      from host memory layer by layer, so only the checkpointed activations stay per layer.
+  The parameter state is what a p2ptrain worker allocates (`client.worker`, `state.params`; tests/test_precision.py
+  checks it against the runtime's tensors), per parameter tensor of n values, and what stays on the device depends
+  on ``offload``:
+    * ``"none"``: the weights it computes with, in the compute precision (`--precision`), the gradients it
+      accumulates over the epoch, its master copy (both at least fp32), and the optimizer's state (`--optimizer`):
+      AdamW's two fp32 moments and its step, LAMB's (bitsandbytes) two moments and an update norm, or
+      bitsandbytes' 8-bit AdamW: one byte per moment and value plus an fp32 absmax per block of 256, for a tensor
+      of 4096 values or more (smaller ones keep fp32 moments; its two quantization maps, 2 KiB, are shared by all
+      tensors and left out). fp32 AdamW: 20 bytes per parameter; bf16 AdamW: 18; bf16 8-bit AdamW: about 12.
+    * ``"optimizer"`` (ZeRO-Offload, `--offload-optimizer`): gradients, master weights and optimizer state live in
+      host memory; the device keeps only the weights in compute precision.
+    * ``"all"`` (ZeRO-Offload of optimizer and parameters, DeepSpeed's ``offload_param``; planning only): weights
+      are streamed from host memory layer by layer, so only the checkpointed activations stay per layer.
 
 Shared tensors (``ModelSpec.shared``, docs/design.md §3): parameters several layers apply, whose copies every stage
 applying one of those layers holds once and the stages keep equal by a round across them. ALBERT's block groups are
@@ -32,12 +38,17 @@ the contract leaves them out.
 from __future__ import annotations
 
 import bisect
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2ptrain.config import AVERAGING_CODECS, WIRE_BYTES
+from p2ptrain.config import AVERAGING_CODECS, OPTIMIZERS, WIRE_BYTES, RunConfig
 from p2ptrain.models.configs import MODEL_CONFIGS, AlbertConfig, ModelConfig
 
 PRECISIONS: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4, "fp64": 8}
+# bitsandbytes' 8-bit optimizers (0.45 and later, CPU and CUDA alike): tensors below min_8bit_size keep fp32 state;
+# the others one byte per value and moment and an fp32 absmax per block of values
+EIGHT_BIT_MIN_SIZE, EIGHT_BIT_BLOCK = 4096, 256
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
 
 
@@ -106,19 +117,33 @@ class ModelSpec:
                 **({"shared": [t.to_json() for t in self.shared]} if self.shared else {})}
 
 
-def _state_bytes_per_param(precision: str, offload: str) -> int:
-    width = PRECISIONS[precision]
+def optimizer_state_bytes(numel: int, optimizer: str, *, width: int = 4) -> float:
+    """Bytes of the optimizer's state for a parameter tensor of ``numel`` values (module doc); ``width``: the bytes
+    of a full-precision value (4, 8 for fp64 planning)."""
+    if optimizer == "adamw8bit":
+        if numel >= EIGHT_BIT_MIN_SIZE:
+            return 2.0 * numel + 2 * 4 * math.ceil(numel / EIGHT_BIT_BLOCK)
+        return 2.0 * width * numel
+    return 2.0 * width * numel + 4  # AdamW's step, LAMB's update norm: one fp32 value each
+
+
+def state_bytes(tensors: Sequence[int], *, precision: str = "fp32", optimizer: str = "adamw",
+                offload: str = "none") -> float:
+    """Device bytes of parameter tensors of these sizes on a worker that trains them (module doc)."""
     if offload == "all":
-        return 0
+        return 0.0
+    width, count = PRECISIONS[precision], sum(tensors)
     if offload == "optimizer":
-        return width
-    # weights + grads + Adam m, v; mixed precision adds an fp32 master copy and keeps the moments in fp32
-    return 16 if width == 2 else 4 * width
+        return float(width * count)
+    full = max(width, 4)  # master copy, accumulated gradients and moments are at least fp32
+    return width * count + 2.0 * full * count + sum(optimizer_state_bytes(n, optimizer, width=full) for n in tensors)
 
 
-def _check(precision: str, offload: str, averaging_codec: str | None) -> None:
+def _check(precision: str, offload: str, averaging_codec: str | None, optimizer: str = "adamw") -> None:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     if offload not in OFFLOADS:
         raise ValueError(f"unknown offload {offload!r}; use one of {', '.join(OFFLOADS)}")
     if averaging_codec is not None and averaging_codec not in AVERAGING_CODECS:
@@ -132,25 +157,28 @@ def averaged_bytes(precision: str, averaging_codec: str | None) -> float:
     return WIRE_BYTES[AVERAGING_CODECS[averaging_codec]]
 
 
-def shared_tensors(config: ModelConfig, *, precision: str = "fp32", offload: str = "none",
+def shared_tensors(config: ModelConfig, *, precision: str = "fp32", optimizer: str = "adamw", offload: str = "none",
                    averaging_codec: str | None = None) -> tuple[SharedTensors, ...]:
     """The tensors of ``config`` that several layers apply (module doc), by the layers whose stages hold them."""
-    wire, state = averaged_bytes(precision, averaging_codec), _state_bytes_per_param(precision, offload)
+    wire = averaged_bytes(precision, averaging_codec)
     out = []
     if isinstance(config, AlbertConfig):
-        block = config.layer_parameters()
+        block = config.layer_tensors()
+        memory = state_bytes(block, precision=precision, optimizer=optimizer, offload=offload)
         for group in range(config.num_groups):
             layers = tuple(i for i in range(config.num_layers) if config.group_of(i) == group)
-            out.append(SharedTensors(name=f"group {group}", layers=layers, param_bytes=block * wire,
-                                     memory_bytes=float(block * state)))
+            out.append(SharedTensors(name=f"group {group}", layers=layers, param_bytes=sum(block) * wire,
+                                     memory_bytes=memory))
     tied = config.tied_parameters()
     if tied:
         out.append(SharedTensors(name="tied embeddings", layers=tuple(sorted({0, config.num_layers - 1})),
-                                 param_bytes=tied * wire, memory_bytes=float(tied * state)))
+                                 param_bytes=tied * wire,
+                                 memory_bytes=state_bytes((tied,), precision=precision, optimizer=optimizer,
+                                                          offload=offload)))
     return tuple(out)
 
 
-def config_spec(config: ModelConfig, *, precision: str = "fp32", offload: str = "none",
+def config_spec(config: ModelConfig, *, precision: str = "fp32", optimizer: str = "adamw", offload: str = "none",
                 averaging_codec: str | None = None, name: str | None = None) -> ModelSpec:
     """The cost model's view of a model config. A causal model (Llama) attends on average to (seq + 1) / 2 keys,
     a bidirectional one (ALBERT) to all seq keys.
@@ -159,26 +187,37 @@ def config_spec(config: ModelConfig, *, precision: str = "fp32", offload: str = 
     its layers apply it (``shared``), so ``P`` is 0 and ``M`` the checkpointed input alone; the FLOPs are every
     layer's.
     """
-    _check(precision, offload, averaging_codec)
+    _check(precision, offload, averaging_codec, optimizer)
     seq, hidden, width = config.max_seq_len, config.hidden_size, PRECISIONS[precision]
     attended = (seq + 1) / 2 if config.causal else float(seq)
-    own = 0 if isinstance(config, AlbertConfig) else config.layer_parameters()
+    own = () if isinstance(config, AlbertConfig) else config.layer_tensors()
     forward = 2.0 * config.layer_parameters() + 4.0 * hidden * attended
     return ModelSpec(
         name=name or config.family, layers=config.num_layers, flops_per_token_per_layer=3.0 * forward,
         activation_bytes_per_token=float(hidden * width),
-        param_bytes_per_layer=own * averaged_bytes(precision, averaging_codec),
-        memory_bytes_per_layer=float(own * _state_bytes_per_param(precision, offload) + hidden * seq * width),
-        shared=shared_tensors(config, precision=precision, offload=offload, averaging_codec=averaging_codec))
+        param_bytes_per_layer=sum(own) * averaged_bytes(precision, averaging_codec),
+        memory_bytes_per_layer=state_bytes(own, precision=precision, optimizer=optimizer, offload=offload)
+        + hidden * seq * width,
+        shared=shared_tensors(config, precision=precision, optimizer=optimizer, offload=offload,
+                              averaging_codec=averaging_codec))
+
+
+def run_spec(config: RunConfig) -> ModelSpec:
+    """The cost model's view of a run: its model at its precision, optimizer, offload and averaging codec, what its
+    workers allocate and send."""
+    return config_spec(config.model_config, precision=config.precision, optimizer=config.optimizer,
+                       offload="optimizer" if config.offload_optimizer else "none",
+                       averaging_codec=config.averaging_codec, name=config.model)
 
 
 PRESETS: tuple[str, ...] = tuple(MODEL_CONFIGS)
 
 
-def model_spec(name: str, *, precision: str = "fp32", offload: str = "none",
+def model_spec(name: str, *, precision: str = "fp32", optimizer: str = "adamw", offload: str = "none",
                averaging_codec: str | None = None) -> ModelSpec:
-    """The preset ``name`` (one of ``PRESETS``) at the given precision, offload mode and averaging codec."""
+    """The preset ``name`` (one of ``PRESETS``) at the given precision, optimizer, offload mode and averaging
+    codec."""
     if name not in MODEL_CONFIGS:
         raise ValueError(f"unknown model preset {name!r}; use one of {', '.join(PRESETS)}")
-    return config_spec(MODEL_CONFIGS[name], precision=precision, offload=offload, averaging_codec=averaging_codec,
-                       name=name)
+    return config_spec(MODEL_CONFIGS[name], precision=precision, optimizer=optimizer, offload=offload,
+                       averaging_codec=averaging_codec, name=name)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from p2ptrain.config import AVERAGING_CODECS
+from p2ptrain.config import AVERAGING_CODECS, OPTIMIZERS
 from p2ptrain.planner.cost import Network
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, model_spec
 
@@ -37,7 +37,7 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "site": ("name", "latency_ms", "bandwidth_mbps"),
     "link": ("sites", "devices", "from", "to", "latency_ms", "bandwidth_mbps"),
     "device": ("id", "count", "site", "reliable", "tflops", "memory_gb", "access_latency_ms", "access_mbps"),
-    "model": ("preset", "precision", "offload", "averaging_codec", "layers", "flops_per_token_per_layer",
+    "model": ("preset", "precision", "optimizer", "offload", "averaging_codec", "layers", "flops_per_token_per_layer",
               "activation_bytes_per_token", "param_bytes_per_layer", "memory_bytes_per_layer"),
     "batch": ("tokens", "microbatches"),
     "planner": ("stages",),
@@ -73,6 +73,7 @@ class Swarm:
     source: str = "<memory>"
     model: ModelSpec | None = None
     precision: str = "fp32"
+    optimizer: str = "adamw"
     offload: str = "none"
     averaging_codec: str | None = None  # how the run's stages average (`--averaging-codec`); None: at the precision
     batch_tokens: int | None = None
@@ -342,8 +343,11 @@ class _Parser:
         table = self.table("model", self.data["model"], "[model]")
         precision = table.get("precision", "fp32")
         offload = table.get("offload", "none")
+        optimizer = table.get("optimizer", "adamw")
         if precision not in PRECISIONS:
             raise self.fail("[model]", f"unknown precision {precision!r}", f"use one of {', '.join(PRECISIONS)}")
+        if optimizer not in OPTIMIZERS:
+            raise self.fail("[model]", f"unknown optimizer {optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
         if offload not in OFFLOADS:
             raise self.fail("[model]", f"unknown offload {offload!r}", f"use one of {', '.join(OFFLOADS)}")
         codec = table.get("averaging_codec")
@@ -357,11 +361,15 @@ class _Parser:
                                 "give either preset or all of " + ", ".join(_SPEC_FIELDS))
             if table["preset"] not in PRESETS:
                 raise self.fail("[model]", f"unknown preset {table['preset']!r}", f"use one of {', '.join(PRESETS)}")
-            return {"model": model_spec(table["preset"], precision=precision, offload=offload, averaging_codec=codec),
-                    "precision": precision, "offload": offload, "averaging_codec": codec}
+            return {"model": model_spec(table["preset"], precision=precision, optimizer=optimizer, offload=offload,
+                                        averaging_codec=codec),
+                    "precision": precision, "optimizer": optimizer, "offload": offload, "averaging_codec": codec}
         if codec is not None:
             raise self.fail("[model]", "sets averaging_codec for a model given by its numbers",
                             "fold the codec into param_bytes_per_layer, or name a preset")
+        if "optimizer" in table:
+            raise self.fail("[model]", "sets optimizer for a model given by its numbers",
+                            "fold its state into memory_bytes_per_layer, or name a preset")
         values = {key: self.number(table, key, "[model]", required=True) for key in _SPEC_FIELDS}
         if not float(values["layers"]).is_integer():
             raise self.fail("[model]", f"layers = {values['layers']} is not an integer", "write layers as an integer")

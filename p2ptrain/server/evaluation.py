@@ -59,7 +59,7 @@ class StageEvaluator(Service):
         except BadTensorError as e:
             raise Refused(str(e)) from None
         await self._wait_for(request.epoch)
-        device = worker.device
+        device = worker.master.device
         inputs, labels = to_device(request.inputs, device), to_device(request.labels, device)
         with torch.no_grad(), autocast(device, config.precision):
             if model.is_last:

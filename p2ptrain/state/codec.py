@@ -14,11 +14,13 @@ the non-tensor entries of the optimizer's per-parameter state and `param_groups`
 them (hyperparameters and parameter indices). A tensor of the blob and its metadata are thus read with any
 safetensors reader. The receiver checks the whole snapshot against its own model and optimizer before loading
 anything (`decode_state`): the same state-dict names, shapes and dtypes; the same parameter groups with the same
-hyperparameter names; per-parameter state only for its own parameters, each tensor a scalar or shaped like its
-parameter.
+hyperparameter names; per-parameter state only for its own parameters, each tensor a scalar or shaped as the local
+optimizer keeps it for that parameter (like the parameter for AdamW's moments; bitsandbytes' 8-bit AdamW keeps
+uint8 moments, their blockwise absmax and quantization maps).
 """
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -113,6 +115,7 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], scalars: object, param_gr
                        for key, value in group.items()})
     params = {index: param for group, local in zip(local_groups, optimizer.param_groups)
               for index, param in zip(group["params"], local["params"])}
+    expected: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
     if not isinstance(scalars, dict):
         raise StateMismatch("the state's optimizer scalars are not a map")
     state: dict[int, dict[str, Any]] = {}
@@ -128,13 +131,30 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], scalars: object, param_gr
         _, index, entry = name.split("/")
         number = _param_index(index, params)
         param = params[number]
-        # per-parameter optimizer state is either a scalar (a step count, a norm) or a statistic shaped like its
-        # parameter
-        if tensor.numel() > 1 and (tensor.shape, tensor.dtype) != (param.shape, param.dtype):
-            raise StateMismatch(f"optimizer entry {name!r} is {tensor.dtype} {list(tensor.shape)}, its parameter is "
-                                f"{param.dtype} {list(param.shape)}")
+        # per-parameter optimizer state is either a scalar (a step count, a norm) or a statistic as the local
+        # optimizer keeps it for this parameter
+        if number not in expected:
+            expected[number] = reference_state(optimizer, param)
+        shape, dtype = expected[number].get(entry, ((), None))
+        if tensor.numel() > 1 and (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
+            raise StateMismatch(f"optimizer entry {name!r} is {tensor.dtype} {list(tensor.shape)}, this stage's "
+                                f"optimizer keeps {dtype} {list(shape)} there")
         state.setdefault(number, {})[entry] = tensor
     return {"state": {number: _nest(entries) for number, entries in state.items()}, "param_groups": groups}
+
+
+def reference_state(optimizer: torch.optim.Optimizer, param: torch.Tensor
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each tensor `optimizer`'s kind keeps for a parameter like `param`: what one step of a
+    fresh optimizer of its kind and settings leaves on a zero copy of it, flattened as the blob names it."""
+    probe = torch.nn.Parameter(torch.zeros_like(param))
+    probe.grad = torch.zeros_like(param)
+    kind = type(optimizer)
+    accepted = inspect.signature(kind).parameters  # `defaults` may hold settings its constructor derives
+    fresh = kind([probe], **{key: value for key, value in optimizer.defaults.items() if key in accepted})
+    fresh.step()
+    return {name: (tuple(value.shape), value.dtype) for name, value in _flatten(fresh.state_dict()["state"][0])
+            if isinstance(value, torch.Tensor)}
 
 
 def _flatten(entries: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from typing import Any
 
 import torch
 
@@ -56,12 +57,14 @@ class OuterState(torch.nn.Module):
 class StageParams:
     """The master copy of one stage, its optimizer and schedule, and the epoch they are current for.
 
-    Built from the model the holder computes with (a deep copy: the model takes the master's parameters only at an
-    epoch boundary, `copy_to`), configured by the run's recipe, so that every holder of the stage starts alike.
+    Built from the model the holder computes with, before it is cast to the run's precision (an fp32 copy, on
+    `device`: the model takes the master's parameters only at an epoch boundary, `copy_to`), configured by the run's
+    recipe, so that every holder of the stage starts alike.
     """
 
-    def __init__(self, *, model: StageModel, config: RunConfig):
-        self.module = copy.deepcopy(model)
+    def __init__(self, *, model: StageModel, config: RunConfig, device: torch.device = torch.device("cpu")):
+        self.module = copy.deepcopy(model).to(device=device, dtype=torch.float32)
+        self.device = device
         self.optimizer = self.module.configure_optimizer(name=config.optimizer, lr=config.lr,
                                                          weight_decay=config.weight_decay)
         self.schedule = LRSchedule(lr=config.lr, warmup_epochs=config.warmup_epochs,
@@ -141,10 +144,7 @@ class StageParams:
         between (module doc)."""
         model_state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.module.state_dict().items()}
         optimizer_state = self.optimizer.state_dict()
-        optimizer_state["state"] = {index: {name: value.detach().to("cpu", copy=True)
-                                            if isinstance(value, torch.Tensor) else value
-                                            for name, value in entries.items()}
-                                    for index, entries in optimizer_state["state"].items()}
+        optimizer_state["state"] = {index: _host_copy(entries) for index, entries in optimizer_state["state"].items()}
         return self.epoch, model_state, optimizer_state
 
     async def encoded(self) -> tuple[int, torch.Tensor]:
@@ -176,6 +176,14 @@ class StageParams:
         self.epoch = epoch
         self._moved.set()
         self._moved = asyncio.Event()
+
+
+def _host_copy(entries: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state with every tensor copied to the host, one copy each (bitsandbytes' 8-bit state
+    shares its quantization maps between parameters, in a nested map)."""
+    return {name: _host_copy(value) if isinstance(value, dict)
+            else value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+            for name, value in entries.items()}
 
 
 def parameter_digest(params: list[torch.Tensor]) -> Digest:
