@@ -14,6 +14,7 @@ import torch
 from p2ptrain.client.device import autocast, place, resolve_device, to_device, to_host
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
+from p2ptrain.live.probe import available_memory, measure_block_compute
 from p2ptrain.models import build_stage
 from p2ptrain.planner.presets import PRECISIONS, run_spec
 from p2ptrain.state.params import StageParams
@@ -35,6 +36,29 @@ def test_a_peer_asked_for_a_device_this_machine_lacks_exits_2_naming_the_flag() 
     out = subprocess.run([sys.executable, "-m", "p2ptrain.peer", "--role", "client", "--device", "tpu"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--device" in out.stderr and "auto, cpu, cuda or cuda:N" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_a_peer_asked_for_cuda_on_a_machine_without_it_exits_2_naming_the_flag() -> None:
+    out = subprocess.run([sys.executable, "-m", "p2ptrain.peer", "--role", "client", "--device", "cuda",
+                          "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--device cuda" in out.stderr and "no CUDA device" in out.stderr, out.stderr[-2000:]
+
+
+def test_live_planning_measures_where_and_in_what_a_peer_computes() -> None:
+    """A peer without a stage measures one block on its device at the run's precision, and announces the memory
+    free there (host RAM here; on a GPU, `torch.cuda.mem_get_info`)."""
+    cpu = torch.device("cpu")
+    for precision in ("fp32", "bf16"):
+        assert measure_block_compute(RunConfig(model="llama-small", precision=precision), device=cpu) > 0
+    assert 0 < available_memory(cpu)
+
+
+@pytest.mark.cuda
+def test_live_planning_measures_a_cuda_device() -> None:
+    device = resolve_device("cuda")
+    assert available_memory(device) == pytest.approx(torch.cuda.mem_get_info(device)[0], rel=0.05)
+    assert measure_block_compute(RunConfig(model="llama-small", precision="bf16"), device=device) > 0
 
 
 def test_a_bf16_stage_computes_in_bf16_beside_an_fp32_master_copy() -> None:

@@ -18,6 +18,7 @@ import logging
 import time
 
 import hivemind
+import torch
 from hivemind.p2p import P2P
 
 from p2ptrain.config import RunConfig, RuntimeConfig
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 async def join_client(*, dht: hivemind.DHT, p2p: P2P, announcer: Announcer, peer_id: str, config: RunConfig,
                       settings: RuntimeConfig, planner_key: bytes | None, compute: float | None, stage_choice: str,
-                      stop: asyncio.Event, owner: Owner | None = None) -> Joined | None:
+                      stop: asyncio.Event, owner: Owner | None = None,
+                      device: torch.device = torch.device("cpu")) -> Joined | None:
     """A client's place: the plan's if a plan signed by `planner_key` is up, else the stage `stage_choice` picks
     among the stages being served. A client with a key and no stage served yet waits for the plan, as before
     probing existed (its servers are still waiting for the plan too); one without a key waits for every stage to
@@ -51,7 +53,7 @@ async def join_client(*, dht: hivemind.DHT, p2p: P2P, announcer: Announcer, peer
                 logger.info("no stage served yet: waiting for the planner's plan")
             return await join_by_plan(dht=dht, p2p=p2p, announcer=announcer, peer_id=peer_id, role="client",
                                       computes=True, config=config, settings=settings, planner_key=planner_key,
-                                      compute=compute, stop=stop)
+                                      compute=compute, stop=stop, device=device)
     started = time.monotonic()
     next_progress = started
     while served is None:
@@ -69,16 +71,17 @@ async def join_client(*, dht: hivemind.DHT, p2p: P2P, announcer: Announcer, peer
             served = await _served(dht, config, settings, owner)
     stages, computes = served
     return await join_by_probing(dht=dht, p2p=p2p, peer_id=peer_id, config=config, settings=settings,
-                                 stages=stages, computes=computes, compute=compute, stage_choice=stage_choice)
+                                 stages=stages, computes=computes, compute=compute, stage_choice=stage_choice,
+                                 device=device)
 
 
 async def join_by_probing(*, dht: hivemind.DHT, p2p: P2P, peer_id: str, config: RunConfig, settings: RuntimeConfig,
                           stages: list[StagePlan], computes: dict[str, float], compute: float | None,
-                          stage_choice: str) -> Joined:
+                          stage_choice: str, device: torch.device = torch.device("cpu")) -> Joined:
     """Probe the servers of `stages` and take the stage `stage_choice` picks; raises if no stage can take it.
     `computes`: the FLOP/s each member's stage record announces."""
-    compute = compute or await asyncio.to_thread(measure_block_compute, config)
-    memory = available_memory()
+    compute = compute or await asyncio.to_thread(measure_block_compute, config, device=device)
+    memory = available_memory(device)
     caller = Caller(p2p=p2p, peer_id=peer_id, codec="none", timeout=settings.probe_timeout_s)
     links: dict[str, Link] = {}
     for server in sorted({s for stage in stages for s in stage.fs + stage.bs}):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import hivemind
+import torch
 from hivemind.p2p import P2P
 
 from p2ptrain.config import RunConfig, RuntimeConfig
@@ -86,14 +87,16 @@ def place_client(stages: list[dict[str, Any]], peer_id: str, joined: dict[int, s
 
 async def join_by_plan(*, dht: hivemind.DHT, p2p: P2P, announcer: Announcer, peer_id: str, role: PeerRole,
                        computes: bool, config: RunConfig, settings: RuntimeConfig, planner_key: bytes,
-                       compute: float | None, stop: asyncio.Event) -> Joined | None:
+                       compute: float | None, stop: asyncio.Event,
+                       device: torch.device = torch.device("cpu")) -> Joined | None:
     """Measure, announce, and wait up to `settings.plan_timeout_s` for a plan signed by `planner_key` that places
-    this peer; None if stopped first. `compute`: this peer's FLOP/s if known, else it is measured on one block.
+    this peer; None if stopped first. `compute`: this peer's FLOP/s if known, else it is measured on one block on
+    `device` at the run's precision; the memory it announces is what is free there.
     `p2p` must already answer link probes (`LinkProbe`), so that whoever sees this peer's announcement can probe
     it."""
     caller = Caller(p2p=p2p, peer_id=peer_id, codec="none", timeout=settings.probe_timeout_s)
-    compute = compute or await asyncio.to_thread(measure_block_compute, config)
-    memory = available_memory()
+    compute = compute or await asyncio.to_thread(measure_block_compute, config, device=device)
+    memory = available_memory(device)
     logger.info(f"{role} {peer_id} joining without a stage: {compute:.3g} FLOP/s per block, "
                 f"{memory / 2**30:.1f} GiB free; waiting for the planner's plan")
     links: dict[str, Link] = {}

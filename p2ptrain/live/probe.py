@@ -14,7 +14,7 @@ import time
 import torch
 from hivemind.p2p import P2PContext
 
-from p2ptrain.client.device import autocast
+from p2ptrain.client.device import autocast, place
 from p2ptrain.config import RunConfig
 from p2ptrain.dht import Link
 from p2ptrain.models import build_stage
@@ -87,8 +87,11 @@ async def dial_failure(caller: Caller, peer: str, *, timeout: float) -> Exceptio
     return None
 
 
-def available_memory() -> int:
-    """Bytes of RAM free for layers now (the runtime trains on the CPU); POSIX sysconf, no extra dependency."""
+def available_memory(device: torch.device = torch.device("cpu")) -> int:
+    """Bytes free for layers now where this peer computes: a CUDA device's free memory (`mem_get_info`), else the
+    host's free RAM (POSIX sysconf, no extra dependency)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
@@ -108,12 +111,15 @@ def measure_compute(model: StageModel, config: RunConfig) -> float:
     return 6.0 * params * rows * config.seq_len / max(time.perf_counter() - started, 1e-6)
 
 
-def measure_block_compute(config: RunConfig, *, repeats: int = 3) -> float:
-    """FLOP/s on one block of the recipe's model, before the peer knows its stage (live planning).
+def measure_block_compute(config: RunConfig, *, device: torch.device = torch.device("cpu"),
+                          repeats: int = 3) -> float:
+    """FLOP/s on one block of the recipe's model, before the peer knows its stage (live planning): on the device
+    this peer computes on, at the run's precision.
 
     A middle block carries neither the embeddings nor the head, so the figure is per-layer throughput. The best of
     a few runs: the first pays one-time allocations.
     """
     start = min(1, config.model_config.num_layers - 1)
-    block = build_stage(config.model_config, start=start, end=start + 1, seed=config.seed)
+    block = place(build_stage(config.model_config, start=start, end=start + 1, seed=config.seed), device,
+                  config.precision)
     return max(measure_compute(block, config) for _ in range(repeats))

@@ -81,6 +81,7 @@ class Peer:
         self.dht: hivemind.DHT | None = None
         self.peer_id: str | None = None
         self.placement: Placement | None = options.placement
+        self.device = torch.device("cpu")  # where it computes: resolved from `options.device` as it starts
         self.server: StageServer | None = None
         self.worker: Worker | None = None
         self.feeder: DataFeeder | None = None
@@ -101,6 +102,7 @@ class Peer:
         """Join the swarm and bring up this peer's parts; without a placement, first find its place (the plan's, or
         a client's by probing). Returns once the peer runs (or once it was stopped while finding its place)."""
         options, settings = self.options, self.settings
+        self.device = resolve_device(options.device)  # a ConfigError here, before anything is announced
         signer = options.planner.signer if options.planner else None
         taking = options.recipe is not None and options.role != "bootstrap"
         deadline = time.monotonic() + (settings.recipe_timeout_s if options.waits_for_recipe else 0.0)
@@ -283,12 +285,12 @@ class Peer:
                 dht=self.dht, p2p=self._p2p, announcer=self._announcer, peer_id=self.peer_id, config=self.config,
                 settings=self.settings, planner_key=options.planning.planner_key if options.planning else None,
                 compute=options.compute_power, stage_choice=options.stage_choice, owner=options.owner,
-                stop=self._stopping)
+                device=self.device, stop=self._stopping)
         joining = asyncio.create_task(join_by_plan(
             dht=self.dht, p2p=self._p2p, announcer=self._announcer, peer_id=self.peer_id, role=options.role,
             computes=options.does_compute, config=self.config, settings=self.settings,
             planner_key=options.planning.planner_key,
-            compute=options.compute_power, stop=self._stopping))
+            compute=options.compute_power, device=self.device, stop=self._stopping))
         if self._planner is None:
             return await joining
         await asyncio.wait([joining, self._planner], return_when=asyncio.FIRST_COMPLETED)
@@ -404,7 +406,7 @@ class Peer:
                         model=model, averager=averager, caller=caller,
                         servers=lambda: membership.servers(placement.stage), norm_keeper=membership.data_source,
                         compute=1.0 if holds_only else self.options.compute_power or 0.0,
-                        device=resolve_device(self.options.device), recompute=self.options.recompute,
+                        device=self.device, recompute=self.options.recompute,
                         client_mode=self.options.network.client_mode, fault=self.options.fault,
                         dump_dir=self.options.dump_grads, download_state=self._download_state, holds_only=holds_only,
                         pretrained=config.init_from is not None, shared_averager=shared,
