@@ -203,6 +203,13 @@ def test_a_swarm_set_for_a_small_card_trains(tmp_path) -> None:
     assert all(stage["digests_agree"] for epoch in status["epochs"] for stage in epoch["stages"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says on a machine without CUDA")
+def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_0(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and "no CUDA device" in out.stdout and not list(tmp_path.iterdir())
+
+
 @pytest.mark.cuda
 def test_a_stage_on_cuda_steps_there_and_travels_from_the_host() -> None:
     """On a CUDA device: the stage, its master copy and optimizer state live there; inputs come from the host,
