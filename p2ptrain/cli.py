@@ -148,6 +148,23 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
                        help="the outer step's Nesterov momentum, in [0, 1) (with --average-every > 1)")
 
 
+def add_compute_flags(group: argparse._ActionsContainer, *, whose: str) -> None:
+    """Where `whose` compute and whether they recompute activations: each peer's own choices, not the recipe's."""
+    group.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
+                       help=f"the device of {whose}: where the stage computes and its parameters and optimizer "
+                            "state live (auto: the first CUDA device when there is one, else the CPU); tensors travel "
+                            "from the host")
+    group.add_argument("--recompute", action="store_true",
+                       help=f"activation checkpointing for {whose}: keep each block's input only while a microbatch "
+                            "is in flight and compute the block again in backward (less memory, a third more "
+                            "compute)")
+
+
+def compute_args(args: argparse.Namespace) -> list[str]:
+    """The flags of `add_compute_flags` as parsed, for the peers a launcher starts."""
+    return ["--device", args.device, *(["--recompute"] if args.recompute else [])]
+
+
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:
     """The RunConfig fields of `add_optimization_flags`."""
     return {name: SWITCH[getattr(args, name)] if name in ("dpu", "offload_optimizer") else getattr(args, name)

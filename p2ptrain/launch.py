@@ -26,11 +26,12 @@ from p2ptrain import links
 from p2ptrain.cli import (
     LOOPBACK,
     RECIPE_FLAGS,
+    add_compute_flags,
     add_deadline_flags,
     add_optimization_flags,
+    compute_args,
     count,
     deadline_args,
-    device_name,
     existing_file,
     model_name,
     optimization_from,
@@ -168,11 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--export-to", type=Path, metavar="PATH",
                         help="at the end, write the trained model into this folder as a Hugging Face checkpoint "
                              "(config.json, safetensors) that transformers loads")
-    parser.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
-                        help="where every peer computes (auto: the first CUDA device when there is one, else the CPU)")
-    parser.add_argument("--recompute", action="store_true",
-                        help="every peer checkpoints activations: keeps each block's input only and computes the "
-                             "block again in backward")
+    add_compute_flags(parser, whose="every peer")
     parser.add_argument("--report", type=Path, metavar="PATH",
                         help="write the swarm's last status report (JSON, as `python -m p2ptrain.status --json`) here")
     emulated = parser.add_argument_group("emulated links (python -m p2ptrain.links; root, ip and tc)")
@@ -224,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     # soon after the swarm is up finds this process watching it, not importing
     importlib.import_module("p2ptrain.dht")
     common = ["--run-id", config.run_id, *recipe_args(config), "--epochs", str(args.epochs), "--host-maddrs", LOOPBACK,
-              "--device", args.device, *(["--recompute"] if args.recompute else []),
+              *compute_args(args),
               *(["--eval-data", str(args.eval_data), "--eval-every", str(args.eval_every)] if args.eval_data else []),
               *deadline_args(args)]
     swarm = Swarm(workdir=workdir)

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 from p2ptrain.cli import (
     DEADLINE_FLAGS,
     RECIPE_FLAGS,
+    add_compute_flags,
     add_deadline_flags,
     add_recipe_flags,
     check_maddrs,
     count,
     deadlines_from,
-    device_name,
     existing_file,
     fail,
     given_recipe,
@@ -143,12 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=count, default=10, metavar="N", help="with --eval-data: every N epochs")
     run.add_argument("--eval-rows", type=count, default=64, help="with --eval-data: windows of --seq-len tokens")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
-    run.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
-                     help="where this peer's stage computes and keeps its parameters and optimizer state (auto: the "
-                          "first CUDA device when there is one, else the CPU); tensors travel from the host")
-    run.add_argument("--recompute", action="store_true",
-                     help="activation checkpointing: keep each block's input only while a microbatch is in flight "
-                          "and compute the block again in backward (less memory, a third more compute)")
+    add_compute_flags(run, whose="this peer")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
     run.add_argument("--fault", choices=FAULTS, default="none",

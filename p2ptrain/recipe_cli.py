@@ -19,10 +19,11 @@ from pathlib import Path
 
 from p2ptrain.cli import (
     RECIPE_FLAGS,
+    add_compute_flags,
     add_optimization_flags,
     check_maddrs,
+    compute_args,
     count,
-    device_name,
     existing_file,
     optimization_from,
     recipe_args,
@@ -89,10 +90,7 @@ def build_parser(family: Family) -> argparse.ArgumentParser:
     run.add_argument("--peers", type=existing_file, metavar="SWARMFILE",
                      help="the local swarm's devices (default: peers/local.toml)")
     run.add_argument("--workdir", type=Path, help="where the local swarm's logs go (default: a temporary folder)")
-    run.add_argument("--device", type=device_name, default="auto", metavar="auto|cpu|cuda|cuda:N",
-                     help="where the local swarm's peers compute (auto: the first CUDA device when there is one)")
-    run.add_argument("--recompute", action="store_true",
-                     help="the local swarm's peers checkpoint activations (less memory, a third more compute)")
+    add_compute_flags(run, whose="the local swarm's peers")
     run.add_argument("--initial-peers", nargs="+", metavar="ADDR",
                      help="with --print-commands: the bootstrap peer's multiaddr (default: a placeholder)")
     add_optimization_flags(parser, defaults=defaults)
@@ -144,8 +142,7 @@ def run_config(parser: argparse.ArgumentParser, args: argparse.Namespace, family
 def launch_args(args: argparse.Namespace, config: RunConfig) -> list[str]:
     """`python -m p2ptrain.launch`'s arguments for this recipe on this machine."""
     return [*([str(args.peers)] if args.peers else []), *recipe_args(config), "--stages", str(config.num_stages),
-            "--epochs", str(args.epochs), "--run-id", config.run_id, "--device", args.device,
-            *(["--recompute"] if args.recompute else []),
+            "--epochs", str(args.epochs), "--run-id", config.run_id, *compute_args(args),
             *(["--eval-data", str(args.eval_data)] if args.eval_data else []),
             *(["--export-to", str(args.export_to)] if args.export_to else []),
             *(["--workdir", str(args.workdir)] if args.workdir else [])]

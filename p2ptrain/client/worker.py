@@ -466,8 +466,7 @@ class Worker:
             weight, self._interval_rows = self._interval_rows, 0
             self._averaging_with = frozenset(member.peer_id for member in group)
             await self._average_and_step([to_host(g) for g in self.master.pseudo_gradient()], epoch=epoch, rows=rows,
-                                         group=group,
-                                         seconds=seconds, weight=weight)
+                                         group=group, seconds=seconds, weight=weight)
         else:
             self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=True,
                                             seconds=seconds, digest=self.master.digest(), lr=lr))
