@@ -215,6 +215,7 @@ def test_a_stage_on_cuda_steps_there_and_travels_from_the_host() -> None:
     """On a CUDA device: the stage, its master copy and optimizer state live there; inputs come from the host,
     results and snapshots go back to it, and a snapshot loads back into a fresh holder."""
     device = resolve_device("cuda")
+    assert device == torch.device("cuda", torch.cuda.current_device())  # indexed, as its tensors report it
     config = RunConfig(model="llama-tiny", precision="bf16")
     stage = build_stage(config.model_config, start=0, end=2, seed=0).to(device)
     master = StageParams(model=stage, config=config)

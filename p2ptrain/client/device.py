@@ -19,10 +19,10 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def resolve_device(name: str) -> torch.device:
     """`auto` (CUDA when there is one, else the CPU), `cpu`, `cuda` or `cuda:N`; a ConfigError names what is not
-    here."""
+    here. A CUDA device comes back with its index, as tensors report theirs (`cuda` is not equal to `cuda:0`)."""
     check_device(name)
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cpu":
         return device
@@ -31,7 +31,7 @@ def resolve_device(name: str) -> torch.device:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ConfigError("device", name, f"this machine has {torch.cuda.device_count()} CUDA device(s), "
                                           f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return device
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
 
 
 def place(model: torch.nn.Module, device: torch.device, precision: str) -> torch.nn.Module:
