@@ -8,7 +8,8 @@ On a machine where torch sees no CUDA device it says so and exits 0, writing not
 measurements on the host, for development).
 
 1. One stage, the whole model (`build_stage` of all its layers), as a worker holds it (`client.device.place`: its
-   weights in the precision, autocast, an fp32 master copy stepped by AdamW), at fp32 and bf16: the median time of a
+   weights in the precision, autocast, an fp32 master copy stepped by AdamW), at fp32, bf16 and fp16 (the loss
+   unscaled: speed only): the median time of a
    microbatch's forward and backward over `--reps`, its tokens/s, and the model FLOP utilization (MFU): the model's
    training FLOPs per token (`planner.presets.config_spec`: 3 x the forward's, every layer) times tokens/s, over the
    dense matmul peak measured here at that precision (a square matmul of 8192 on a GPU, 1024 on the host).
@@ -34,13 +35,13 @@ from typing import Any
 import torch
 from harness import ROOT, command_line, log, machine_info
 
-from p2ptrain.client.device import autocast, place, resolve_device
+from p2ptrain.client.device import DTYPES, autocast, place, resolve_device
 from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.models import build_stage
 from p2ptrain.planner.presets import config_spec
 from p2ptrain.state.params import StageParams
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def sync(device: torch.device) -> None:
@@ -50,7 +51,7 @@ def sync(device: torch.device) -> None:
 
 def matmul_peak(device: torch.device, precision: str, *, size: int, reps: int) -> float:
     """FLOP/s of a square matmul of `size` in the precision's dtype: the denominator of MFU."""
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    dtype = DTYPES[precision]
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b
     sync(device)

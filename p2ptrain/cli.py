@@ -88,6 +88,7 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
                 "clip_norm": "--clip-norm", "dpu": "--dpu", "precision": "--precision",
+                "loss_scale": "--loss-scale", "loss_scale_growth": "--loss-scale-growth",
                 "offload_optimizer": "--offload-optimizer",
                 "averaging_codec": "--averaging-codec",
                 "average_every": "--average-every", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
@@ -95,8 +96,8 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "tokenizer": "--tokenizer", "init_from": "--init-from",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
-                       "precision", "offload_optimizer", "averaging_codec", "average_every", "outer_lr",
-                       "outer_momentum")
+                       "precision", "loss_scale", "loss_scale_growth", "offload_optimizer", "averaging_codec",
+                       "average_every", "outer_lr", "outer_momentum")
 SWITCH = {"on": True, "off": False}
 
 
@@ -129,8 +130,13 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
                        help="delayed parameter updates: average and step in the background while the next epoch "
                             "computes on the previous parameters")
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
-                       help="what the stages compute in: fp32, or bf16 under autocast; master weights, optimizer "
-                            "state and the wire stay fp32 either way")
+                       help="what the stages compute in: fp32, or bf16 or fp16 under autocast (fp16 with a dynamic "
+                            "loss scale); master weights, optimizer state and the wire stay fp32 either way")
+    group.add_argument("--loss-scale", type=positive, default=defaults.loss_scale,
+                       help="fp16: the loss scale the run starts at; it halves after an epoch whose gradients "
+                            "overflowed, which every stage skips")
+    group.add_argument("--loss-scale-growth", type=count, default=defaults.loss_scale_growth, metavar="EPOCHS",
+                       help="fp16: the loss scale doubles after this many epochs in a row without overflow")
     group.add_argument("--offload-optimizer", choices=tuple(SWITCH), nargs="?", const="on",
                        default=flag_value(defaults.offload_optimizer),
                        help="keep the master weights, accumulated gradients and optimizer state in host memory "

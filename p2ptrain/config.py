@@ -30,9 +30,9 @@ AVERAGING_CODECS: dict[str, str] = {"fp32": "none", "fp16": "fp16", "int8": "int
 # microbatches again from stage 0 in a later epoch (what SWARM does), so the two compare on one runtime
 FAULT_POLICIES: tuple[str, ...] = ("taskpool", "swarm")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adamw8bit", "lamb")
-# what a stage computes in (`client.device`): fp32, or bf16 under autocast, with fp32 master weights and optimizer
-# state either way
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+# what a stage computes in (`client.device`): fp32, or bf16 or fp16 under autocast, with fp32 master weights and
+# optimizer state either way; fp16 with a dynamic loss scale (`protocol.optimization.LossScaleRule`)
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")  # what --device takes (`client.device.resolve_device`)
@@ -77,6 +77,8 @@ class RunConfig:
     clip_norm: float = 0.0  # clip the gradient by its global norm across all stages to this (0: no clipping)
     dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
     precision: str = "fp32"  # what the stages compute in: one of PRECISIONS
+    loss_scale: float = 2.0**16  # fp16: the loss scale the run starts at (torch's GradScaler's)
+    loss_scale_growth: int = 100  # fp16: the loss scale doubles after this many epochs in a row without overflow
     # the master copy, accumulated gradients and optimizer state in host memory (ZeRO-Offload), only the weights
     # computed with on the device
     offload_optimizer: bool = False
@@ -135,6 +137,19 @@ class RunConfig:
                               f"must be 0 (no decay) or past the warm-up's {self.warmup_epochs} epochs")
         if self.precision not in PRECISIONS:
             raise ConfigError("precision", self.precision, f"unknown precision; choose one of {', '.join(PRECISIONS)}")
+        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise ConfigError("loss_scale", self.loss_scale, "must be a positive number")
+        if self.loss_scale_growth < 1:
+            raise ConfigError("loss_scale_growth", self.loss_scale_growth, "must be at least 1")
+        if self.precision == "fp16" and self.dpu:
+            # the next epoch would compute at a loss scale the step in flight may still halve
+            raise ConfigError("dpu", self.dpu, "fp16's loss scale is decided by each step, before the next epoch "
+                                               "computes; turn delayed updates off, or use bf16")
+        if self.precision == "fp16" and self.average_every > 1:
+            # an overflow in a worker's own step between rounds would be its own decision, not the stage's
+            raise ConfigError("average_every", self.average_every, "fp16 skips overflowing steps alike on every "
+                                                                   "worker, which needs a round at every epoch; use 1, "
+                                                                   "or bf16")
         if self.compression not in CODECS:
             raise ConfigError("compression", self.compression, f"unknown codec; choose one of {', '.join(CODECS)}")
         if self.averaging_codec not in AVERAGING_CODECS:

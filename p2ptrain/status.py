@@ -7,7 +7,8 @@ JSON fields (stable; later tools and outside checks read them):
                            tokenizer: sha256 fingerprints or null), with publisher: its peer id; null while none
   peers                  [{peer_id, role, stage, server_role}] every peer with a live record
   stages                 [{stage, fs: [peer ids], bs: [peer ids], workers: [peer ids], client_mode_workers,
-                           state, rounds_failed, steps_unclipped, digests_agree, digests_disagreed, unauthorized}];
+                           state, rounds_failed, steps_unclipped, steps_skipped, digests_agree, digests_disagreed,
+                           unauthorized}];
                            client_mode_workers: how many
                            of its workers dial out only (`--client-mode`, behind NAT: they reduce nothing, the
                            stage's servers do); state is what the
@@ -16,7 +17,8 @@ JSON fields (stable; later tools and outside checks read them):
                            polled lately) or "workers banned" (every recent one is banned for refused results);
                            rounds_failed: all-reduce rounds of the epochs below that failed or averaged nothing
                            (one per worker that says so); steps_unclipped: steps of the epochs below that were not
-                           clipped (--clip-norm) because no global norm came in time; digests_agree: whether the workers' parameter digests
+                           clipped (--clip-norm) because no global norm came in time; steps_skipped: steps of the epochs
+                           below skipped for an fp16 overflow; digests_agree: whether the workers' parameter digests
                            of the newest epoch that two or more published agree (null: none such yet);
                            digests_disagreed: epochs below whose digests did not agree; unauthorized: with
                            --owner-key, the peers that announce themselves as its servers without the owner's
@@ -31,10 +33,12 @@ JSON fields (stable; later tools and outside checks read them):
                            forward only), of the parameters after the epoch it is listed with in `epochs`; null
                            if none yet
   epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained, lr, eval_loss,
+                           loss_scale,
                            stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
                                      rows_dropped, workers_lost, workers_joined, rounds_failed, steps_unclipped,
-                                     digests, digests_agree, averaging_bytes}]}] oldest first (lr: the learning
-                           rate of its step),
+                                     steps_skipped, digests, digests_agree, averaging_bytes}]}] oldest first (lr: the
+                           learning rate of its step; loss_scale: with --precision fp16, the loss scale its
+                           gradients were computed at, else null),
                            of the epochs the peers' records carry: each keeps its newest epochs that fit in a small
                            DHT value (20 or more; a reader that polls keeps the rest, `History`):
                            rows_in_batch: rows of the global batch that entered the stage;
@@ -57,6 +61,9 @@ JSON fields (stable; later tools and outside checks read them):
                            rounds_failed: workers whose all-reduce round of the epoch failed or averaged nothing;
                            steps_unclipped: workers (and server replicas) that stepped unclipped: with --clip-norm,
                              the global norm of the epoch did not come within the averaging timeout;
+                           steps_skipped: workers (and server replicas) that skipped the epoch's step because its
+                             fp16 gradients overflowed somewhere in the swarm (every holder of every stage skips
+                             alike, and the loss scale halves);
                            digests: workers that published a digest of the parameters they stepped to (with
                              --average-every H > 1: of the anchor, the parameters of the last round, which the
                              stage's holders share between rounds);
@@ -154,6 +161,7 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, o
         checked = [s for s in summaries if s["digests"] >= 2]
         entry["rounds_failed"] = sum(s["rounds_failed"] for s in summaries)
         entry["steps_unclipped"] = sum(s["steps_unclipped"] for s in summaries)
+        entry["steps_skipped"] = sum(s["steps_skipped"] for s in summaries)
         entry["digests_agree"] = checked[-1]["digests_agree"] if checked else None
         entry["digests_disagreed"] = sum(not s["digests_agree"] for s in checked)
     source = next((m for m in metrics if m.epochs_planned is not None), None)
@@ -194,6 +202,8 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
     recomputed, lost, joined, dropped = defaultdict(int), defaultdict(int), defaultdict(int), defaultdict(int)
     failed: dict[tuple[int, int], int] = defaultdict(int)
     unclipped: dict[tuple[int, int], int] = defaultdict(int)
+    skipped: dict[tuple[int, int], int] = defaultdict(int)
+    scales: dict[int, float] = {}
     died: dict[tuple[int, int], int] = defaultdict(int)
     averaging_bytes: dict[tuple[int, int], int] = defaultdict(int)
     digests: dict[tuple[int, int], list[Digest]] = defaultdict(list)
@@ -231,12 +241,15 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             averaged[key] -= entry.rows_in_batch - entry.rows_averaged
             failed[key] += entry.round_failed
             unclipped[key] += entry.unclipped
+            skipped[key] += entry.overflow
             died[key] = max(died[key], entry.rows_lost)  # every survivor of the round reports the same rows
             averaging_bytes[key] += entry.averaging_bytes
             if entry.digest is not None:
                 digests[key].append(tuple(entry.digest))
             if entry.lr is not None:
                 rates[entry.epoch] = entry.lr
+            if entry.loss_scale is not None:
+                scales[entry.epoch] = entry.loss_scale
         for entry in record.source_epochs:
             seconds[entry.epoch] = entry.seconds
             if entry.eval_loss is not None:
@@ -249,7 +262,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
         {
             "epoch": epoch, "loss": loss.get(epoch), "tokens_per_s": speed.get(epoch), "seconds": seconds.get(epoch),
             "abandoned": epoch in abandoned, "microbatches_retrained": retrained.get(epoch, 0), "lr": rates.get(epoch),
-            "eval_loss": evals.get(epoch),
+            "eval_loss": evals.get(epoch), "loss_scale": scales.get(epoch),
             "closed": len(closed_at[epoch]) == num_stages and epoch in loss and epoch not in abandoned,
             "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
                         # a round's rows lost are of its interval with --average-every: never below 0
@@ -258,7 +271,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
                         "rows_recomputed": recomputed[(epoch, stage)], "rows_dropped": dropped[(epoch, stage)],
                         "workers_lost": lost[(epoch, stage)],
                         "workers_joined": joined[(epoch, stage)], "rounds_failed": failed[(epoch, stage)],
-                        "steps_unclipped": unclipped[(epoch, stage)],
+                        "steps_unclipped": unclipped[(epoch, stage)], "steps_skipped": skipped[(epoch, stage)],
                         "digests": len(digests[(epoch, stage)]),
                         "digests_agree": digests_agree(digests[(epoch, stage)]) if digests[(epoch, stage)] else None,
                         "averaging_bytes": averaging_bytes[(epoch, stage)]}
@@ -287,6 +300,8 @@ def render(report: dict) -> str:
                      + {True: " | parameters agree", False: " | PARAMETERS DIFFER", None: ""}[stage["digests_agree"]]
                      + (f" | {stage['rounds_failed']} rounds failed" if stage["rounds_failed"] else "")
                      + (f" | {stage['steps_unclipped']} steps unclipped" if stage["steps_unclipped"] else "")
+                     + (f" | {stage['steps_skipped']} steps skipped (fp16 overflow)" if stage.get("steps_skipped")
+                        else "")
                      + (f" | unauthorized, ignored: {', '.join(p[-8:] for p in stage['unauthorized'])}"
                         if stage.get("unauthorized") else ""))
     lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))

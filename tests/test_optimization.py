@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2ptrain.config import ConfigError, RunConfig
-from p2ptrain.protocol.optimization import LRSchedule, NormBook, clip_coefficient
+from p2ptrain.protocol.optimization import GlobalStep, LossScaleRule, LRSchedule, NormBook, clip_coefficient
 
 
 def test_the_schedule_warms_up_then_decays_along_a_cosine_to_its_floor():
@@ -41,8 +41,8 @@ def test_the_norm_book_answers_once_every_stage_reported_and_the_first_report_co
     assert book.report(epoch=5, stage=2, squared_norm=9.0) is None
     assert book.report(epoch=5, stage=0, squared_norm=4.0) is None
     assert book.report(epoch=5, stage=2, squared_norm=100.0) is None  # a stage mate's rounding of the same norm
-    assert book.report(epoch=5, stage=1, squared_norm=12.0) == 5.0
-    assert book.report(epoch=5, stage=0, squared_norm=4.0) == 5.0  # every worker asks again and gets the same
+    assert book.report(epoch=5, stage=1, squared_norm=12.0) == GlobalStep(norm=5.0)
+    assert book.report(epoch=5, stage=0, squared_norm=4.0) == GlobalStep(norm=5.0)  # every worker asks again alike
     for epoch in (6, 7):
         book.report(epoch=epoch, stage=0, squared_norm=1.0)
     assert book.report(epoch=5, stage=1, squared_norm=1.0) is None  # forgotten: only the newest 2 epochs are kept
@@ -50,6 +50,23 @@ def test_the_norm_book_answers_once_every_stage_reported_and_the_first_report_co
         book.report(epoch=7, stage=3, squared_norm=1.0)
     with pytest.raises(ValueError, match="finite"):
         book.report(epoch=7, stage=1, squared_norm=float("nan"))
+
+
+def test_one_stage_that_overflowed_makes_every_stage_skip_the_epoch():
+    book = NormBook(num_stages=2, kept=4)
+    assert book.report(epoch=3, stage=1, squared_norm=1.0, overflow=True) is None
+    assert book.report(epoch=3, stage=0, squared_norm=4.0, overflow=False) == GlobalStep(norm=5 ** 0.5, overflow=True)
+    assert book.report(epoch=3, stage=1, squared_norm=1.0, overflow=False).overflow  # the first report counts
+    book.report(epoch=4, stage=0, squared_norm=1.0)
+    assert book.report(epoch=4, stage=1, squared_norm=0.0) == GlobalStep(norm=1.0, overflow=False)
+
+
+def test_the_loss_scale_halves_after_an_overflow_and_doubles_after_a_run_of_clean_epochs():
+    rule, scale, clean, seen = LossScaleRule(growth_epochs=3), 1024.0, 0, []
+    for overflow in (True, False, False, False, False, True, True, False):
+        scale, clean = rule.after(scale, clean, overflow=overflow)
+        seen.append(scale)
+    assert seen == [512.0, 512.0, 512.0, 1024.0, 1024.0, 512.0, 256.0, 256.0]
 
 
 @pytest.mark.parametrize(("fields", "field", "problem"), [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.client.device import autocast, place, resolve_device, to_device, to_host
+from p2ptrain.client.device import DTYPES, autocast, place, resolve_device, to_device, to_host
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
 from p2ptrain.live.probe import available_memory, measure_block_compute
@@ -134,7 +134,7 @@ def _allocated(worker: Worker) -> dict[str, int]:
 
 @pytest.mark.parametrize("offload", [False, True], ids=["on the device", "offloaded"])
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "lamb"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_planners_memory_per_layer_is_what_a_worker_allocates(precision: str, optimizer: str,
                                                                   offload: bool) -> None:
     """The planner's M for a run (`run_spec`: its precision, optimizer and offload) is the bytes a worker of one
@@ -148,7 +148,7 @@ def test_the_planners_memory_per_layer_is_what_a_worker_allocates(precision: str
     hidden, seq = config.model_config.hidden_size, config.model_config.max_seq_len
     layer = spec.memory_bytes_per_layer - hidden * seq * PRECISIONS[precision]
     assert layer == (allocated["weights"] if offload else sum(allocated.values())), allocated
-    assert all(p.dtype == (torch.bfloat16 if precision == "bf16" else torch.float32) for p in worker.params)
+    assert all(p.dtype == DTYPES[precision] for p in worker.params)
     assert all(p.dtype == torch.float32 for p in worker.master.trainable)
     if optimizer == "adamw8bit":  # the matrices' moments are 8-bit
         assert allocated["optimizer"] < 0.3 * 8 * sum(p.numel() for p in worker.master.trainable)

@@ -10,7 +10,9 @@ Every round proves it averaged: beside the gradients each member hands in a mark
 member that is 1 at its own place and 0 elsewhere. Averaged, entry j is member j's share of the weights, so a
 member whose marker comes back with another member's entry at 0 knows that member's part never reached the
 average; all at 0 is a round that averaged nothing (hivemind's 8-bit codecs fail that way on this stack,
-docs/design.md §7). Such a round counts as failed.
+docs/design.md §7). Such a round counts as failed. With fp16 the marker carries one entry more: 1 from a member whose
+gradients overflowed (it hands in zeros for them), 0 from the others; averaged, it is above 0 if any member's was, so
+every member reads the same decision to skip the step from the same average, never its own alone.
 
 A groupmate that dies in a round fails it for all (hivemind's runner loses the parts it reduced). The survivors
 find the dead by probing (a dead process's dial fails at once, alike for all) and average again among themselves.
@@ -71,6 +73,7 @@ class RoundResult:
     ok: bool
     rows_lost: int = 0  # rows of groupmates that died in the round, whose gradients are not in the average
     reason: str = ""  # why it failed
+    overflow: bool = False  # fp16: some member's (or a deposit's) gradients overflowed: the stage skips the step
 
 
 class RoundFailed(Exception):
@@ -79,15 +82,16 @@ class RoundFailed(Exception):
 
 class GradientDeposits(Service):
     """A server's store of the gradients its stage's workers bring to each epoch's all-reduce (module doc): per
-    epoch, per worker, its rows and its mean gradient as one flat float32 vector of `numel` entries. Only the newest
-    `kept` epochs are held; a deposit is keyed by its sender, so a peer can deposit only for itself."""
+    epoch, per worker, its deposit: its rows, its mean gradient as one flat float32 vector of `numel` entries, and
+    whether they overflowed. Only the newest `kept` epochs are held; a deposit is keyed by its sender, so a peer can
+    deposit only for itself."""
 
     service = GRADIENT_DEPOSITS
 
     def __init__(self, *, peer_id: str, stage: int, numel: int, kept: int, hearing: Hearing | None = None):
         super().__init__(peer_id=peer_id, name=f"stage {stage} gradient deposits", codec="none", hearing=hearing)
         self.numel, self.kept = numel, kept
-        self._held: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
+        self._held: dict[int, dict[str, DepositGrads]] = {}
 
     def rpc_deposit_grads(self, requests: Requests, context: P2PContext) -> Responses:
         return self.serve(requests, context, DepositGrads, self.deposit_grads)
@@ -105,13 +109,13 @@ class GradientDeposits(Service):
             raise Refused(f"epoch {request.epoch} closed long ago")
         held = self._held.setdefault(request.epoch, {})
         again = sender in held
-        held[sender] = (request.rows, request.grads)
+        held[sender] = request
         for old in [epoch for epoch in self._held if epoch <= max(self._held) - self.kept]:
             del self._held[old]
         return Ack(again=again)
 
-    def of(self, epoch: int, peers: set[str]) -> list[tuple[int, torch.Tensor]]:
-        """The (rows, flat gradients) that `peers` deposited for `epoch`, where they did."""
+    def of(self, epoch: int, peers: set[str]) -> list[DepositGrads]:
+        """What `peers` deposited for `epoch`, where they did."""
         held = self._held.get(epoch, {})
         return [held[peer] for peer in sorted(peers) if peer in held]
 
@@ -283,10 +287,11 @@ class StageAllReduce(ServicerBase):
         # sender closes the stream once it has read everything; until then this end stays open
         await asyncio.sleep(REDUCER_LINGER_S)
 
-    async def deposit(self, server: str, grads: list[torch.Tensor], *, epoch: int, rows: int) -> bool:
-        """Hand this worker's gradients of `epoch` to `server` before the stage counts it ready to average (module
-        doc); False if it failed (it asks again at its next poll)."""
-        request = DepositGrads(epoch=epoch, rows=rows, grads=flatten(grads, torch.float32))
+    async def deposit(self, server: str, grads: list[torch.Tensor], *, epoch: int, rows: int,
+                      overflow: bool = False) -> bool:
+        """Hand this worker's gradients of `epoch` (and whether they overflowed) to `server` before the stage counts it
+        ready to average (module doc); False if it failed (it asks again at its next poll)."""
+        request = DepositGrads(epoch=epoch, rows=rows, grads=flatten(grads, torch.float32), overflow=overflow)
         try:
             if server == self.caller.peer_id and self.deposits is not None:  # an FS that computes: no call to itself
                 self.deposits.hold(request, server)
@@ -298,18 +303,20 @@ class StageAllReduce(ServicerBase):
             return False
         return True
 
-    async def average(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...]
-                      ) -> tuple[list[torch.Tensor], RoundResult]:
+    async def average(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
+                      overflow: bool = False) -> tuple[list[torch.Tensor], RoundResult]:
         """Average `grads` with the group; on failure the local gradients come back, and the result says so.
 
         A groupmate that dies in the round fails it for all; the survivors average again among themselves under a
         group id of their ids, a server bringing the deposits of the dead (module doc). `rows_lost`: the rows of the
-        group that the average does not hold."""
-        members, mine, weight, dead = group, grads, rows, set()
+        group that the average does not hold; `overflow` (fp16): whether this member's gradients overflowed, and in
+        the result, whether any member's or deposit's in the average did."""
+        members, mine, weight, dead, flagged = group, grads, rows, set(), overflow
         expected = sum(member.rows for member in group)
         while len(members) > 1:
             try:
-                averaged, total = await self._round(mine, epoch=epoch, weight=weight, group=members)
+                averaged, total, any_overflow = await self._round(mine, epoch=epoch, weight=weight, group=members,
+                                                                  overflow=flagged)
             except RoundFailed as e:
                 failure = str(e)
             else:
@@ -317,7 +324,7 @@ class StageAllReduce(ServicerBase):
                 if lost:
                     logger.warning(f"stage {self.stage} all-reduce of epoch {epoch}: {lost} rows of groupmates that "
                                    "died are not in the average (no deposit of theirs reached a server)")
-                return averaged, RoundResult(group_size=len(members), ok=True, rows_lost=lost)
+                return averaged, RoundResult(group_size=len(members), ok=True, rows_lost=lost, overflow=any_overflow)
             me = self.caller.peer_id
             others = [m for m in members if m.peer_id != me]
             failures = await asyncio.gather(*(dial_failure(self.caller, m.peer_id, timeout=self.probe_timeout_s)
@@ -327,39 +334,40 @@ class StageAllReduce(ServicerBase):
                 return grads, RoundResult(group_size=0, ok=False, reason=failure)
             dead |= died
             members = tuple(m for m in members if m.peer_id not in died)
-            mine, weight = self._with_deposits(grads, rows=rows, epoch=epoch, dead=dead)
+            mine, weight, flagged = self._with_deposits(grads, rows=rows, epoch=epoch, dead=dead, overflow=overflow)
             logger.warning(f"stage {self.stage} all-reduce of epoch {epoch}: {len(died)} groupmate(s) died "
                            f"({', '.join(sorted(died))}); averaging again among the {len(members)} alive"
                            + (f", bringing {weight - rows} of their rows from their deposits" if weight > rows else ""))
         lost = max(0, expected - weight)
-        return mine, RoundResult(group_size=1, ok=True, rows_lost=lost)
+        return mine, RoundResult(group_size=1, ok=True, rows_lost=lost, overflow=flagged)
 
-    def _with_deposits(self, grads: list[torch.Tensor], *, rows: int, epoch: int, dead: set[str]
-                       ) -> tuple[list[torch.Tensor], int]:
-        """This member's part and rows once it brings the deposits of `dead` (none unless it holds some): the
-        row-weighted mean of its own gradients and theirs."""
+    def _with_deposits(self, grads: list[torch.Tensor], *, rows: int, epoch: int, dead: set[str], overflow: bool
+                       ) -> tuple[list[torch.Tensor], int, bool]:
+        """This member's part, rows and overflow once it brings the deposits of `dead` (none unless it holds some):
+        the row-weighted mean of its own gradients and theirs, flagged if any of them overflowed."""
         deposited = self.deposits.of(epoch, dead) if self.deposits is not None else []
         if not deposited:
-            return grads, rows
-        total = rows + sum(count for count, _ in deposited)
-        flat = sum((count * flat.double() for count, flat in deposited),
-                   start=rows * flatten(grads, torch.float64)) / total
+            return grads, rows, overflow
+        total = rows + sum(d.rows for d in deposited)
+        flat = sum((d.rows * d.grads.double() for d in deposited), start=rows * flatten(grads, torch.float64)) / total
         parts = flat.split([grad.numel() for grad in grads])
-        return [part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total
+        return ([part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total,
+                overflow or any(d.overflow for d in deposited))
 
     def deadline_s(self, numel: int, *, members: int) -> float:
         """How long a round over `numel` values among `members` may take (class doc)."""
         sent = all_reduce_bytes(numel, members=members, itemsize=self.itemsize)
         return self.throughput.deadline_s(sent, floor_s=self.timeout, slack=self.slack)
 
-    async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...]
-                     ) -> tuple[list[torch.Tensor], float]:
-        """One all-reduce among `group`, this member's part weighing `weight` rows: the averaged gradients and the
-        round's total weight (in rows); RoundFailed if it did not average."""
+    async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...],
+                     overflow: bool) -> tuple[list[torch.Tensor], float, bool]:
+        """One all-reduce among `group`, this member's part weighing `weight` rows and flagged by `overflow`: the
+        averaged gradients, the round's total weight (in rows) and whether any member flagged its part; RoundFailed
+        if it did not average."""
         members = ",".join(m.peer_id for m in group)
         group_id = hashlib.sha256(f"{self.prefix}:{epoch}:{members}".encode()).digest()
         me = self.caller.peer_id
-        marker = torch.tensor([1.0 if member.peer_id == me else 0.0 for member in group])
+        marker = torch.tensor([1.0 if member.peer_id == me else 0.0 for member in group] + [float(overflow)])
         tensors = [grad.detach().to(torch.float32, copy=True) for grad in grads] + [marker]
         own = float(weight) if weight else NO_ROWS_WEIGHT
         modes = [AveragingMode.CLIENT if m.client_mode else AveragingMode.NODE for m in group]
@@ -425,7 +433,7 @@ class StageAllReduce(ServicerBase):
                                 time.monotonic() - started)
         # entry `me` of the averaged marker is this member's weight over the round's total
         total = own / tensors[-1][[member.peer_id for member in group].index(me)].item()
-        return tensors[:-1], total
+        return tensors[:-1], total, tensors[-1][-1].item() > 0
 
     async def _finish(self, runner: AllReduceRunner, updates: AsyncIterator[torch.Tensor], deadline: float) -> None:
         """Let a round's runner end as hivemind ends it (after its last update it finalizes and awaits its tasks),

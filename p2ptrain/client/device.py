@@ -3,8 +3,8 @@ place tensors cross between the device and the host.
 
 A stage's weights live on the device in the run's precision, its fp32 master copy, accumulated gradients and optimizer
 state there too or, offloaded (`--offload-optimizer`), in host memory; what travels (activations, gradients, averaging
-rounds, states) is fp32 on the host. bf16 runs compute under autocast with bf16 weights, so the master weights and
-the optimizer step stay fp32.
+rounds, states) is fp32 on the host. bf16 and fp16 runs compute under autocast with weights of that type, so the master
+weights and the optimizer step stay fp32; fp16's narrow range needs a loss scale besides (`state.params.LossScale`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from p2ptrain.config import ConfigError, check_device
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:

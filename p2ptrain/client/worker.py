@@ -13,6 +13,16 @@ epoch: one epoch of staleness, and no stall at the boundary. Without, the worker
 With `RunConfig.average_every` H > 1 (DiLoCo) a worker steps the master copy on its own gradients at every epoch, and
 the stage averages only at the last epoch of every H: how far each holder moved since the last round, weighted by
 the rows it computed meanwhile, on which the outer optimizer steps (`StageParams.outer_step`).
+
+With fp16 the last stage multiplies the loss by the run's loss scale before backward (`StageParams.loss_scale`, a
+scale of the mean token loss, as torch's GradScaler's: the stage's loss is summed over the task's tokens, so it is
+multiplied by the scale over their count), so that small gradients survive fp16's range; every stage divides a task's
+parameter gradients by the same factor as it counts them. A task whose gradients overflow (inf or nan) hands in zeros
+instead, the input gradients it sends upstream too (servers refuse non-finite tensors), and marks the worker's epoch;
+the mark
+travels in the stage's all-reduce, so every member reads from the same average whether any overflowed, and the stage's
+report of its gradient norm carries it to the data source, whose answer tells every stage alike: on an overflow every
+worker and replica of every stage skips the epoch's step and halves the scale.
 """
 from __future__ import annotations
 
@@ -61,6 +71,7 @@ T = TypeVar("T")
 
 SLOW_AVERAGING_S = 1.0  # how much longer each round takes with the fault "slow-averaging" (`NodeOptions.fault`)
 FAILED_AVERAGING_EPOCH = 3  # the epoch whose round fails with the fault "failed-averaging"
+OVERFLOW_EPOCH = 4  # the epoch whose gradients are made infinite in one task with the fault "overflow" (fp16)
 
 
 @dataclass
@@ -76,6 +87,8 @@ class EpochRecord:
     grad_norm: float | None = None  # the global norm the step clipped by (with clip_norm set)
     unclipped: bool = False  # with clip_norm set: no global norm came in time, the step was not clipped
     rows_lost: int = 0  # rows of groupmates that died in the round: not in the average
+    overflow: bool = False  # fp16: the swarm's gradients of the epoch overflowed, and the step was skipped
+    loss_scale: float | None = None  # fp16: the loss scale the epoch's gradients were computed at
 
 
 @dataclass
@@ -138,6 +151,7 @@ class Worker:
                             if name in shared}
         self.accumulated = [torch.zeros_like(p) for p in self.master.trainable]
         self.rows_accumulated = 0
+        self.overflowed = False  # fp16: gradients of some rows it counted this epoch overflowed (module doc)
         self.epoch = 0
         self.cache: dict[str, ForwardState] = {}
         self.epoch_fs: tuple[str, ...] = ()  # the FS of this stage in the current epoch's layout, once known
@@ -282,7 +296,8 @@ class Worker:
         rows, epoch = self.rows_accumulated, self.epoch
         if server is None or not rows or self._deposited == (epoch, rows):
             return
-        if await self.averager.deposit(server, self._mean_gradients(), epoch=epoch, rows=rows):
+        if await self.averager.deposit(server, self._mean_gradients(), epoch=epoch, rows=rows,
+                                       overflow=self.overflowed):
             self._deposited = (epoch, rows)
             logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} ({rows} rows) with {server}")
 
@@ -313,6 +328,12 @@ class Worker:
         grads = await asyncio.to_thread(self._backward_compute, state, grad)
         await self._push_input_grads(offer, grads, issuer=offer.fs)
 
+    def _loss_factor(self, offer: TaskOffer) -> float:
+        """What the last stage multiplies a task's summed loss by, and every stage divides the task's parameter
+        gradients by: the loss scale over the task's tokens with fp16 (module doc), else 1."""
+        scale = self.master.loss_scale
+        return 1.0 if scale is None else scale.value / (len(offer.rows) * self.config.seq_len)
+
     async def _forward(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         self.epoch_fs = offer.layout.stages[self.stage].fs
         if self.is_last:
@@ -329,7 +350,7 @@ class Worker:
         accepted them, the loss to the BS."""
         if not self.is_first:
             inputs.requires_grad_(True)
-        loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels)
+        loss, grads = await asyncio.to_thread(self._loss_and_grads, inputs, labels, self._loss_factor(offer))
         if await self._push_input_grads(offer, grads, issuer=offer.fs):
             # the BS counts each row's loss once, so a retry after a lost reply is harmless
             await self._call(offer.bs, BACKWARD_SERVER, self._outputs(offer, loss=self._corrupt(to_host(loss))),
@@ -351,12 +372,14 @@ class Worker:
         with torch.enable_grad(), autocast(self.device, self.config.precision):
             return self.model(inputs)
 
-    def _loss_and_grads(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _loss_and_grads(self, inputs: torch.Tensor, labels: torch.Tensor, factor: float
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The loss, and the gradients of the loss times `factor` (`_loss_factor`)."""
         with torch.enable_grad():
             with autocast(self.device, self.config.precision):
                 loss = self.model(inputs, labels)
             targets = self.params + ([] if self.is_first else [inputs])
-            return loss, list(torch.autograd.grad(loss, targets))
+            return loss, list(torch.autograd.grad(loss if factor == 1.0 else loss * factor, targets))
 
     async def _backward(self, offer: TaskOffer, grad: torch.Tensor) -> None:
         state = self.cache.pop(offer.forward_task, None)
@@ -381,7 +404,11 @@ class Worker:
         return list(torch.autograd.grad(state.outputs, targets, grad_outputs=grad))
 
     async def _push_input_grads(self, offer: TaskOffer, grads: list[torch.Tensor], *, issuer: str) -> bool:
-        """Send the input gradients to the FS; only once it accepts them do the parameter gradients count."""
+        """Send the input gradients to the FS; only once it accepts them do the parameter gradients count. With fp16,
+        gradients that overflowed go as zeros, and mark the epoch once accepted (module doc)."""
+        overflow = self.master.loss_scale is not None and self._overflows(grads, epoch=offer.epoch)
+        if overflow:
+            grads = [torch.zeros_like(grad) for grad in grads]
         param_grads = grads[: len(self.params)]
         # the FS answers a repeated push of a result it accepted with "accepted" again: if the first reply was lost,
         # the retry tells this worker to count the gradients the FS already counted
@@ -393,10 +420,21 @@ class Worker:
             return False
         if offer.epoch != self.epoch:
             raise RuntimeError(f"task of epoch {offer.epoch} computed at epoch {self.epoch}")
+        factor = self._loss_factor(offer)
         for accumulated, param_grad in zip(self.accumulated, param_grads):
-            accumulated.add_(param_grad.to(accumulated.device))
+            accumulated.add_(param_grad.to(accumulated.device, torch.float32), alpha=1.0 / factor)
         self.rows_accumulated += len(offer.rows)
+        if overflow and not self.overflowed:
+            logger.warning(f"worker {self.worker_id}: fp16 gradients of epoch {offer.epoch} overflowed at loss scale "
+                           f"{self.master.loss_scale.value:g}; its stage will skip the step")
+        self.overflowed |= overflow
         return True
+
+    def _overflows(self, grads: list[torch.Tensor], *, epoch: int) -> bool:
+        """Whether any of a task's gradients is inf or nan (fp16); the fault "overflow" makes one task's so."""
+        if self.fault == "overflow" and epoch == OVERFLOW_EPOCH and not self.overflowed:
+            grads[0].fill_(float("inf"))
+        return not all(bool(torch.isfinite(grad).all()) for grad in grads)
 
     def _corrupt(self, tensor: torch.Tensor) -> torch.Tensor:
         """Fault injection for tests of the servers' input checks (`NodeOptions.fault`)."""
@@ -436,7 +474,7 @@ class Worker:
             if self.download_state is not None:  # the stage stepped without this worker: take its parameters
                 await self.download_state(self)
             return
-        grads = self._mean_gradients()
+        grads, overflow = self._mean_gradients(), self.overflowed
         seconds = time.monotonic() - self._epoch_started
         self._epoch_started = time.monotonic()
         self._advance(epoch + 1)
@@ -444,7 +482,8 @@ class Worker:
             await self._local_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
             return
         self._averaging_with = frozenset(member.peer_id for member in group)
-        update = self._average_and_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
+        update = self._average_and_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
+                                        overflow=overflow)
         if self.config.dpu:
             self._update = asyncio.create_task(update)
         else:
@@ -482,20 +521,22 @@ class Worker:
                 for accumulated in self.accumulated]
 
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
-                                group: tuple[GroupMember, ...], seconds: float, weight: int | None = None) -> None:
+                                group: tuple[GroupMember, ...], seconds: float, weight: int | None = None,
+                                overflow: bool = False) -> None:
         """Average `grads` (weighing `weight` rows: by default the epoch's `rows`; the interval's with an outer
-        optimizer, whose step then follows) and step."""
+        optimizer, whose step then follows; `overflow`: fp16 gradients of some of them overflowed) and step."""
         weight = rows if weight is None else weight
         logger.info(f"worker {self.worker_id}: averaging epoch {epoch} ({weight} rows) in a group of {len(group)}")
         self._stepping = epoch
         try:
             await self._average_and_step_now(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
-                                             weight=weight)
+                                             weight=weight, overflow=overflow)
         finally:
             self._stepping = None
 
     async def _average_and_step_now(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
-                                    group: tuple[GroupMember, ...], seconds: float, weight: int) -> None:
+                                    group: tuple[GroupMember, ...], seconds: float, weight: int,
+                                    overflow: bool) -> None:
         skipped: set[int] = set()  # shared tensors whose norm another stage counts
         shared_failed = False
         try:
@@ -503,7 +544,8 @@ class Worker:
                 await asyncio.sleep(SLOW_AVERAGING_S)
             if self.fault == "failed-averaging" and epoch == FAILED_AVERAGING_EPOCH:
                 raise RuntimeError(f"fault failed-averaging: the round of epoch {epoch} fails here on purpose")
-            averaged, result = await self.averager.average(grads, epoch=epoch, rows=weight, group=group)
+            averaged, result = await self.averager.average(grads, epoch=epoch, rows=weight, group=group,
+                                                           overflow=overflow)
             if self.shared_averager is not None and result.ok:
                 averaged, skipped = await self._combine_shared(averaged, epoch=epoch, rows=weight, group=group)
         except SharedRoundFailed as e:  # even a lone worker of its stage must not step its shared copies alone
@@ -523,22 +565,33 @@ class Worker:
                                             averaged=False, seconds=seconds, digest=self.master.digest(),
                                             round_failed=True, lr=self.master.schedule.at(epoch)))
             return
-        lr, norm = self.master.schedule.at(epoch), None
+        lr, norm, overflow = self.master.schedule.at(epoch), None, False  # now: the swarm's decision
+        scale = self.master.loss_scale
+        scaled_by = scale.value if scale is not None else None
         if self._stale and await self._reload():
             logger.info(f"worker {self.worker_id}: stage {self.stage} took a mate's state after epoch {epoch} in "
                         "place of its own step (its previous round failed)")
         else:
             self._stale = False
-            norm = await self._global_norm([g for i, g in enumerate(averaged) if i not in skipped], epoch,
-                                           members=len(group)) if self.config.clip_norm else None
-            self._apply(averaged, epoch=epoch, norm=norm)
-            logger.info(f"worker {self.worker_id}: stage {self.stage} stepped epoch {epoch} ({rows} rows, averaged in "
-                        f"a group of {result.group_size}, lr {lr:.3g}"
-                        + (f", global gradient norm {norm:.4g}" if norm is not None else "") + ")")
+            if self.config.clip_norm or scale is not None:
+                norm, overflow = await self._global_step([g for i, g in enumerate(averaged) if i not in skipped],
+                                                         epoch, members=len(group), overflow=result.overflow)
+            if overflow:
+                self.master.skip(epoch)
+                logger.warning(f"worker {self.worker_id}: stage {self.stage} skipped the step of epoch {epoch}: the "
+                               f"swarm's fp16 gradients overflowed at loss scale {scaled_by:g}")
+            else:
+                self._apply(averaged, epoch=epoch, norm=norm if self.config.clip_norm else None)
+                logger.info(f"worker {self.worker_id}: stage {self.stage} stepped epoch {epoch} ({rows} rows, averaged "
+                            f"in a group of {result.group_size}, lr {lr:.3g}"
+                            + (f", global gradient norm {norm:.4g}" if norm is not None else "") + ")")
+            if scale is not None:
+                scale.update(overflow=overflow)
         self.history.append(EpochRecord(
             epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=result.ok, seconds=seconds,
             digest=self.master.digest(), lr=lr, grad_norm=norm, rows_lost=result.rows_lost,
-            unclipped=bool(self.config.clip_norm) and norm is None))
+            unclipped=bool(self.config.clip_norm) and norm is None and not overflow, overflow=overflow,
+            loss_scale=scaled_by))
         if self.after_step is not None:
             await self.after_step(self)
 
@@ -608,29 +661,34 @@ class Worker:
             await asyncio.sleep(self.settings.norm_poll_s)
         return None
 
-    async def _global_norm(self, averaged: list[torch.Tensor], epoch: int, *, members: int) -> float | None:
-        """The norm of the whole model's averaged gradient: this stage's part goes to the data source, which
-        answers once every stage's has. None if none comes within the deadline of as many rounds as there are
-        stages, one after another on this member's link (the slowest stage's round ends last; the data source may be
-        gone, or a stage never reported): the step is then not clipped, which a warning and the status say
-        (`unclipped`), rather than clipped by a norm the other stages do not share."""
+    async def _global_step(self, averaged: list[torch.Tensor], epoch: int, *, members: int, overflow: bool
+                           ) -> tuple[float | None, bool]:
+        """The norm of the whole model's averaged gradient, and whether any stage's overflowed (fp16): this stage's
+        part goes to the data source, which answers once every stage's has. No norm if none comes within the
+        deadline of as many rounds as there are stages, one after another on this member's link (the slowest stage's
+        round ends last; the data source may be gone, or a stage never reported): the step is then not clipped, which
+        a warning and the status say (`unclipped`), rather than clipped by a norm the other stages do not share; and
+        the stage's own `overflow`, which its mates read alike, decides the skip."""
         squared = math.fsum(grad.double().square().sum().item() for grad in averaged)
-        request = ReportNorm(epoch=epoch, stage=self.stage, squared_norm=squared)
+        if not math.isfinite(squared):  # an overflow the skip throws away: the data source takes finite norms only
+            squared = 0.0
+        request = ReportNorm(epoch=epoch, stage=self.stage, squared_norm=squared, overflow=overflow)
         wait_s = self.averager.deadline_s(self.config.num_stages * sum(grad.numel() for grad in averaged),
                                           members=members)
-        norm = await self._ask_data_source(request, lambda reply: reply.norm, wait_s=wait_s)
-        if norm is not None:
-            return norm
+        reply = await self._ask_data_source(request, lambda reply: reply if reply.norm is not None else None,
+                                            wait_s=wait_s)
+        if reply is not None:
+            return reply.norm, reply.overflow
         logger.warning(f"worker {self.worker_id}: no global gradient norm of epoch {epoch} within "
-                       f"{wait_s:.0f} s; stepping unclipped")
-        return None
+                       f"{wait_s:.0f} s; stepping unclipped" + (", skipping by its stage's overflow" if overflow else ""))
+        return None, overflow
 
     def _advance(self, epoch: int) -> None:
         """Move to `epoch`, dropping what this worker holds of the current one: averaged by a step just taken, or
         never to be averaged (a worker that catches up or was left out)."""
         for accumulated in self.accumulated:
             accumulated.zero_()
-        self.rows_accumulated = 0
+        self.rows_accumulated, self.overflowed = 0, False
         self.epoch, self.epoch_fs = epoch, ()
         self.cache.clear()
 

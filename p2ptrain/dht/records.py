@@ -83,6 +83,8 @@ class EpochMetricsModel(_Strict):
     rows_lost: _NonNegInt = 0
     unclipped: pydantic.StrictBool = False
     averaging_bytes: _NonNegInt = 0
+    overflow: pydantic.StrictBool = False
+    loss_scale: Optional[_NonNegFloat] = None
 
 
 class MetricsModel(_Strict):
@@ -233,11 +235,14 @@ class EpochMetrics:
     unclipped: bool = False  # with clip_norm: no global norm came in time, the worker stepped unclipped (a worker)
     averaging_bytes: int = 0  # what the worker's process sent for the epoch's averaging: its deposit, its parts and
     # the averages it reduced (`p2ptrain.traffic`), so far (a worker)
+    overflow: bool = False  # fp16: the epoch's gradients overflowed somewhere and the worker skipped its step
+    loss_scale: float | None = None  # fp16: the loss scale the worker computed the epoch's gradients at
 
     def __post_init__(self) -> None:
         self.loss, self.seconds = _opt_float(self.loss), float(self.seconds)
         self.lr, self.grad_norm, self.eval_loss = _opt_float(self.lr), _opt_float(self.grad_norm), _opt_float(
             self.eval_loss)
+        self.loss_scale = _opt_float(self.loss_scale)
         self.digest = None if self.digest is None else [float(x) for x in self.digest]
 
 

@@ -55,7 +55,8 @@ def worker_epochs(worker: Worker) -> list[EpochMetrics]:
         EpochMetrics(epoch=r.epoch, rows_in_batch=r.rows, rows_averaged=r.rows if r.averaged else 0, tasks_redone=0,
                      tokens=r.tokens, seconds=r.seconds, digest=list(r.digest) or None, round_failed=r.round_failed,
                      lr=r.lr, grad_norm=r.grad_norm, rows_lost=r.rows_lost, unclipped=r.unclipped,
-                     averaging_bytes=METER.of_epoch("averaging", r.epoch))
+                     averaging_bytes=METER.of_epoch("averaging", r.epoch), overflow=r.overflow,
+                     loss_scale=r.loss_scale)
         for r in worker.history[-HISTORY:]
     ]
 

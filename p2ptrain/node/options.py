@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # how a worker misbehaves on purpose, for tests: corrupts its results, averages slowly ("slow-averaging": each
 # round takes SLOW_AVERAGING_S longer, as over a slow link), or fails one round ("failed-averaging": its round of
 # epoch FAILED_AVERAGING_EPOCH raises before it starts)
-FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan", "slow-averaging", "failed-averaging")
+FAULTS = ("none", "wrong-shape", "wrong-dtype", "nan", "slow-averaging", "failed-averaging", "overflow")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -508,16 +508,18 @@ class EndEpoch(Request):
 
 @dataclass(frozen=True, kw_only=True)
 class GlobalNorm(Message):
-    """The norm of the whole model's averaged gradient of an epoch, over all stages; None until every stage
-    reported its part."""
+    """The norm of the whole model's averaged gradient of an epoch, over all stages, and whether any stage's
+    gradients overflowed (fp16: every stage then skips the step); None until every stage reported its part."""
 
     norm: Norm | None = None
+    overflow: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReportNorm(Request):
     """A worker hands the data source the squared norm of its stage's averaged gradient of `epoch`, and asks for
-    the global norm to clip by (`protocol.optimization.NormBook`); it asks again until every stage reported."""
+    the global norm to clip by (`protocol.optimization.NormBook`); it asks again until every stage reported. With fp16,
+    also whether the stage's averaged gradients overflowed, and every stage skips the epoch if one did."""
 
     method: ClassVar[str] = "rpc_report_norm"
     reply: ClassVar[type[Message]] = GlobalNorm
@@ -525,6 +527,7 @@ class ReportNorm(Request):
     epoch: Epoch
     stage: Stage
     squared_norm: Norm
+    overflow: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -578,6 +581,7 @@ class DepositGrads(Request):
     epoch: Epoch
     rows: RowCount
     grads: Tensor
+    overflow: bool = False  # fp16: some of its rows' gradients overflowed (they hand in zeros), so the stage skips
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,7 @@
 """The rules of a step that every worker of every stage must apply alike, so that the swarm steps as one process:
-the learning rate of a global epoch, the coefficient of clipping by the global gradient norm, the data source's
-book of each stage's gradient norm, and the parameter digest that shows a stage's workers hold the same weights.
+the learning rate of a global epoch, the coefficient of clipping by the global gradient norm, fp16's dynamic loss
+scale, the data source's book of each stage's gradient norm and overflow, and the parameter digest that shows a
+stage's workers hold the same weights.
 """
 from __future__ import annotations
 
@@ -44,35 +45,67 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + CLIP_EPS))
 
 
+@dataclass(frozen=True, kw_only=True)
+class LossScaleRule:
+    """fp16's dynamic loss scale, as torch's GradScaler moves it: after an epoch whose gradients overflowed (inf or
+    nan somewhere in the swarm) the scale is multiplied by `backoff`, and after `growth_epochs` epochs in a row
+    without, by `growth`. Every holder of every stage applies it to the same decisions (the data source's,
+    `NormBook`), so that the last stage scales the loss by the scale every stage divides by."""
+
+    growth_epochs: int
+    growth: float = 2.0
+    backoff: float = 0.5
+
+    def after(self, scale: float, clean: int, *, overflow: bool) -> tuple[float, int]:
+        """The scale and the count of clean epochs in a row after an epoch, from those before it."""
+        if overflow:
+            return scale * self.backoff, 0
+        if clean + 1 >= self.growth_epochs:
+            return scale * self.growth, 0
+        return scale, clean + 1
+
+
+@dataclass(frozen=True)
+class GlobalStep:
+    """What every stage steps by for an epoch: the global gradient norm, and whether any stage overflowed (fp16:
+    then every stage skips the step)."""
+
+    norm: float
+    overflow: bool = False
+
+
 class NormBook:
-    """The data source's record of each stage's squared gradient norm per epoch: once every stage reported an
-    epoch, its global norm is known. The first report of a (epoch, stage) counts: all workers of a stage hand in
-    the norm of the same averaged gradient, up to rounding, and all must clip by one global norm. Only the newest
-    `kept` epochs are held; a stage reports an epoch once it averaged it, never long after the others."""
+    """The data source's record of each stage's squared gradient norm, and whether its gradients overflowed, per
+    epoch: once every stage reported an epoch, its global norm and overflow are known. The first report of a (epoch,
+    stage) counts: all workers of a stage hand in the norm of the same averaged gradient, up to rounding, and the same
+    overflow, read from the same average (`client.averaging`), and all must clip by one global norm and skip alike.
+    Only the newest `kept` epochs are held; a stage reports an epoch once it averaged it, never long after the
+    others."""
 
     def __init__(self, *, num_stages: int, kept: int):
         self.num_stages, self.kept = num_stages, kept
-        self._squares: dict[int, dict[int, float]] = {}
+        self._reports: dict[int, dict[int, tuple[float, bool]]] = {}
 
-    def report(self, *, epoch: int, stage: int, squared_norm: float) -> float | None:
-        """Record a stage's squared norm of an epoch; the epoch's global norm once every stage reported, else
-        None."""
+    def report(self, *, epoch: int, stage: int, squared_norm: float, overflow: bool = False) -> GlobalStep | None:
+        """Record a stage's squared norm and overflow of an epoch; the epoch's global step once every stage
+        reported, else None."""
         if not 0 <= stage < self.num_stages:
             raise ValueError(f"stage {stage} is not in 0..{self.num_stages - 1}")
         if not (math.isfinite(squared_norm) and squared_norm >= 0):
             raise ValueError(f"squared norm {squared_norm} is not a finite number of 0 or more")
-        squares = self._squares.setdefault(epoch, {})
-        squares.setdefault(stage, squared_norm)
-        for old in [e for e in self._squares if e <= max(self._squares) - self.kept]:
-            del self._squares[old]
-        return self.global_norm(epoch)
+        reports = self._reports.setdefault(epoch, {})
+        reports.setdefault(stage, (squared_norm, overflow))
+        for old in [e for e in self._reports if e <= max(self._reports) - self.kept]:
+            del self._reports[old]
+        return self.global_step(epoch)
 
-    def global_norm(self, epoch: int) -> float | None:
-        """The epoch's global norm if every stage reported it, else None."""
-        squares = self._squares.get(epoch, {})
-        if len(squares) < self.num_stages:
+    def global_step(self, epoch: int) -> GlobalStep | None:
+        """The epoch's global norm and overflow if every stage reported it, else None."""
+        reports = self._reports.get(epoch, {})
+        if len(reports) < self.num_stages:
             return None
-        return math.sqrt(sum(squares.values()))
+        return GlobalStep(norm=math.sqrt(sum(square for square, _ in reports.values())),
+                          overflow=any(overflow for _, overflow in reports.values()))
 
 
 # (elements, tensors, sum, sum of squares, sum over tensors of the tensor's sum times its position from 1)

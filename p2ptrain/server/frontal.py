@@ -167,14 +167,17 @@ class FrontalServer(StageServer[FrontalState]):
         return NormBook(num_stages=self.config.num_stages, kept=self.settings.closures_kept)
 
     def rpc_report_norm(self, requests: Requests, context: P2PContext) -> Responses:
-        """A stage's squared gradient norm of an epoch; the answer is the global norm once every stage reported."""
+        """A stage's squared gradient norm (and overflow) of an epoch; the answer is the global norm (and whether any
+        stage overflowed) once every stage reported."""
         return self.serve(requests, context, ReportNorm, self.report_norm)
 
     async def report_norm(self, request: ReportNorm, sender: str) -> GlobalNorm:
-        if not self._counts_report(request.stage, sender, what="gradient norms"):
-            return GlobalNorm(norm=self.norms.global_norm(request.epoch))
-        return GlobalNorm(norm=self.norms.report(epoch=request.epoch, stage=request.stage,
-                                                 squared_norm=request.squared_norm))
+        if self._counts_report(request.stage, sender, what="gradient norms"):
+            step = self.norms.report(epoch=request.epoch, stage=request.stage, squared_norm=request.squared_norm,
+                                     overflow=request.overflow)
+        else:
+            step = self.norms.global_step(request.epoch)
+        return GlobalNorm() if step is None else GlobalNorm(norm=step.norm, overflow=step.overflow)
 
     @cached_property
     def groups(self) -> GroupBook:

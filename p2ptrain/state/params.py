@@ -8,6 +8,11 @@ exactly as the workers do. What goes in and out of a `StageParams` goes through 
 averaged gradients, a snapshot taken in one piece, the state encoded for a stage mate or a checkpoint
 (`state.codec`), a downloaded or saved state checked and loaded, and the digest that shows the stage's copies agree.
 
+With fp16 (`--precision fp16`) the holder keeps the run's dynamic loss scale too (`LossScale`): the last stage
+multiplies the loss by it before backward, every stage divides its averaged gradients by it, and it moves by
+`protocol.optimization.LossScaleRule` on the swarm's decision of each epoch, which every holder of every stage reads
+alike, so the holders' scales stay equal.
+
 With `--average-every H` > 1 (DiLoCo) the holder also keeps the outer optimizer's state (`OuterState`): the anchor,
 the stage's parameters as its last averaging round left them, alike on every holder, and the outer momentum. Between
 rounds each worker steps its own parameters on its own gradients (inner steps); at a round the stage averages how
@@ -29,7 +34,7 @@ import torch
 
 from p2ptrain.config import RunConfig
 from p2ptrain.models.base import StageModel
-from p2ptrain.protocol.optimization import Digest, LRSchedule
+from p2ptrain.protocol.optimization import Digest, LossScaleRule, LRSchedule
 from p2ptrain.state.codec import OptimizerState, decode_state, encode_state
 
 
@@ -54,6 +59,27 @@ class OuterState(torch.nn.Module):
         return [getattr(self, f"momentum_{k}") for k in range(self.count)]
 
 
+class LossScale(torch.nn.Module):
+    """fp16's loss scale and the count of epochs in a row without overflow (module doc), as buffers of the master
+    module (`loss_scale.scale`, `loss_scale.clean`), so that checkpoints and state downloads carry them."""
+
+    def __init__(self, *, scale: float, rule: LossScaleRule):
+        super().__init__()
+        self.rule = rule
+        self.register_buffer("scale", torch.tensor(scale, dtype=torch.float64))
+        self.register_buffer("clean", torch.tensor(0, dtype=torch.int64))
+
+    @property
+    def value(self) -> float:
+        return self.scale.item()
+
+    def update(self, *, overflow: bool) -> None:
+        """Move by the rule after an epoch that did (the step was skipped) or did not overflow."""
+        scale, clean = self.rule.after(self.value, int(self.clean), overflow=overflow)
+        self.scale.fill_(scale)
+        self.clean.fill_(clean)
+
+
 class StageParams:
     """The master copy of one stage, its optimizer and schedule, and the epoch they are current for.
 
@@ -74,6 +100,10 @@ class StageParams:
         self.outer: OuterState | None = None
         if config.average_every > 1:
             self.outer = self.module.outer = OuterState(self.trainable)
+        self.loss_scale: LossScale | None = None
+        if config.precision == "fp16":
+            self.loss_scale = self.module.loss_scale = LossScale(
+                scale=config.loss_scale, rule=LossScaleRule(growth_epochs=config.loss_scale_growth)).to(device)
         self.epoch = 0
         self.loaded = False  # it holds a mate's or a checkpoint's state, not the seed's, even before its first step
         self._moved = asyncio.Event()  # set, and replaced, whenever `epoch` changes (`reached`)
