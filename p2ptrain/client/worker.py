@@ -397,7 +397,7 @@ class Worker:
         if stored is None:
             logger.warning(f"worker {self.worker_id}: inputs of {offer.task} are gone")
             return None
-        return await self._forward_state(offer, stored.inputs)
+        return await self._forward_state(offer, to_device(stored.inputs, self.device))
 
     def _backward_compute(self, state: ForwardState, grad: torch.Tensor) -> list[torch.Tensor]:
         targets = self.params + ([] if self.is_first else [state.inputs])
