@@ -204,8 +204,9 @@ def test_a_swarm_set_for_a_small_card_trains(tmp_path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what it says on a machine without CUDA")
-def test_the_gpu_benchmark_says_there_is_no_gpu_and_exits_0(tmp_path) -> None:
-    out = subprocess.run([sys.executable, "benchmarks/gpu.py", "--out", str(tmp_path)], capture_output=True,
+@pytest.mark.parametrize("script", ["gpu.py", "transfers.py"])
+def test_the_gpu_benchmarks_say_there_is_no_gpu_and_exit_0(tmp_path, script: str) -> None:
+    out = subprocess.run([sys.executable, f"benchmarks/{script}", "--out", str(tmp_path)], capture_output=True,
                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0 and "no CUDA device" in out.stdout and not list(tmp_path.iterdir())
 
