@@ -176,6 +176,19 @@ def epoch_boundaries(swarm: LocalSwarm) -> dict:
     return {"closed": closed, "stepped": stepped}
 
 
+def call_rates(first: tuple[float, dict[str, dict[str, int]]], last: tuple[float, dict[str, dict[str, int]]]
+               ) -> dict[str, dict[str, float]]:
+    """Requests served per second between two `LocalSwarm.served_calls`, by kind of peer (its name without the
+    stage: fs, bs, client, bootstrap) and method."""
+    seconds = last[0] - first[0]
+    rates: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for name, counts in last[1].items():
+        before = first[1].get(name, {})
+        for method, count in counts.items():
+            rates[re.sub(r"^s\d+-", "", name)][method] += (count - before.get(method, 0)) / seconds
+    return {kind: dict(methods) for kind, methods in rates.items()}
+
+
 def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path) -> dict:
     """Train the swarm for `args.epochs` epochs, reading every process's CPU time meanwhile, then the idle swarm's.
     A failure is reported (`error`) with what the logs show, not raised."""
@@ -192,8 +205,17 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path) -> dic
             log(f"  swarm of {len(swarm.roles)} processes, logs in {workdir}")
             swarm.connect()
             roots = swarm.roots()
+            served: dict[str, tuple[float, dict]] = {}  # requests each peer served, at the start of the steady epochs
+
+            def at_close(closed: int) -> None:
+                if closed >= args.warmup - 1 and "start" not in served:  # a quick epoch may close between reads
+                    served["start"] = (time.monotonic(), swarm.served_calls())
+
             with Sampler() as sampler:
-                progress = swarm.follow(deadline=swarm.started + args.swarm_timeout, poll_s=args.poll_s)
+                progress = swarm.follow(deadline=swarm.started + args.swarm_timeout, poll_s=args.poll_s,
+                                        on_closed=at_close)
+            if "start" in served:
+                result["calls_training"] = call_rates(served["start"], (time.monotonic(), swarm.served_calls()))
             report = progress.report
             result["timed_out"] = progress.timed_out
             result["report"] = report
@@ -215,9 +237,11 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path) -> dic
                     result["cpu"]["window_wanted_s"] = closed_at[steady[-1]] - start
             if not progress.timed_out and args.idle_s > 0:
                 # the same swarm with nothing to train and nobody reading its status: its background cost
+                calls_first = (time.monotonic(), swarm.served_calls())
                 idle_first = snapshot()
                 time.sleep(args.idle_s)
                 result["cpu_idle"] = cpu_window(idle_first, snapshot(), roots)
+                result["calls_idle"] = call_rates(calls_first, (time.monotonic(), swarm.served_calls()))
     except Exception as e:  # report what was measured, and why the swarm part is missing
         log(f"  swarm failed: {e!r}")
         result = {"error": repr(e), "workdir": str(workdir), "report": None}
@@ -609,6 +633,21 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 f"({100 * stall0 / w:.0f}% of a {w:.2f} s epoch) between its FS closing the epoch and its client "
                 "stepping, and the data source feeds nothing of the next epoch until the last microbatch's backward "
                 "is back at stage 0, so the pipeline drains and refills once per epoch."]
+    if swarm.get("calls_training") or swarm.get("calls_idle"):
+        training, idle = swarm.get("calls_training", {}), swarm.get("calls_idle", {})
+        rows = sorted({(kind, method) for rates in (training, idle) for kind, methods in rates.items()
+                       for method in methods},
+                      key=lambda km: -(training.get(km[0], {}).get(km[1], 0.0) + idle.get(km[0], {}).get(km[1], 0.0)))
+        out += ["", "Requests the swarm's processes served per second, by the kind of peer that served them and "
+                "method (p2ptrain's RPCs, counted as each is decoded; the all-reduce's parts and the DHT's own "
+                "traffic are hivemind's and not here), during the steady epochs and while the swarm idled:", "",
+                "| served by | method | per s (training) | per s (idle) |", "|---|---|---|---|"]
+        for kind, method in rows:
+            t, i = training.get(kind, {}).get(method), idle.get(kind, {}).get(method)
+            if (t or 0) >= 0.05 or (i or 0) >= 0.05:
+                out.append(f"| {kind} | {method} | {fmt(t, '.1f')} | {fmt(i, '.1f')} |")
+        out.append(f"| all | all | {fmt(sum(sum(m.values()) for m in training.values()), '.1f')} | "
+                   f"{fmt(sum(sum(m.values()) for m in idle.values()), '.1f')} |")
     out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]
     if rpc is None:
         out += ["## 2. RPC: not run (--parts)", ""]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import os
 import platform
 import random
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from p2ptrain.cli import LOOPBACK, RECIPE_FLAGS, flag_value  # noqa: E402
 from p2ptrain.config import RunConfig  # noqa: E402
 from p2ptrain.dht import start_dht  # noqa: E402
 from p2ptrain.launch import Swarm  # noqa: E402
+from p2ptrain.peer import SERVED_LINE  # noqa: E402
 from p2ptrain.status import History, collect  # noqa: E402
 
 TCK = os.sysconf("SC_CLK_TCK")
@@ -326,6 +328,25 @@ class LocalSwarm:
         Starting a name again (after `kill`) runs the same command again (its log starts anew)."""
         return self._start(name or peer_name(stage, "client"), "client", ["--stage", str(stage), *extra])
 
+    def served_calls(self, timeout: float = 10.0) -> dict[str, dict[str, int]]:
+        """The requests each live peer's process has served so far, by method: each is sent SIGUSR1 and logs them
+        (`p2ptrain.peer.SERVED_LINE`); peer name -> {method: count}."""
+        live = {name: p for name, p in self._swarm.processes.items() if p.poll() is None}
+        offsets = {name: self.log_path(name).stat().st_size for name in live}
+        for process in live.values():
+            process.send_signal(signal.SIGUSR1)  # the peer's Python process only: its p2p daemon would die of it
+        found: dict[str, dict[str, int]] = {}
+        deadline = time.monotonic() + timeout
+        while len(found) < len(live) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for name in set(live) - set(found):
+                with self.log_path(name).open() as f:
+                    f.seek(offsets[name])
+                    lines = [line for line in f.read().splitlines() if SERVED_LINE in line]
+                if lines:
+                    found[name] = json.loads(lines[-1].split(SERVED_LINE, 1)[1])
+        return found
+
     def kill(self, name: str) -> None:
         """SIGKILL peer `name` and its p2p daemon (its process group), as a volunteer that vanishes."""
         process = self._swarm.processes[name]
@@ -375,9 +396,11 @@ class LocalSwarm:
             raise RuntimeError("connect() before reading the status")
         return collect(self._dht, self.config.run_id, history=self._history)
 
-    def follow(self, *, deadline: float, poll_s: float) -> Progress:
-        """Read the status every `poll_s` seconds, logging each epoch that closes, until the data source has fed and
-        closed all its epochs or time.monotonic() passes `deadline`. RuntimeError if a peer exits with an error."""
+    def follow(self, *, deadline: float, poll_s: float,
+               on_closed: Callable[[int], None] | None = None) -> Progress:
+        """Read the status every `poll_s` seconds, logging each epoch that closes (and calling `on_closed` with it),
+        until the data source has fed and closed all its epochs or time.monotonic() passes `deadline`. RuntimeError
+        if a peer exits with an error."""
         seen, report, reads = -2, None, []
         while True:
             failed = self.failed()
@@ -398,6 +421,8 @@ class LocalSwarm:
                 seen = closed
                 log(f"  swarm: epoch {closed} closed at {time.monotonic() - self.started:.0f} s, "
                     f"{report['tokens_per_s'] or 0:.0f} tokens/s, load {load()}")
+                if on_closed is not None:
+                    on_closed(closed)
             if report["finished"] and closed + 1 >= self.epochs:
                 return Progress(report, timed_out=False, read_s=reads)
             if time.monotonic() > deadline:

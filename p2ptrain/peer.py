@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from p2ptrain.node.peer import Peer
 
 # NodeOptions and RuntimeConfig fields and the flags that set them
+SERVED_LINE = "calls served (SIGUSR1): "  # then a JSON object {method: requests served since the start}
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
               "device": "--device", "recompute": "--recompute",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
@@ -327,7 +329,10 @@ async def _run(peer: Peer) -> None:
 
 def _log_tasks() -> None:
     """On SIGUSR1, log what each of this peer's asyncio tasks awaits (the chain of coroutines down to the awaited
-    object): a peer that stands still with an idle event loop shows nothing in a thread dump."""
+    object): a peer that stands still with an idle event loop shows nothing in a thread dump. And the requests its
+    process served so far, by method (`p2ptrain.traffic`), one JSON line that benchmarks read."""
+    from p2ptrain.traffic import METER
+
     lines = []
     for task in asyncio.all_tasks():
         chain, awaited = [], task.get_coro()
@@ -341,7 +346,9 @@ def _log_tasks() -> None:
             awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None) \
                 or getattr(awaited, "gi_yieldfrom", None)
         lines.append(f"  {task.get_name()}: " + " > ".join(chain))
-    logging.getLogger(__name__).warning(f"{len(lines)} asyncio tasks (SIGUSR1):\n" + "\n".join(sorted(lines)))
+    logger = logging.getLogger(__name__)
+    logger.warning(f"{len(lines)} asyncio tasks (SIGUSR1):\n" + "\n".join(sorted(lines)))
+    logger.warning(f"{SERVED_LINE}{json.dumps(METER.served_snapshot(), sort_keys=True)}")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ JSON fields (stable; later tools and outside checks read them):
                            (activations, averaging, state, probes, control: `p2ptrain.traffic`), as of their last
                            record: message bytes, without the DHT's traffic, libp2p framing or TCP/IP headers
   bytes_sent_by_peer     {peer_id: {kind: bytes}} the same per peer
+  calls_served_by_peer   {peer_id: {method: count}} the requests each peer's process has served since it started,
+                           by RPC method (rpc_take_task, ...), as of its last record
 """
 from __future__ import annotations
 
@@ -185,6 +187,7 @@ def collect(dht: hivemind.DHT, run_id: str, *, history: History | None = None, o
         "bytes_sent": {kind: sum(m.bytes_sent.get(kind, 0) for m in metrics)
                        for kind in sorted({kind for m in metrics for kind in m.bytes_sent})},
         "bytes_sent_by_peer": {m.peer_id: m.bytes_sent for m in sorted(metrics, key=lambda m: m.peer_id)},
+        "calls_served_by_peer": {m.peer_id: m.calls_served for m in sorted(metrics, key=lambda m: m.peer_id)},
     }
 
 

@@ -6,6 +6,9 @@ for an epoch (a request or reply whose message names one, an all-reduce part of 
 that epoch's, so that a swarm's averaging bytes per epoch are exact, whatever is in flight when they are read. The
 DHT's own traffic is not here (hivemind sends it); an emulated link's counter (`p2ptrain.links.bytes_sent`) holds
 all of it, headers included.
+
+Beside the bytes, the meter counts the requests the process served, by method (`rpc_take_task`, ...): what keeps a
+swarm's servers and daemons busy when it trains and when it idles (`benchmarks/dataplane.py`).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ class Traffic:
     with one), for the newest `epochs_kept` epochs of each kind; thread-safe."""
 
     sent: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    served: dict[str, int] = field(default_factory=dict)  # requests served, by method (module doc)
     epochs_kept: int = 256
     _by_epoch: dict[str, dict[int, int]] = field(default_factory=lambda: {kind: {} for kind in KINDS}, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -39,9 +43,17 @@ class Traffic:
                 if len(epochs) > self.epochs_kept:
                     del epochs[min(epochs)]
 
+    def count_served(self, method: str) -> None:
+        with self._lock:
+            self.served[method] = self.served.get(method, 0) + 1
+
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             return dict(self.sent)
+
+    def served_snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.served)
 
     def of_epoch(self, kind: str, epoch: int) -> int:
         """Bytes of `kind` sent for `epoch` so far (0 once it is older than the newest `epochs_kept`)."""

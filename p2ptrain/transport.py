@@ -239,6 +239,7 @@ class Service(ServicerBase):
         sender = context.sender if local else context.remote_id.to_base58()
         banned_for = 0.0 if local else self.bans.banned_for(sender, now=time.monotonic())
         traffic, epoch = kind.traffic, None  # what the reply's bytes count as (`p2ptrain.traffic`), and for which epoch
+        METER.count_served(kind.method)
         try:
             if banned_for > 0:  # refused unread: a banned peer costs a reply and a stream, not a decode
                 raise Refused(f"banned for {banned_for:.0f} more s after repeated malformed or forged requests")

@@ -117,9 +117,10 @@ def test_a_call_over_the_network_counts_its_request_and_reply_bytes_by_kind_and_
             await probe.add_p2p_handlers(server)
             caller = Caller(p2p=client, peer_id=client.peer_id.to_base58(), codec="none", timeout=10.0)
             request = Probe(payload=torch.zeros(50_000, dtype=torch.uint8))
-            before = METER.snapshot()
+            before, served = METER.snapshot(), METER.served_snapshot().get(Probe.method, 0)
             reply = await caller.call(server_id, LINK_PROBE, request)
             after = METER.snapshot()
+            assert METER.served_snapshot()[Probe.method] == served + 1  # the requests served, by method
             sent = transport.pack(Envelope(request.to_header(), request.tensors()), codec="none",
                                   proto=runtime_pb2.ExpertRequest)
             answered = transport.pack(Envelope(reply.to_header(), reply.tensors()), codec="none",
@@ -134,6 +135,7 @@ def test_a_call_over_the_network_counts_its_request_and_reply_bytes_by_kind_and_
             local.add_local(probe)
             await local.call(server_id, LINK_PROBE, request)
             assert METER.snapshot() == after
+            assert METER.served_snapshot()[Probe.method] == served + 2
         finally:
             await client.shutdown()
             await server.shutdown()

@@ -104,6 +104,7 @@ class MetricsModel(_Strict):
     holds_state: pydantic.StrictBool = False
     client_mode: pydantic.StrictBool = False
     bytes_sent: Dict[pydantic.constr(strict=True, max_length=16), _NonNegInt] = {}
+    calls_served: Dict[pydantic.constr(strict=True, max_length=40), _NonNegInt] = {}
     per_epoch: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     worker_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     source_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
@@ -273,6 +274,7 @@ class Metrics(_Record):
     holds_state: bool = False  # a server that computes nothing: its worker_epochs are its steps as a state holder
     client_mode: bool = False  # a worker that dials out only (behind NAT): it reduces no part of its stage's rounds
     bytes_sent: dict[str, int] = field(default_factory=dict)  # what its process has sent, by kind (p2ptrain.traffic)
+    calls_served: dict[str, int] = field(default_factory=dict)  # requests its process served, by method (the same)
     per_epoch: list[EpochMetrics] = field(default_factory=list)  # at most MAX_EPOCHS_KEPT, oldest first
     worker_epochs: list[EpochMetrics] = field(default_factory=list)  # a server that also computes
     source_epochs: list[EpochMetrics] = field(default_factory=list)  # the data source: tokens and wall time

@@ -94,6 +94,7 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
         source_epochs=source, condition=server.condition() if server is not None else "",
         holds_state=worker is not None and worker.holds_only,
         client_mode=worker is not None and worker.client_mode, bytes_sent=METER.snapshot(),
+        calls_served=METER.served_snapshot(),
     )
 
 
@@ -113,13 +114,14 @@ def fit(record: Metrics, *, max_bytes: int = MAX_RECORD_BYTES) -> Metrics:
 
 async def publish_metrics(*, announcer: Announcer, period_s: float, stop: asyncio.Event, **parts) -> None:
     """Store the record when it changed (the announcer refreshes it otherwise): every store costs DHT work
-    (signing, replication, schema checks) on a machine the training shares. Bytes sent change all the time: they
-    ride along with the other changes (an epoch that closes) instead of causing a store of their own."""
+    (signing, replication, schema checks) on a machine the training shares. Bytes sent and calls served change all
+    the time: they ride along with the other changes (an epoch that closes) instead of causing a store of their
+    own."""
     published = None
     while not stop.is_set():
         try:
             record = fit(build_record(**parts))
-            content = dataclasses.replace(record, updated=0.0, bytes_sent={})
+            content = dataclasses.replace(record, updated=0.0, bytes_sent={}, calls_served={})
             if content != published:
                 announcer.set_metrics(record)
                 published = content
