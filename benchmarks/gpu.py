@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import ROOT, command_line, log, machine_info
+from harness import ROOT, command_line, log, machine_info, write_device_report
 
 from p2ptrain.client.device import DTYPES, autocast, place, resolve_device
 from p2ptrain.config import ConfigError, RunConfig
@@ -205,11 +204,7 @@ def main(argv: list[str] | None = None) -> int:
               "stage": stage,
               "swarm": {"precision": args.swarm_precision, "epochs": epochs, "warmup": warmup,
                         "one_process_tokens_per_s": alone, "swarm_tokens_per_s": together, "ratio": together / alone}}
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gpu-{slug}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"gpu-{slug}.md").write_text(report_md(result))
-    print(report_md(result))
+    write_device_report(args.out, "gpu", name, result, report_md(result))
     return 0
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -83,6 +84,15 @@ def command_line(script: str | Path, argv: list[str] | None = None) -> str:
     """How the benchmark was started, to put on top of its report: `python <script relative to the checkout> ARGS`."""
     path = Path(script).resolve().relative_to(ROOT)
     return "python " + " ".join(shlex.quote(a) for a in [str(path), *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_device_report(out: Path, stem: str, device_name: str, result: dict[str, Any], markdown: str) -> None:
+    """Save a device's benchmark as `<stem>-<device name>.json` and `.md` in `out`, and print the markdown."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")[:40]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}-{slug}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{stem}-{slug}.md").write_text(markdown)
+    print(markdown)
 
 
 def machine_info() -> dict[str, Any]:

@@ -16,8 +16,6 @@ Writes transfers-<device>.md and .json under benchmarks/results/ (or --out).
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import sys
 import time
@@ -25,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from harness import ROOT, command_line, log, machine_info
+from harness import ROOT, command_line, log, machine_info, write_device_report
 
 from p2ptrain.client.device import resolve_device, to_device, to_host
 from p2ptrain.config import ConfigError
@@ -101,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"hidden {hidden}: " + ", ".join(f"{k} {v:.3f}" for k, v in sizes[hidden].items()))
     result = {"command": command_line(__file__, argv), "machine": machine_info(), "device_name": name,
               "rows": args.rows, "seq_len": args.seq_len, "reps": args.reps, "sizes": sizes}
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"transfers-{slug}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"transfers-{slug}.md").write_text(report_md(result))
-    print(report_md(result))
+    write_device_report(args.out, "transfers", name, result, report_md(result))
     return 0
 
 
