@@ -45,6 +45,7 @@ from p2ptrain.node.options import FAULTS, NetworkOptions, NodeOptions, PlannerOp
 from p2ptrain.planner import PLANNERS
 from p2ptrain.planner.join import STAGE_CHOICES
 from p2ptrain.protocol.layout import Placement
+from p2ptrain.traffic import METER
 
 if TYPE_CHECKING:
     from p2ptrain.live.authority import Owner, ServerCertificate
@@ -331,8 +332,6 @@ def _log_tasks() -> None:
     """On SIGUSR1, log what each of this peer's asyncio tasks awaits (the chain of coroutines down to the awaited
     object): a peer that stands still with an idle event loop shows nothing in a thread dump. And the requests its
     process served so far, by method (`p2ptrain.traffic`), one JSON line that benchmarks read."""
-    from p2ptrain.traffic import METER
-
     lines = []
     for task in asyncio.all_tasks():
         chain, awaited = [], task.get_coro()

@@ -19,10 +19,9 @@ scale of the mean token loss, as torch's GradScaler's: the stage's loss is summe
 multiplied by the scale over their count), so that small gradients survive fp16's range; every stage divides a task's
 parameter gradients by the same factor as it counts them. A task whose gradients overflow (inf or nan) hands in zeros
 instead, the input gradients it sends upstream too (servers refuse non-finite tensors), and marks the worker's epoch;
-the mark
-travels in the stage's all-reduce, so every member reads from the same average whether any overflowed, and the stage's
-report of its gradient norm carries it to the data source, whose answer tells every stage alike: on an overflow every
-worker and replica of every stage skips the epoch's step and halves the scale.
+the mark travels in the stage's all-reduce, so every member reads from the same average whether any overflowed, and the
+stage's report of its gradient norm carries it to the data source, whose answer tells every stage alike: on an
+overflow every worker and replica of every stage skips the epoch's step and halves the scale.
 """
 from __future__ import annotations
 
@@ -84,7 +83,7 @@ class EpochRecord:
     digest: Digest = ()  # of the master parameters after the step (`StageParams.digest`)
     round_failed: bool = False  # the all-reduce of a group of several failed or averaged nothing
     lr: float = 0.0
-    grad_norm: float | None = None  # the global norm the step clipped by (with clip_norm set)
+    grad_norm: float | None = None  # the global gradient norm (with clip_norm set, the step clipped by it)
     unclipped: bool = False  # with clip_norm set: no global norm came in time, the step was not clipped
     rows_lost: int = 0  # rows of groupmates that died in the round: not in the average
     overflow: bool = False  # fp16: the swarm's gradients of the epoch overflowed, and the step was skipped
@@ -670,8 +669,6 @@ class Worker:
         a warning and the status say (`unclipped`), rather than clipped by a norm the other stages do not share; and
         the stage's own `overflow`, which its mates read alike, decides the skip."""
         squared = math.fsum(grad.double().square().sum().item() for grad in averaged)
-        if not math.isfinite(squared):  # an overflow the skip throws away: the data source takes finite norms only
-            squared = 0.0
         request = ReportNorm(epoch=epoch, stage=self.stage, squared_norm=squared, overflow=overflow)
         wait_s = self.averager.deadline_s(self.config.num_stages * sum(grad.numel() for grad in averaged),
                                           members=members)

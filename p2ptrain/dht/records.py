@@ -230,7 +230,7 @@ class EpochMetrics:
     digest: list[float] | None = None  # of the parameters the worker stepped to (`protocol.optimization.Digest`)
     round_failed: bool = False  # the worker's all-reduce round failed or averaged nothing (a worker)
     lr: float | None = None  # the learning rate of the step (a worker)
-    grad_norm: float | None = None  # the global gradient norm the step clipped by (a worker, with clip_norm)
+    grad_norm: float | None = None  # the global gradient norm (a worker, with clip_norm or fp16; clip_norm clips by it)
     eval_loss: float | None = None  # held-out loss of the parameters after the epoch's step (the data source)
     rows_lost: int = 0  # rows of groupmates that died in the worker's round, missing from its average (a worker)
     unclipped: bool = False  # with clip_norm: no global norm came in time, the worker stepped unclipped (a worker)

@@ -9,9 +9,9 @@ averaged gradients, a snapshot taken in one piece, the state encoded for a stage
 (`state.codec`), a downloaded or saved state checked and loaded, and the digest that shows the stage's copies agree.
 
 With fp16 (`--precision fp16`) the holder keeps the run's dynamic loss scale too (`LossScale`): the last stage
-multiplies the loss by it before backward, every stage divides its averaged gradients by it, and it moves by
-`protocol.optimization.LossScaleRule` on the swarm's decision of each epoch, which every holder of every stage reads
-alike, so the holders' scales stay equal.
+multiplies the loss by it before backward, every stage divides its tasks' gradients by it as it counts them, and it
+moves by `protocol.optimization.LossScaleRule` on the swarm's decision of each epoch, which every holder of every
+stage reads alike, so the holders' scales stay equal.
 
 With `--average-every H` > 1 (DiLoCo) the holder also keeps the outer optimizer's state (`OuterState`): the anchor,
 the stage's parameters as its last averaging round left them, alike on every holder, and the outer momentum. Between
@@ -102,8 +102,9 @@ class StageParams:
             self.outer = self.module.outer = OuterState(self.trainable)
         self.loss_scale: LossScale | None = None
         if config.precision == "fp16":
+            # on the host wherever the stage computes: every task reads it, and a CUDA scalar's read waits for the GPU
             self.loss_scale = self.module.loss_scale = LossScale(
-                scale=config.loss_scale, rule=LossScaleRule(growth_epochs=config.loss_scale_growth)).to(device)
+                scale=config.loss_scale, rule=LossScaleRule(growth_epochs=config.loss_scale_growth))
         self.epoch = 0
         self.loaded = False  # it holds a mate's or a checkpoint's state, not the seed's, even before its first step
         self._moved = asyncio.Event()  # set, and replaced, whenever `epoch` changes (`reached`)
