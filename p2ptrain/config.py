@@ -299,6 +299,8 @@ class RuntimeConfig:
     no_servers_wait_s: float = 0.5  # a worker that knows no FS of its stage looks again after this
     fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work
     bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
+    idle_poll_wait_s: float = 1.0  # how long the only FS of a stage holds a poll while nothing of the stage is out;
+    # its news (rows, the rows all back, a closure) answer the poll at once, so this only spaces an idle swarm's polls
     averaging_timeout_s: float = 30.0  # the floor of an all-reduce round's deadlines (`StageAllReduce`) and of a
     # worker's wait for the global gradient norm after it (clip_norm), asking the data source again every norm_poll_s;
     # an FS counts a worker gone whose gradients have not come after its last result, nor bytes of them for this long

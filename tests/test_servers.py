@@ -629,3 +629,44 @@ def test_a_server_restored_behind_its_stage_mates_closes_the_epochs_between_and_
             EndEpoch.from_header({**EndEpoch(epoch=6, abandoned=True, layout=LAYOUT).to_header(), "caught_up": True})
 
     asyncio.run(scenario())
+
+
+def test_an_idle_fs_holds_polls_until_its_news_and_answers_them_at_once_when_rows_come_or_are_all_back():
+    """A quiet swarm polls little (issue 21): while nothing of the open epoch is out, the FS holds a poll up to its
+    `idle_wait_s` and says it was quiet (no backward task can be waiting); rows that come answer a worker's held
+    poll with a task at once, and a replica's (it takes no tasks) is answered once the epoch's rows are all back,
+    so that its next poll, fresh, lets the epoch close without waiting out the hold. A BS never holds one long."""
+    async def scenario() -> None:
+        fs, bs = servers()
+        loop = asyncio.get_running_loop()
+        idle = TakeTask(worker="w1", compute=1.0, epoch=0, idle_wait_s=0.3)
+        start = loop.time()
+        reply = await fs.take_task(idle, "w1")
+        assert reply.task is None and reply.quiet and loop.time() - start >= 0.3
+        start = loop.time()
+        assert not (await bs.take_task(idle, "w1")).quiet and loop.time() - start < 0.3
+
+        held = asyncio.create_task(fs.take_task(dataclasses.replace(idle, idle_wait_s=30.0), "w1"))
+        replica = TakeTask(worker="bs", compute=1.0, epoch=0, holds_state=True, idle_wait_s=30.0)
+        replica_held = asyncio.create_task(fs.take_task(replica, "bs"))
+        await asyncio.sleep(0.2)
+        assert not held.done() and not replica_held.done()
+        await feed(fs, 0)
+        task = (await asyncio.wait_for(held, 2.0)).task
+        assert task is not None and task.rows == Rows(0, ROWS)
+        await asyncio.sleep(0.2)
+        assert not replica_held.done()  # rows are out: nothing for it yet
+        reply = await fs.take_task(dataclasses.replace(idle, idle_wait_s=30.0), "w1")  # in flight: not held long
+        assert reply.task is None and not reply.quiet
+        await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1"))
+        assert not (await asyncio.wait_for(replica_held, 2.0)).quiet
+        await deposited(fs, "w1", 0)
+        await asyncio.wait_for(fs.take_task(replica, "bs"), 2.0)
+        assert fs.state.closed_epoch == 0 and members(fs.state.closures[0]) == ["bs", "w1"]
+        start = loop.time()  # epoch 0 closed: a poll of epoch 1 is held again, and one of epoch 0 answered at once
+        assert (await fs.take_task(dataclasses.replace(idle, epoch=1), "w1")).quiet and loop.time() - start >= 0.3
+        start = loop.time()
+        assert not (await fs.take_task(dataclasses.replace(idle, idle_wait_s=30.0), "w1")).quiet
+        assert loop.time() - start < 1.0
+
+    asyncio.run(scenario())

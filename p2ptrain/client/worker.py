@@ -156,6 +156,7 @@ class Worker:
         self.epoch_fs: tuple[str, ...] = ()  # the FS of this stage in the current epoch's layout, once known
         self.history: list[EpochRecord] = []
         self.silent_since: dict[str, float] = {}  # FS that have not answered this worker's polls since
+        self._fs_quiet = False  # the stage's FS answered its last poll `quiet`
         self._epoch_started = time.monotonic()
 
     @property
@@ -247,13 +248,18 @@ class Worker:
         an FS could not be reached.
         """
         current = self._deposited == (self.epoch, self.rows_accumulated)
+        # the only FS of a stage may hold a poll long while nothing is out (a second FS could hand out rows meanwhile)
+        idle_wait_s = self.settings.idle_poll_wait_s if len(fs_list) == 1 else 0.0
         poll = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode,
-                        holds_state=self.holds_only, deposited=self.rows_accumulated if current else 0)
-        for bs in bs_list if not self.holds_only else ():
+                        holds_state=self.holds_only, deposited=self.rows_accumulated if current else 0,
+                        idle_wait_s=idle_wait_s)
+        # after a quiet FS's answer no backward task can be waiting: the next one follows the FS's next rows
+        for bs in bs_list if not (self.holds_only or self._fs_quiet) else ():
             reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=self.settings.bs_poll_wait_s))
             if reply is not None and reply.task is not None:
                 return reply, {}
         polls: dict[str, TaskReply | None] = {}
+        self._fs_quiet = False
         for fs in fs_list:
             reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(poll, wait_s=self.settings.fs_poll_wait_s))
             if reply is None:
@@ -263,6 +269,7 @@ class Worker:
             if reply is not None and reply.task is not None:
                 return reply, {}
             polls[fs] = reply
+        self._fs_quiet = idle_wait_s > 0 and all(reply is not None and reply.quiet for reply in polls.values())
         return None, polls
 
     async def _after_idle_poll(self, polls: dict[str, TaskReply | None]) -> None:

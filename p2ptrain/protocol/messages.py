@@ -262,6 +262,9 @@ class TaskReply(Message):
     closed_epoch: ClosedEpoch
     closures: tuple[Closure, ...] = ()
     deposit_to: PeerId | None = None
+    # with no task: nothing of the worker's epoch was out at this FS, so no backward task of the stage can be waiting
+    # either until it hands out rows, and it held the poll up to the poll's `idle_wait_s` (`StageServer.quiet`)
+    quiet: bool = False
     inputs: Tensor | None = None
     labels: Tensor | None = None
     grad: Tensor | None = None
@@ -285,7 +288,8 @@ class TaskReply(Message):
 
 @dataclass(frozen=True, kw_only=True)
 class TakeTask(Request):
-    """A worker asks a server for a task of its epoch, waiting up to `wait_s` for one."""
+    """A worker asks a server for a task of its epoch, waiting up to `wait_s` for one, or up to `idle_wait_s` while
+    the server knows nothing can come but by news (`StageServer.quiet`)."""
 
     method: ClassVar[str] = "rpc_take_task"
     reply: ClassVar[type[Message]] = TaskReply
@@ -295,6 +299,7 @@ class TakeTask(Request):
     epoch: Epoch
     client_mode: bool = False
     wait_s: WaitSeconds = 0.0
+    idle_wait_s: WaitSeconds = 0.0
     # a reliable server that holds the stage's state (the paper's parameter server): it averages with the stage's
     # workers and steps alike, but takes no tasks; its polls only keep it in the averaging group
     holds_state: bool = False

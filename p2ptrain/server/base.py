@@ -12,6 +12,7 @@ reported to the issuer, which hands the task to another worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -82,7 +83,9 @@ class StageServer(Service, Generic[S]):
         self.authority = authority
         pool = TaskPool(lease_timeout=settings.lease_timeout_s)
         self.state: S = state if state is not None else self.state_type(pool=pool)
-        self.task_added = asyncio.Event()
+        # set whenever a held task poll may have an answer: a task added or back in the pool, an epoch closed,
+        # abandoned or (at an FS) all its rows back
+        self.news = asyncio.Event()
         # rows of results whose issuer is confirming them: no other copy of those rows may get in meanwhile
         self._confirming: dict[tuple[int, int], list[Rows]] = {}
         caller.add_local(self)
@@ -113,8 +116,12 @@ class StageServer(Service, Generic[S]):
         record.client_mode, record.holds_state = request.client_mode, request.holds_state
         record.deposited = request.deposited
         self.tick()
-        task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s)
-        return self.no_task(epoch=request.epoch) if task is None else self.offer(task)
+        task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s,
+                                         idle_wait_s=request.idle_wait_s)
+        if task is not None:
+            return self.offer(task)
+        return dataclasses.replace(self.no_task(epoch=request.epoch),
+                                   quiet=self.quiet(request.epoch, holds_state=record.holds_state))
 
     def offer(self, task: Task) -> TaskReply:
         raise NotImplementedError
@@ -134,7 +141,7 @@ class StageServer(Service, Generic[S]):
 
     def add_task(self, task: Task) -> None:
         self.state.pool.add(task)
-        self.task_added.set()
+        self.news.set()
 
     def _worker(self, worker: str, epoch: int) -> WorkerRecord:
         record = self.state.workers.get(worker)
@@ -213,44 +220,54 @@ class StageServer(Service, Generic[S]):
             record.left = True
             tasks = self.state.pool.requeue_worker(request.worker)
             logger.info(f"{self.name}: worker {request.worker} leaves; {len(tasks)} task(s) back in the pool")
-            self.task_added.set()
+            self.news.set()
             self.tick()
         return Ack()
 
-    async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float) -> Task | None:
-        """Take a task for `worker`, waiting up to `wait_s` for one to appear."""
+    async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float, idle_wait_s: float
+                             ) -> Task | None:
+        """Take a task for `worker`, waiting up to `wait_s` for one to appear, or up to `idle_wait_s` while the stage
+        is `quiet` (then only news ends the wait: a poll answered sooner would only be asked again)."""
         record = self.state.workers.get(worker)
-        if record is not None and record.holds_state:  # its poll only keeps it in the averaging group
-            await asyncio.sleep(wait_s)
+        holds_state = record is not None and record.holds_state  # its poll only keeps it in the averaging group
+        if not holds_state and ((record is not None and self.excluded(record)) or not self.may_work(worker, epoch)):
             return None
-        if (record is not None and self.excluded(record)) or not self.may_work(worker, epoch):
-            return None
-        deadline = self.clock() + wait_s
+        loop = asyncio.get_running_loop()  # the hold is a wait of this loop, whatever clock the server keeps
+        start = loop.time()
         while True:
-            self.expire_leases()
-            task = self.state.pool.take(worker, now=self.clock(), epoch=epoch,
-                                        lease_s=lambda task: self.lease_for(worker, task))
-            remaining = deadline - self.clock()
-            if task is not None or remaining <= 0:
-                return task
-            self.task_added.clear()
+            if not holds_state:
+                self.expire_leases()
+                task = self.state.pool.take(worker, now=self.clock(), epoch=epoch,
+                                            lease_s=lambda task: self.lease_for(worker, task))
+                if task is not None:
+                    return task
+            held = max(wait_s, idle_wait_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
+            remaining = start + held - loop.time()
+            if remaining <= 0:
+                return None
+            self.news.clear()
             try:
-                await asyncio.wait_for(self.task_added.wait(), remaining)
+                await asyncio.wait_for(self.news.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
+
+    def quiet(self, epoch: int, *, holds_state: bool) -> bool:
+        """Whether nothing but news (`news`) can change what a poll of a worker in `epoch` is answered: no task can
+        appear at any server of the stage, and no closure or deposit is due, until rows come. Only an FS can tell."""
+        return False
 
     def expire_leases(self) -> None:
         now, pool = self.clock(), self.state.pool
         for task in pool.expire(now=now):
             logger.warning(f"{self.name}: task {task.task_id} timed out, back in the pool")
-            self.task_added.set()
+            self.news.set()
         for worker, record in self.state.workers.items():
             if self.gone(worker) and pool.leased_to(worker):
                 tasks = pool.requeue_worker(worker)
                 silent = now - self.heard(worker, record)
                 logger.warning(f"{self.name}: worker {worker} gone (silent for {silent:.1f} s); its "
                                f"{len(tasks)} task(s) back in the pool")
-                self.task_added.set()
+                self.news.set()
         self.probe_silent()
 
     def heard(self, worker: str, record: WorkerRecord) -> float:
@@ -308,7 +325,7 @@ class StageServer(Service, Generic[S]):
         if not request.ok:
             if self.state.pool.fail(request.task, request.worker) is None:
                 raise Refused(f"task {request.task} is not leased to {request.worker}")
-            self.task_added.set()
+            self.news.set()
             return Ack()
         return self.settle(request, sender)
 
@@ -416,7 +433,7 @@ class StageServer(Service, Generic[S]):
         state.abandoned[epoch] = layout.stages[self.stage].fs
         logger.warning(f"{self.name}: epoch {epoch} abandoned by the data source; what was held of it is dropped")
         self.close_ready()  # at once, unless an earlier epoch is still closing here
-        self.task_added.set()  # long polls waiting on the epoch answer now
+        self.news.set()  # long polls waiting on the epoch answer now
         return Ack()
 
     def catch_up(self, epoch: int) -> Ack:
@@ -433,7 +450,7 @@ class StageServer(Service, Generic[S]):
                        "step, the stage's state comes from them")
         state.closed_epoch = epoch
         self.close_ready()
-        self.task_added.set()  # long polls waiting on the epoch answer now
+        self.news.set()  # long polls waiting on the epoch answer now
         return Ack()
 
     closes_by_commit: ClassVar[bool] = False  # an FS closes an epoch only once the data source committed it
@@ -605,6 +622,7 @@ class StageServer(Service, Generic[S]):
         self.state.abandoned.pop(epoch, None)
         self.epoch_stats(epoch).finished = self.clock()
         self._forget_held(epoch)
+        self.news.set()
         # a confirmation whose reply was lost may be asked again after the epoch closed here
         self.state.settled.pop(epoch - self.settings.closures_kept, None)
         logger.info(f"{self.name}: epoch {epoch} closed")

@@ -145,6 +145,15 @@ class FrontalServer(StageServer[FrontalState]):
         closures = tuple(self.state.closures[epoch] for epoch in sorted(self.state.closures))
         return TaskReply(closed_epoch=self.state.closed_epoch, closures=closures, deposit_to=self._depository(epoch))
 
+    def quiet(self, epoch: int, *, holds_state: bool) -> bool:
+        """The worker's epoch is this FS's open one and no row of it is out: with every microbatch this FS received
+        done, no backward task of its rows can wait at a BS either, and a replica, which takes no tasks, waits only
+        for the epoch's rows to be all back. Rows arriving, the rows all back, or a closure are news."""
+        state = self.state
+        if epoch != state.closed_epoch + 1 or self.has_all_rows(epoch) or epoch in state.abandoned:
+            return False
+        return holds_state or (self.in_flight() == 0 and not state.redo)
+
     def _depository(self, epoch: int) -> str | None:
         """Once every row of the open `epoch` is back here, the server its workers deposit their gradients with
         before it counts them ready to average (`close_ready`): the stage's first FS, which closes the epoch for all
@@ -228,7 +237,7 @@ class FrontalServer(StageServer[FrontalState]):
         self.check_peer(request.issuer, mb.layout, stage=self.stage, role="bs", what="issuer")
         if request.worker in self.state.lost.get(epoch, ()):
             if self.state.pool.fail(request.task, request.worker) is not None:
-                self.task_added.set()
+                self.news.set()
             raise Refused(f"worker {request.worker} was judged gone in epoch {epoch} and its rows went to others; "
                           "it takes no further part in the epoch")
         redo = self.state.redo.get(request.task)
@@ -316,6 +325,7 @@ class FrontalServer(StageServer[FrontalState]):
         if len(completed) == self.config.microbatches:
             # the worker whose result completed the epoch was seen then; every other must poll again
             self.epoch_stats(epoch).completed = at
+            self.news.set()
         self.close_ready()
 
     def expect_replicas(self, peer_ids: Iterable[str]) -> None:
@@ -486,7 +496,7 @@ class FrontalServer(StageServer[FrontalState]):
             state.redo[task.task_id] = RedoWork(task=task)
             if self.is_last:
                 self.state.pool.add(task, again=True)
-                self.task_added.set()
+                self.news.set()
             else:
                 self.spawn(self._fetch_output_grads(task, bs=result.issuer), what=f"redo {task.task_id}")
 
@@ -507,7 +517,7 @@ class FrontalServer(StageServer[FrontalState]):
             return
         self.state.redo[task.task_id].grad = reply.grad
         self.state.pool.add(task, again=True)
-        self.task_added.set()
+        self.news.set()
 
     def in_flight(self) -> int:
         return sum(1 for mb in self.state.microbatches.values() if not mb.done)
