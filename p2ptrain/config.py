@@ -325,9 +325,10 @@ class RuntimeConfig:
     server_lost_s: float = 10.0  # ...and holds one lost that has not answered for this long (until it answers);
     # a worker stops waiting for an FS that has not answered it for this long to close an epoch
     # DHT
-    record_period_s: float = 10.0  # a peer re-stores its records this often...
-    record_ttl_s: float = 30.0  # ...and they expire this long after the last store
-    membership_period_s: float = 5.0  # a peer re-reads who serves each stage this often...
+    record_period_s: float = 30.0  # a peer re-stores its records this often...
+    record_ttl_s: float = 90.0  # ...and they expire this long after the last store
+    membership_period_s: float = 5.0  # a peer re-reads who serves each stage this often while it changes or a server
+    membership_idle_period_s: float = 30.0  # stopped answering, backing off to this while reads find it unchanged,
     membership_retry_s: float = 0.5  # ...and this often while a stage lacks an FS or a BS
     metrics_period_s: float = 3.0  # a peer publishes its training metrics this often when they changed
     # the carried recipe (`p2ptrain.recipe`)

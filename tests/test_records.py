@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -248,3 +249,45 @@ def test_readers_skip_malformed_entries(caplog: pytest.LogCaptureFixture) -> Non
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "PeerInfoModel" in messages and "stored under peer liar" in messages
     assert "non-bytes subkey" in messages and "no owner key" in messages
+
+
+def test_membership_reads_back_off_while_nothing_changes_and_come_back_on_a_change_or_a_suspicion() -> None:
+    """An idle swarm reads the DHT little (issue 21): unchanged reads double the wait up to the idle period, a read
+    that finds the servers changed brings it back to the base period, and so does a server that did not answer
+    (`suspect`), whose next read comes within the base period of the last one instead of the idle one."""
+    from p2ptrain.dht.membership import MembershipCache
+    from p2ptrain.protocol.layout import StageServers
+
+    async def scenario() -> list[float]:
+        cache = MembershipCache(dht=None, run_id=RUN, num_stages=1, period_s=0.1, retry_s=0.01, idle_period_s=0.8)
+        loop, reads, servers = asyncio.get_running_loop(), [], [StageServers(fs=("fs",), bs=("bs",))]
+        start = loop.time()
+
+        def read() -> tuple[list[StageServers], list[frozenset[str]]]:
+            reads.append(loop.time() - start)
+            if len(reads) == 6:  # a server joins
+                servers[0] = StageServers(fs=("fs", "fs2"), bs=("bs",))
+            return list(servers), [frozenset()]
+
+        cache.read = read
+        stop = asyncio.Event()
+        task = asyncio.create_task(cache.run(stop))
+        deadline = start + 10.0
+        while len(reads) < 9 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        cache.suspect()
+        suspected = loop.time() - start
+        while len(reads) < 10 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        stop.set()
+        await asyncio.wait_for(task, 5.0)
+        return [*reads, suspected]
+
+    *reads, suspected = asyncio.run(scenario())
+    waits = [b - a for a, b in zip(reads, reads[1:])]
+    assert len(reads) == 10, reads
+    # the first read finds the servers (a change), the next four back off; the sixth finds fs2, the next three back
+    # off again; the tenth follows a suspicion
+    for wait, wanted in zip(waits, [0.1, 0.2, 0.4, 0.8, 0.8, 0.1, 0.2, 0.4]):
+        assert wanted - 0.01 <= wait < wanted + 0.15, (waits, reads)
+    assert reads[9] - reads[8] < 0.1 + 0.15 and reads[9] <= max(suspected, reads[8] + 0.1) + 0.15, (reads, suspected)

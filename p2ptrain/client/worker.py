@@ -109,7 +109,7 @@ class Worker:
     def __init__(
         self, *, worker_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, model: StageModel,
         averager: StageAllReduce, caller: Caller, servers: Callable[[], tuple[list[str], list[str]]],
-        compute: float, norm_keeper: Callable[[], str | None] = lambda: None, client_mode: bool = False,
+        compute: float, suspect: Callable[[], None] = lambda: None, norm_keeper: Callable[[], str | None] = lambda: None, client_mode: bool = False,
         fault: str = "none", dump_dir: Path | None = None,
         download_state: Callable[[Worker], Awaitable[int | None]] | None = None,
         holds_only: bool = False, after_step: Callable[[Worker], Awaitable[None]] | None = None,
@@ -132,6 +132,7 @@ class Worker:
         self._averaging_with: frozenset[str] = frozenset()  # the group of the all-reduce under way
         self._stale = False  # a round failed and this worker did not step: it reloads the stage's state
         self.servers, self.compute, self.client_mode, self.fault = servers, compute, client_mode, fault
+        self.suspect = suspect  # a server of its stage did not answer a poll (`MembershipCache.suspect`)
         self.dump_dir = dump_dir
         # a reliable server that computes nothing but holds the stage's state: it takes no tasks, averages with the
         # workers (with no rows of its own) and steps alike, serves its state and saves it (`after_step`)
@@ -310,6 +311,7 @@ class Worker:
     async def _ask(self, server: str, service: str, request: TakeTask) -> TaskReply | None:
         reply = await self._call(server, service, request)
         if reply is None:  # unreachable, or it refused the poll: ask the others before this one again
+            self.suspect()  # and whether the stage's servers changed
             await asyncio.sleep(self.settings.unreachable_backoff_s)
         return reply
 

@@ -18,34 +18,55 @@ logger = logging.getLogger(__name__)
 
 
 class MembershipCache:
-    """The FS and BS of every stage as last read from the DHT: re-read every `period_s`, and every `retry_s` while
-    some stage lacks an FS or a BS (workers and the data source wait on that).
+    """The FS and BS of every stage as last read from the DHT: re-read every `period_s` while they change, backing
+    off to `idle_period_s` (doubling) while reads find them unchanged; every `retry_s` while some stage lacks an FS
+    or a BS (workers and the data source wait on that). A caller that sees a sign of change (a server stopped
+    answering: `suspect`) brings the period back to `period_s`.
+    Reads cost every DHT replica of the keys a lookup and a check of every signed entry: an idle swarm that re-read
+    every few seconds kept its DHT processes busier than anything else it did (issue 21).
 
     Stage 0's FS come data source first (a layout's first stage-0 FS is its data source): with an owner, one whose
     certificate names it the data source (the smallest peer id of those), else the smallest peer id."""
 
     def __init__(self, *, dht: hivemind.DHT, run_id: str, num_stages: int, period_s: float, retry_s: float,
-                 owner: Owner | None = None):
+                 idle_period_s: float | None = None, owner: Owner | None = None):
         self.dht, self.run_id, self.num_stages, self.owner = dht, run_id, num_stages, owner
         self.period_s, self.retry_s = period_s, retry_s
+        self.idle_period_s = period_s if idle_period_s is None else max(period_s, idle_period_s)
         self.stages: list[StageServers] = [StageServers(fs=(), bs=()) for _ in range(num_stages)]
         self.holders: list[frozenset[str]] = [frozenset() for _ in range(num_stages)]  # servers that hold the state
         self._holder_listeners: list[tuple[int, Callable[[frozenset[str]], None]]] = []
         self.unauthorized: list[set[str]] = [set() for _ in range(num_stages)]  # servers the owner did not authorize
+        self.period = period_s  # the wait before the next read, as backed off
+        self._suspect = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
         while not stop.is_set():
             try:
-                self.stages, self.holders = await asyncio.to_thread(self.read)
+                read = await asyncio.to_thread(self.read)
             except Exception as e:
                 logger.warning(f"could not read stage membership: {e!r}")
+            else:
+                changed = read != (self.stages, self.holders)
+                self.period = self.period_s if changed else min(2 * self.period, self.idle_period_s)
+                self.stages, self.holders = read
+            last = loop.time()
             for stage, listener in self._holder_listeners:
                 listener(self.holders[stage])
-            period = self.period_s if self.layout() is not None else min(self.period_s, self.retry_s)
-            try:
-                await asyncio.wait_for(stop.wait(), period)
-            except asyncio.TimeoutError:
-                pass
+            while not stop.is_set():  # a suspicion shortens the wait under way
+                period = self.period if self.layout() is not None else min(self.period, self.retry_s)
+                remaining = last + period - loop.time()
+                if remaining <= 0:
+                    break
+                self._suspect.clear()
+                await _first_of(stop, self._suspect, timeout=remaining)
+
+    def suspect(self) -> None:
+        """A server did not answer: read again `period_s` after the last read at the latest, and every `period_s`
+        from then on while the servers change or a server stays silent."""
+        self.period = self.period_s
+        self._suspect.set()
 
     def on_holders(self, stage: int, listener: Callable[[frozenset[str]], None]) -> None:
         """Call `listener` with the servers of `stage` that hold its state, after every read."""
@@ -87,3 +108,13 @@ class MembershipCache:
 
     def data_source(self) -> str | None:
         return self.stages[0].fs[0] if self.stages[0].fs else None
+
+
+async def _first_of(*events: asyncio.Event, timeout: float) -> None:
+    """Until one of `events` is set, or `timeout` passed."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

@@ -315,6 +315,7 @@ class Peer:
         stage, role = placement.stage, placement.server_role
         membership = MembershipCache(dht=self.dht, run_id=config.run_id, num_stages=config.num_stages,
                                      period_s=settings.membership_period_s, retry_s=settings.membership_retry_s,
+                                     idle_period_s=settings.membership_idle_period_s,
                                      owner=options.owner)
         self._spawn(membership.run(self._stopping))
         caller = Caller(p2p=self._p2p, peer_id=self.peer_id, codec=config.compression, timeout=settings.rpc_timeout_s,
@@ -350,7 +351,8 @@ class Peer:
             source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed, tokenizer=config.tokenizer,
                                 masking=Masking.of(config))
             watch = ServerWatch(caller=caller, servers=membership.all_servers, period_s=settings.server_check_s,
-                                lost_s=settings.server_lost_s, timeout_s=settings.probe_timeout_s)
+                                lost_s=settings.server_lost_s, timeout_s=settings.probe_timeout_s,
+                                suspect=membership.suspect)
             self.feeder = DataFeeder(server=self.server, source=source, layout=membership.layout,
                                      is_leader=membership.leads, epochs=options.epochs,
                                      max_in_flight=options.max_in_flight, watch=watch, held_out=self._held_out(),
@@ -404,7 +406,8 @@ class Peer:
         holds_only = not self.options.does_compute
         worker = Worker(worker_id=self.peer_id, stage=placement.stage, config=config, settings=self.settings,
                         model=model, averager=averager, caller=caller,
-                        servers=lambda: membership.servers(placement.stage), norm_keeper=membership.data_source,
+                        servers=lambda: membership.servers(placement.stage), suspect=membership.suspect,
+                        norm_keeper=membership.data_source,
                         compute=1.0 if holds_only else self.options.compute_power or 0.0,
                         device=self.device, recompute=self.options.recompute,
                         client_mode=self.options.network.client_mode, fault=self.options.fault,

@@ -21,8 +21,10 @@ class ServerWatch:
     layout), sets `fault` with the `reason`."""
 
     def __init__(self, *, caller: Caller, servers: Callable[[], Iterable[str]], period_s: float, lost_s: float,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic):
-        self.caller, self.servers, self.clock = caller, servers, clock
+                 timeout_s: float, suspect: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic):
+        # `suspect`: told of every ping that failed (`MembershipCache.suspect`)
+        self.caller, self.servers, self.suspect, self.clock = caller, servers, suspect, clock
         self.period_s, self.lost_s, self.timeout_s = period_s, lost_s, timeout_s
         self.started: dict[str, float] = {}  # each server's process start, as last echoed
         self.silent_since: dict[str, float] = {}
@@ -50,6 +52,7 @@ class ServerWatch:
         try:
             echo = await asyncio.wait_for(self.caller.call(peer, LINK_PROBE, Probe()), self.timeout_s)
         except Exception:
+            self.suspect()
             since = self.silent_since.setdefault(peer, asked)
             if asked - since >= self.lost_s and peer not in self.lost:
                 self.lost.add(peer)
