@@ -15,7 +15,7 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
    trains, the CPU time of every process on the machine is read from /proc, so the report says where the two
    cores went (the clients' compute, the servers, hivemind's DHT and averager processes, the p2pd daemons,
    and processes that are not part of this benchmark) and how long each stage waited at the epoch boundary
-   (from the peers' logs: "stage K FS: epoch E closed" -> "stage K stepped to epoch E+1").
+   (from the peers' logs: "stage K FS: epoch E closed" -> "stage K stepped epoch E").
 2. RPC: a second process hosts a hivemind P2P with a tiny ServicerBase (sink and echo) that reads and answers
    with `p2ptrain.transport` packing; this process calls it with `p2ptrain.transport.Caller.exchange`, the
    runtime's own client path. Reported: the round trip of a header-only message, and the time and MB/s of one
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -74,7 +75,7 @@ from p2ptrain.config import CODECS, RunConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import make_validators
 from p2ptrain.models import TRAINABLE, build_stage
-from p2ptrain.transport import Caller, Envelope, pack, unpack
+from p2ptrain.transport import LINGER_S, Caller, Envelope, pack, unpack
 
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 2**20
@@ -170,9 +171,9 @@ def epoch_boundaries(swarm: LocalSwarm) -> dict:
             if m:
                 closed[stage][int(m.group(2))] = _parse_time(m.group(1))
         for line in client_log.read_text(errors="replace").splitlines() if client_log.exists() else []:
-            m = re.match(LOG_TIME + rf".*stage {stage} stepped to epoch (\d+)", line)
+            m = re.match(LOG_TIME + rf".*stage {stage} stepped epoch (\d+)", line)
             if m:
-                stepped[stage][int(m.group(2)) - 1] = _parse_time(m.group(1))  # stepped past epoch E-1
+                stepped[stage][int(m.group(2))] = _parse_time(m.group(1))
     return {"closed": closed, "stepped": stepped}
 
 
@@ -236,7 +237,9 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path) -> dic
                     result["cpu"]["epochs"] = [steady[0], steady[-1]]
                     result["cpu"]["window_wanted_s"] = closed_at[steady[-1]] - start
             if not progress.timed_out and args.idle_s > 0:
-                # the same swarm with nothing to train and nobody reading its status: its background cost
+                # the same swarm with nothing to train and nobody reading its status: its background cost, once the
+                # records and closures of the last epoch are stored and read
+                time.sleep(args.idle_settle_s)
                 calls_first = (time.monotonic(), swarm.served_calls())
                 idle_first = snapshot()
                 time.sleep(args.idle_s)
@@ -254,7 +257,10 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path) -> dic
 
 
 class DataplaneBench(ServicerBase):
-    """Registered as "DataplaneBench.rpc_sink" and "DataplaneBench.rpc_echo", the names `Caller.exchange` calls."""
+    """Registered as "DataplaneBench.rpc_sink" and "DataplaneBench.rpc_echo", the names `Caller.exchange` calls.
+    Like the runtime's servicers (`transport.Service.serve`), a handler keeps the stream open after its reply until
+    the caller closes it: a handler that returns at once may close the stream before its reply leaves (calls failed
+    with "the peer sent an empty stream" or a broken pipe)."""
 
     async def rpc_sink(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -263,6 +269,7 @@ class DataplaneBench(ServicerBase):
         reply = Envelope({"ok": True, "tensors": len(envelope.tensors)})
         for response in pack(reply, codec="none", proto=runtime_pb2.ExpertResponse):
             yield response
+        await asyncio.sleep(LINGER_S)
 
     async def rpc_echo(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -270,6 +277,7 @@ class DataplaneBench(ServicerBase):
         envelope = await unpack(requests)
         for response in pack(envelope, codec=envelope.header.get("codec", "none"), proto=runtime_pb2.ExpertResponse):
             yield response
+        await asyncio.sleep(LINGER_S)
 
 
 SERVICE = DataplaneBench.__name__
@@ -519,14 +527,16 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
             cores = min(float(config.num_stages), (os.cpu_count() or 1) - control)
             out["cpu_bound_ratio"] = min(out["ideal_ratio"], cores * single_cpu / clients_cpu)
     if swarm.get("cpu_idle"):
-        out["cpu_cores_idle"] = consumer_cores(swarm["cpu_idle"], swarm["roles"])
+        out["cpu_cores_idle"] = g = consumer_cores(swarm["cpu_idle"], swarm["roles"])
         out["cpu_idle_window_s"] = swarm["cpu_idle"]["wall_s"]
+        out["control_cores_idle"] = g["server"] + g["bootstrap"] + g["dht"] + g["p2pd"] + g["averager"]
+    out["last_loss"] = epochs[-1]["loss"] if epochs else None
     return out
 
 
 def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConfig, timings: dict,
              single: list[dict], swarm: dict, analysis: dict, rpc: dict | None, codecs: list[dict],
-             control: dict | None) -> str:
+             control: dict | None, dpu_runs: dict[str, dict]) -> str:
     model = config.model_config
     a = analysis
     out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
@@ -565,6 +575,20 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
             f"| ideal 2-stage pipeline on 2 free cores (compute only: d x max stage + min stage) | "
             f"{fmt(a['ideal_pipeline_s'])} | {fmt(a['tokens_per_epoch'] / a['ideal_pipeline_s'], '.0f')} | "
             f"ratio {fmt(a['ideal_ratio'], '.2f')} vs the same compute on one core |", ""]
+    if len(dpu_runs) > 1:
+        out += ["The swarm without and with delayed parameter updates (`--dpu`), one after the other in this run "
+                "(the tables below are the last one's; control plane: the FS/BS, bootstrap, DHT, p2pd and averager "
+                "processes):", "",
+                "| --dpu | s / epoch | tokens/s | ratio to one process | control plane cores (training) | "
+                "control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
+                "|---|---|---|---|---|---|---|---|"]
+        for dpu, run in dpu_runs.items():
+            last = run["last_loss"]
+            out.append(f"| {dpu} | {fmt(run['swarm_s_per_epoch'])} | {fmt(run['swarm_tokens_per_s'], '.0f')} | "
+                       f"{fmt(run['ratio'], '.3f')} | {fmt(run.get('control_cores'))} | "
+                       f"{fmt(run.get('control_cores_idle'), '.3f')} | "
+                       f"{' / '.join(fmt(v) for v in run['step_stall_s'].values())} | {fmt(last, '.4f')} |")
+        out.append("")
     if swarm.get("error"):
         out += [f"**The swarm failed: {swarm['error']}** (logs: `{swarm.get('workdir')}`).", ""]
     if swarm.get("timed_out"):
@@ -622,8 +646,8 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 f"{fmt(a['ratio'], '.3f')}. CPU budget: the one-process loop spends "
                 f"{fmt(a.get('single_cpu_s_per_epoch'))} CPU-s per epoch, the two clients "
                 f"{fmt(a.get('clients_cpu_s_per_epoch'))} CPU-s (compute plus their RPC work), and the swarm's "
-                f"control plane keeps {a['control_cores']:.2f} cores busy whether it trains or not; with the machine "
-                f"to itself the clients could get at most {info['nproc']} - {a['control_cores']:.2f} cores, which "
+                f"control plane keeps {a['control_cores']:.2f} cores busy while it trains "
+                f"({fmt(a.get('control_cores_idle'), '.3f')} idle); with the machine to itself the clients could get at most {info['nproc']} - {a['control_cores']:.2f} cores, which "
                 f"bounds the ratio at about {fmt(a.get('cpu_bound_ratio'), '.2f')}. During the steady epochs the "
                 f"two clients got {g['client']:.2f} cores between them, the swarm's control plane (hivemind DHT "
                 f"processes, p2pd daemons, FS/BS and bootstrap processes, averagers) used {a['control_cores']:.2f} "
@@ -631,7 +655,8 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 f"work on the machine {g['outside']:.2f}, and {g['idle']:.2f} stayed idle. At each epoch boundary "
                 f"stage 0 waits {stall0:.2f} s "
                 f"({100 * stall0 / w:.0f}% of a {w:.2f} s epoch) between its FS closing the epoch and its client "
-                "stepping, and the data source feeds nothing of the next epoch until the last microbatch's backward "
+                f"stepping{' (with --dpu on it steps in the background)' if config.dpu else ''}, and the data "
+                "source feeds nothing of the next epoch until the last microbatch's backward "
                 "is back at stage 0, so the pipeline drains and refills once per epoch."]
     if swarm.get("calls_training") or swarm.get("calls_idle"):
         training, idle = swarm.get("calls_training", {}), swarm.get("calls_idle", {})
@@ -696,12 +721,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--swarm-timeout", type=float, default=None,
                         help="give the swarm at most this many seconds (default 210; quick 150)")
     parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between status reads of the swarm")
-    parser.add_argument("--idle-s", type=float, default=6.0,
+    parser.add_argument("--idle-s", type=float, default=20.0,
                         help="after training, measure the idle swarm's CPU use for this long (0: skip)")
+    parser.add_argument("--idle-settle-s", type=float, default=10.0,
+                        help="...starting this long after the last epoch closed (its records are stored meanwhile)")
     parser.add_argument("--quick", action="store_true", help="a short run: fewer epochs, sizes and repetitions")
     parser.add_argument("--parts", default="swarm,rpc,codecs,dht",
                         help="comma-separated parts to run: swarm (with the one-process reference), rpc, codecs, "
                              "dht (CPU of 7 bare idle hivemind DHTs, a control for the swarm's DHT processes)")
+    parser.add_argument("--dpu", default="off,on", type=lambda text: text.split(","),
+                        help="the swarm's --dpu settings, run one after the other (default off,on; the detailed "
+                             "tables are the last one's)")
     parser.add_argument("--out", default=str(RESULTS), help="directory for dataplane.md and dataplane.json")
     parser.add_argument("--rpc-server", help=argparse.SUPPRESS)  # internal: the RPC benchmark's second process
     return parser
@@ -720,6 +750,8 @@ def main(argv: list[str] | None = None) -> None:
     args.swarm_timeout = args.swarm_timeout or (150.0 if args.quick else 210.0)
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
+    if not args.dpu or not set(args.dpu) <= {"off", "on"} or len(set(args.dpu)) != len(args.dpu):
+        parser.error(f"--dpu takes off, on or both (comma-separated, each once), not {','.join(args.dpu)}")
     config = RunConfig(run_id=RUN_ID, model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
                        microbatches=args.microbatches, seq_len=args.seq_len)
     command = command_line(__file__, argv)
@@ -758,11 +790,15 @@ def main(argv: list[str] | None = None) -> None:
     single: list[dict] = []
     swarm: dict = {"error": "not run (--parts)", "workdir": str(workdir), "report": None,
                    "boundaries": {"closed": {}, "stepped": {}}}
+    swarms: dict[str, dict] = {}  # --dpu setting -> its swarm, run one after the other
     if "swarm" in parts:
         log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
         single, state = single_process(config, range(0, half), None)
-        log(f"[5/5] swarm: {args.epochs} epochs")
-        swarm = run_swarm(args, config, workdir)
+        for dpu in args.dpu:
+            log(f"[5/5] swarm with --dpu {dpu}: {args.epochs} epochs")
+            (workdir / f"dpu-{dpu}").mkdir()
+            swarms[dpu] = run_swarm(args, dataclasses.replace(config, dpu=dpu == "on"), workdir / f"dpu-{dpu}")
+        swarm = swarms[args.dpu[-1]]
         log(f"  one process, epochs {half}..{args.epochs - 1} (after the swarm)")
         more, state = single_process(config, range(half, args.epochs), state)
         single += more
@@ -774,7 +810,9 @@ def main(argv: list[str] | None = None) -> None:
     info["load_end"] = load()
     info["runtime_s"] = time.monotonic() - began
     analysis = analyse(args, config, timings, single, swarm)
-    text = markdown(args, command, info, config, timings, single, swarm, analysis, rpc, codecs, control)
+    dpu_runs = {dpu: analyse(args, config, timings, single, run) for dpu, run in swarms.items()}
+    shown = dataclasses.replace(config, dpu=args.dpu[-1] == "on")  # the swarm whose tables are shown
+    text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, dpu_runs)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataplane.md").write_text(text)
@@ -786,6 +824,9 @@ def main(argv: list[str] | None = None) -> None:
         "batch_rows": config.rows_per_microbatch, "microbatches": config.microbatches, "seq_len": config.seq_len,
         "epochs": args.epochs, "warmup": args.warmup, "lr": config.lr, "weight_decay": config.weight_decay},
         "stage_timings": timings, "single_process": single, "swarm": swarm_json, "analysis": analysis,
+        "dpu_runs": {dpu: {"analysis": dpu_runs[dpu], "report": run.get("report"), "error": run.get("error"),
+                           "calls_training": run.get("calls_training"), "calls_idle": run.get("calls_idle")}
+                     for dpu, run in swarms.items()},
         "rpc": rpc, "codecs": codecs, "dht_control": control,
     }, indent=2, default=str))
     print(text)

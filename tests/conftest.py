@@ -97,6 +97,7 @@ class TestSwarm(Swarm):
     def stop(self, grace_s: float = 15.0) -> None:
         if self._dht is not None:
             self._dht.shutdown()
+            self._dht = None
         super().stop(grace_s)
 
     def stacks(self, lines: int = 25) -> str:

@@ -53,9 +53,12 @@ def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int):
 
 
 @pytest.mark.timeout(600)
-def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm):
+@pytest.mark.parametrize("dpu", ["off", "on"])
+def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm, dpu: str):
+    """With delayed parameter updates too (issue 21): a worker killed while its step runs in the background loses
+    nothing either, and its restart loads the stage's state from a mate whose update in flight settled first."""
     rng = random.Random(7)
-    swarm = start_swarm(make_swarm, "chaos", RECIPE, epochs=EPOCHS)
+    swarm = start_swarm(make_swarm, f"chaos-dpu-{dpu}", [*RECIPE, "--dpu", dpu], epochs=EPOCHS)
 
     kills: list[tuple[str, int]] = []  # (client, epoch closed when it died)
     joined, restarts = set(), 0
