@@ -327,8 +327,9 @@ class RuntimeConfig:
     # DHT
     record_period_s: float = 30.0  # a peer re-stores its records this often...
     record_ttl_s: float = 90.0  # ...and they expire this long after the last store
-    membership_period_s: float = 5.0  # a peer re-reads who serves each stage this often while it changes or a server
-    membership_idle_period_s: float = 30.0  # stopped answering, backing off to this while reads find it unchanged,
+    membership_period_s: float = 5.0  # a peer re-reads who serves each stage this often while that changes or a
+    # server stopped answering (`MembershipCache.suspect`)...
+    membership_idle_period_s: float = 30.0  # ...backing off to this while its reads find it unchanged...
     membership_retry_s: float = 0.5  # ...and this often while a stage lacks an FS or a BS
     metrics_period_s: float = 3.0  # a peer publishes its training metrics this often when they changed
     # the carried recipe (`p2ptrain.recipe`)

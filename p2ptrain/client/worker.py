@@ -109,7 +109,8 @@ class Worker:
     def __init__(
         self, *, worker_id: str, stage: int, config: RunConfig, settings: RuntimeConfig, model: StageModel,
         averager: StageAllReduce, caller: Caller, servers: Callable[[], tuple[list[str], list[str]]],
-        compute: float, suspect: Callable[[], None] = lambda: None, norm_keeper: Callable[[], str | None] = lambda: None, client_mode: bool = False,
+        compute: float, suspect: Callable[[], None] = lambda: None,
+        norm_keeper: Callable[[], str | None] = lambda: None, client_mode: bool = False,
         fault: str = "none", dump_dir: Path | None = None,
         download_state: Callable[[Worker], Awaitable[int | None]] | None = None,
         holds_only: bool = False, after_step: Callable[[Worker], Awaitable[None]] | None = None,

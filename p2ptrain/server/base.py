@@ -224,8 +224,7 @@ class StageServer(Service, Generic[S]):
             self.tick()
         return Ack()
 
-    async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float, idle_wait_s: float
-                             ) -> Task | None:
+    async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float, idle_wait_s: float) -> Task | None:
         """Take a task for `worker`, waiting up to `wait_s` for one to appear, or up to `idle_wait_s` while the stage
         is `quiet` (then only news ends the wait: a poll answered sooner would only be asked again)."""
         record = self.state.workers.get(worker)
