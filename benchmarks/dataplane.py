@@ -469,6 +469,11 @@ CPU_GROUPS = {
 }  # what each group of harness.consumer_cores is in this swarm
 
 
+def control_cores(groups: dict[str, float]) -> float:
+    """The swarm's control plane among `harness.consumer_cores` groups: everything but the clients' compute."""
+    return sum(groups[group] for group in ("server", "bootstrap", "dht", "p2pd", "averager"))
+
+
 def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: list[dict], swarm: dict) -> dict:
     """The report's numbers: steady-epoch speeds and their ratio, the ideal pipeline, step stalls, CPU per group."""
     tokens = config.tokens_per_epoch
@@ -516,7 +521,7 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
         out["swarm_tokens_per_cpu_s"] = tokens / (swarm_cores * swarm_s) if swarm_cores > 0 else None
         out["machine_cores_used"] = cpu["machine_cores"]
         g = out["cpu_cores"]
-        control = g["server"] + g["bootstrap"] + g["dht"] + g["p2pd"] + g["averager"]
+        control = control_cores(g)
         clients_cpu = g["client"] * swarm_s
         single_cpu = mean([r["cpu_s"] for r in steady_single])
         out["control_cores"] = control
@@ -529,7 +534,7 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
     if swarm.get("cpu_idle"):
         out["cpu_cores_idle"] = g = consumer_cores(swarm["cpu_idle"], swarm["roles"])
         out["cpu_idle_window_s"] = swarm["cpu_idle"]["wall_s"]
-        out["control_cores_idle"] = g["server"] + g["bootstrap"] + g["dht"] + g["p2pd"] + g["averager"]
+        out["control_cores_idle"] = control_cores(g)
     out["last_loss"] = epochs[-1]["loss"] if epochs else None
     return out
 

@@ -37,7 +37,7 @@ class MembershipCache:
         self.holders: list[frozenset[str]] = [frozenset() for _ in range(num_stages)]  # servers that hold the state
         self._holder_listeners: list[tuple[int, Callable[[frozenset[str]], None]]] = []
         self.unauthorized: list[set[str]] = [set() for _ in range(num_stages)]  # servers the owner did not authorize
-        self.period = period_s  # the wait before the next read, as backed off
+        self._period = period_s  # the wait before the next read, as backed off
         self._suspect = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -49,13 +49,13 @@ class MembershipCache:
                 logger.warning(f"could not read stage membership: {e!r}")
             else:
                 changed = read != (self.stages, self.holders)
-                self.period = self.period_s if changed else min(2 * self.period, self.idle_period_s)
+                self._period = self.period_s if changed else min(2 * self._period, self.idle_period_s)
                 self.stages, self.holders = read
             last = loop.time()
             for stage, listener in self._holder_listeners:
                 listener(self.holders[stage])
             while not stop.is_set():  # a suspicion shortens the wait under way
-                period = self.period if self.layout() is not None else min(self.period, self.retry_s)
+                period = self._period if self.layout() is not None else min(self._period, self.retry_s)
                 remaining = last + period - loop.time()
                 if remaining <= 0:
                     break
@@ -65,7 +65,7 @@ class MembershipCache:
     def suspect(self) -> None:
         """A server did not answer: read again `period_s` after the last read at the latest, and every `period_s`
         from then on while the servers change or a server stays silent."""
-        self.period = self.period_s
+        self._period = self.period_s
         self._suspect.set()
 
     def on_holders(self, stage: int, listener: Callable[[frozenset[str]], None]) -> None:
