@@ -670,3 +670,47 @@ def test_an_idle_fs_holds_polls_until_its_news_and_answers_them_at_once_when_row
         assert loop.time() - start < 1.0
 
     asyncio.run(scenario())
+
+
+def test_a_diloco_round_waits_for_a_worker_with_rows_earlier_in_the_interval_that_took_none_of_the_round_epoch():
+    """DiLoCo (`average_every` 2): a worker that trained rows in epoch 0 but took none of epoch 1 (the round's) still
+    holds its steps' sum: the round's closure waits for its poll and groups it with its interval's rows; only once it
+    is gone does the round go on without it."""
+    async def scenario() -> None:
+        clock = Clock()
+        config = dataclasses.replace(CONFIG, average_every=2)
+        fs, _ = servers(clock=clock, config=config)
+        assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
+        await feed(fs, 0)
+        halves = {worker: await poll(fs, worker, 0) for worker in ("w1", "w2")}
+        for worker, task in halves.items():
+            assert task is not None and len(task.rows) == ROWS // 2
+            await handled(fs, fs.push_input_grads(grads(task, worker), worker))
+        for worker in halves:
+            await poll(fs, worker, 0)
+        assert fs.state.closed_epoch == 0 and fs.state.interval_rows == {"w1": ROWS // 2, "w2": ROWS // 2}
+
+        for epoch, w2_polls in ((1, True), (3, False)):
+            if epoch == 3:  # epoch 2 as epoch 0, but w2 keeps silent after it
+                await feed(fs, 2)
+                halves = {worker: await poll(fs, worker, 2) for worker in ("w1", "w2")}
+                for worker, task in halves.items():
+                    await handled(fs, fs.push_input_grads(grads(task, worker), worker))
+                    await poll(fs, worker, 2)
+                assert fs.state.closed_epoch == 2
+            clock.now += 1.0
+            await feed(fs, epoch)
+            while (task := await poll(fs, "w1", epoch)) is not None:  # w1 takes every row of the round's epoch
+                await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1"))
+            assert fs.state.closed_epoch == epoch - 1  # w2 holds rows of the interval and has not polled since
+            if w2_polls:
+                await poll(fs, "w2", epoch)
+                group = {member.peer_id: member.rows for member in fs.state.closures[epoch].group}
+                assert group == {"w1": ROWS // 2 + ROWS, "w2": ROWS // 2}
+            else:
+                clock.now += fs.settings.worker_lost_s
+                await poll(fs, "w1", epoch)
+                assert members(fs.state.closures[epoch]) == ["w1"]
+            assert fs.state.closed_epoch == epoch and fs.state.interval_rows == {}
+
+    asyncio.run(scenario())

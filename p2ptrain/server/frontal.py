@@ -136,7 +136,8 @@ class FrontalServer(StageServer[FrontalState]):
                          labels=mb.labels[window], grad=None if redo is None else redo.grad)
 
     def gradient_holders(self) -> set[str]:
-        return {result.worker for results in self.state.results.values() for result in results}
+        return {result.worker for results in self.state.results.values() for result in results} | set(
+            self.state.interval_rows)
 
     def may_work(self, worker: str, epoch: int) -> bool:
         return worker not in self.state.lost.get(epoch, ())  # judged gone: its rows went to others
@@ -369,6 +370,9 @@ class FrontalServer(StageServer[FrontalState]):
             # alone matter, so churn among the others never holds the epoch open. The servers that hold the stage's
             # state must be in every group, or they would fall behind the workers
             watched = contributors | holders | (set(state.workers) if len(layout.stages[self.stage].fs) > 1 else set())
+            # DiLoCo: a worker with rows earlier in the interval holds its steps' sum even if it took none of this
+            # epoch's; left out of the closure, its part of the round would be lost while it lives
+            watched |= set(state.interval_rows)
             if any(not self.excluded(state.workers[w]) and not self.gone(w) for w in watched - fresh):
                 return  # a worker that has not polled since: the next polls here tell whether it is gone
             # a worker one epoch behind steps that one when this poll's reply tells it closed, then this one; one
