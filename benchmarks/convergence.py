@@ -18,6 +18,9 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
 - dpu (on request): the same swarm with delayed parameter updates;
+- one-late, one-late-from-N, one-predict-A (on request): one process that computes each epoch's gradient on the
+  parameters from before the last step, as a worker with delayed updates does: from the start, from epoch N on, or
+  with those parameters extrapolated by A times the last update (weight prediction); what staleness alone costs;
 - average-every-8 (on request): the same swarm whose stages average once every 8 epochs (`--average-every 8`,
   DiLoCo: each worker steps on its own gradients between rounds, an outer SGD with Nesterov momentum at a round,
   --outer-lr and --outer-momentum, the recipe's defaults unless given); without clipping, which needs a global
@@ -32,6 +35,7 @@ held-out loss against steps and against wall time), or the same in --out DIR, na
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -53,6 +57,23 @@ RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 RUNS = ("one", "swarm", "int8", "churn", "dpu", "int8-averaging", "fp16-averaging", "average-every-8")
 DEFAULT_RUNS = ("one", "swarm", "int8", "churn")
+STALE_RUNS = ("one-late", "one-late-from-N", "one-predict-A")
+
+
+def staleness(run: str) -> dict[str, Any] | None:
+    """`one_process`'s staleness options of a one-process run named in STALE_RUNS (N an epoch, A a fraction), or
+    None if `run` is none of them."""
+    if run == "one-late":
+        return {"stale_from": 0}
+    for prefix, option in (("one-late-from-", "stale_from"), ("one-predict-", "predict")):
+        value = run.removeprefix(prefix)
+        if value != run:
+            try:
+                number = int(value) if option == "stale_from" else float(value)
+            except ValueError:
+                return None
+            return {"stale_from": number} if option == "stale_from" else {"stale_from": 0, "predict": number}
+    return None
 
 
 def held_out(stages: list[torch.nn.Module], windows: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -68,13 +89,21 @@ def held_out(stages: list[torch.nn.Module], windows: list[tuple[torch.Tensor, to
     return total / tokens
 
 
-def one_process(config: RunConfig, epochs: int, eval_every: int, windows: list) -> dict[str, Any]:
-    model = build_stage(config.model_config, start=0, end=config.model_config.num_layers, seed=config.seed)
-    optimizer = model.configure_optimizer(name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
+def one_process(config: RunConfig, epochs: int, eval_every: int, windows: list, *, stale_from: int | None = None,
+                predict: float = 0.0) -> dict[str, Any]:
+    """One process stepping once per global batch. With `stale_from`, from that epoch on each epoch's gradient is
+    computed on the parameters from before the last step, as a worker's with delayed parameter updates (the model
+    takes the master's parameters one step late); `predict` > 0 then extrapolates them by that fraction of the last
+    update (weight prediction) to guess the parameters the gradient will be applied to."""
+    master = build_stage(config.model_config, start=0, end=config.model_config.num_layers, seed=config.seed)
+    model = copy.deepcopy(master) if stale_from is not None else master
+    optimizer = master.configure_optimizer(name=config.optimizer, lr=config.lr, weight_decay=config.weight_decay)
     schedule = LRSchedule(lr=config.lr, warmup_epochs=config.warmup_epochs, decay_epochs=config.decay_epochs,
                           min_lr=config.min_lr)
     source = TextSource(path=config.data, seq_len=config.seq_len, seed=config.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in master.parameters() if p.requires_grad]
+    computing = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params] if predict else []  # the master before the last step
     train, evals, started = [], [], time.monotonic()
     for epoch in range(epochs):
         loss_sum = 0.0
@@ -83,6 +112,17 @@ def one_process(config: RunConfig, epochs: int, eval_every: int, windows: list) 
             loss = model(ids, labels)
             (loss / config.tokens_per_epoch).backward()
             loss_sum += float(loss.detach())
+        stale = stale_from is not None and epoch >= stale_from
+        if model is not master:
+            with torch.no_grad():
+                for index, (p, c) in enumerate(zip(params, computing)):
+                    p.grad, c.grad = c.grad, None
+                    if stale:  # the next epoch computes on the parameters from before this epoch's step
+                        c.copy_(p)
+                        if predict:
+                            c.add_(p - before[index], alpha=predict)
+                    if predict:
+                        before[index].copy_(p)
         if config.clip_norm:
             norm = math.sqrt(math.fsum(p.grad.double().square().sum().item() for p in params))
             for p in params:
@@ -91,9 +131,13 @@ def one_process(config: RunConfig, epochs: int, eval_every: int, windows: list) 
             group["lr"] = schedule.at(epoch)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if model is not master and not stale:
+            with torch.no_grad():
+                for p, c in zip(params, computing):
+                    c.copy_(p)
         train.append({"epoch": epoch, "loss": loss_sum / config.tokens_per_epoch, "at_s": time.monotonic() - started})
         if (epoch + 1) % eval_every == 0:
-            evals.append({"epoch": epoch + 1, "loss": held_out([model], windows), "at_s": time.monotonic() - started})
+            evals.append({"epoch": epoch + 1, "loss": held_out([master], windows), "at_s": time.monotonic() - started})
             log(f"  one process: epoch {epoch}, train loss {train[-1]['loss']:.4f}, held-out {evals[-1]['loss']:.4f}")
     return {"train": train, "evals": evals, "seconds": time.monotonic() - started}
 
@@ -214,7 +258,10 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                      f"{fmt(row['final_eval_loss'], '.4f')} | {fmt(ratio, '.4f')} | {fmt(row['s_per_epoch'])} | "
                      f"{_count(row['kills'])} | {_count(row['epochs_exact'])} | {_count(row['rows_recomputed'])} | "
                      f"{_count(row['rounds_failed'])} |")
-    lines.append(f"\nPlot: `{args.stem}.png`. Runs: one = one process; swarm = the swarm (averaging in fp32); int8 = "
+    lines.append(f"\nPlot: `{args.stem}.png`. Runs: one = one process; one-late = one process whose every gradient is "
+                 "computed on the parameters from before the last step (the staleness of delayed parameter updates); "
+                 "one-late-from-N = the same from epoch N on; one-predict-A = one-late whose parameters are "
+                 "extrapolated by A times the last update (weight prediction); swarm = the swarm (averaging in fp32); int8 = "
                  "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
                  "restarted; dpu = the swarm with delayed parameter updates; int8-averaging, fp16-averaging = the "
                  "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "
@@ -266,9 +313,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.epochs % args.eval_every:
         raise SystemExit("--epochs must be a multiple of --eval-every (the last held-out loss is of the last epoch)")
     runs = [r for r in args.runs.split(",") if r]
-    unknown = set(runs) - set(RUNS)
+    unknown = {r for r in runs if r not in RUNS and staleness(r) is None}
     if unknown:
-        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {', '.join(RUNS)}")
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {', '.join(RUNS)}, "
+                         f"{', '.join(STALE_RUNS)}")
     command = command_line(__file__, argv)
     torch.set_num_threads(1)
     base = RunConfig(run_id="convergence", model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
@@ -283,8 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         tmp = args.workdir or tmp
         for name in runs:
             log(f"run {name}")
-            if name == "one":
-                results[name] = one_process(base, args.epochs, args.eval_every, windows)
+            if name == "one" or staleness(name) is not None:
+                results[name] = one_process(base, args.epochs, args.eval_every, windows, **(staleness(name) or {}))
                 continue
             config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}", "dpu": name == "dpu",
                                   "compression": "int8" if name == "int8" else "none",
