@@ -13,14 +13,16 @@ import logging
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from p2ptrain.cli import check_maddrs, count, index, positive, run_id, writable_file
+from p2ptrain.cli import check_maddrs, count, index, non_negative, positive, run_id, writable_file
 from p2ptrain.config import AVERAGING_CODECS, OPTIMIZERS, RunConfig, RuntimeConfig
 from p2ptrain.models.configs import ModelConfig
 from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
+from p2ptrain.planner.anytime import default_budget_s
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, config_spec, model_spec
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
 
@@ -61,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--planner", choices=PLANNERS, default="refined")
     parser.add_argument("--stages", type=count, help="force this many stages (paper and refined planners)")
     parser.add_argument("--seed", type=index, default=0)
+    parser.add_argument("--budget-s", type=non_negative, metavar="SECONDS",
+                        help="how long the refined planner keeps improving its plan (its anytime search; 0: none; "
+                             "default: 4 s plus 40 s per 1,024 devices, at most 44 s; it stops sooner once rounds "
+                             "stop finding better plans)")
+    parser.add_argument("--rounds", type=index, metavar="N",
+                        help="instead of a time budget, run N rounds of the anytime search (fewer if they stop "
+                             "finding better plans): the plan a budget gave, again on any machine (its `search` "
+                             "says how many rounds it ran)")
     parser.add_argument("--json", type=writable_file, help="write the plan as JSON to this file")
     live = parser.add_argument_group("live planning (plan what the peers of a running swarm announced)")
     live.add_argument("--initial-peers", nargs="+", help="multiaddrs of peers of the swarm, instead of a swarm file")
@@ -151,8 +161,10 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.error(f"--stages {stages}: {args.swarm} has {reliable} reliable devices (2 per stage) and the model "
                      f"{model.layers} layers; fix: use --stages between 1 and {min(reliable // 2, model.layers)}")
     try:
+        budget_s = default_budget_s(len(swarm.devices)) if args.budget_s is None else args.budget_s
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
-                         stages=stages, seed=args.seed, average_every=args.average_every)
+                         stages=stages, seed=args.seed, average_every=args.average_every, budget_s=budget_s,
+                         clock=time.monotonic, rounds=args.rounds)
     except PlanningError as error:
         print(f"{args.swarm}: {error}", file=sys.stderr)
         return 1

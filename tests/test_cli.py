@@ -134,6 +134,7 @@ PLAN_CASES = [
     (["peers/local.toml", "--stages", "0"], "argument --stages: 0"),
     (["peers/local.toml", "--stages", "5"], "--stages 5: peers/local.toml has 4 reliable devices"),
     (["peers/local.toml", "--seed", "-1"], "argument --seed: -1"),
+    (["peers/local.toml", "--budget-s", "-1"], "argument --budget-s: -1"),
     (["peers/local.toml", "--planner", "oracle"], "argument --planner: invalid choice: 'oracle'"),
     (["peers/local.toml", "--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9'"),
     (["peers/local.toml", "--json", "NODIR"], "argument --json: NODIR: folder"),

@@ -12,6 +12,7 @@ from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
+from p2ptrain.planner.anytime import PATIENCE
 from p2ptrain.planner.baselines import random_layout
 from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate, lower_bound, memory_lower_bound
 from p2ptrain.planner.generate import geo_swarm
@@ -357,3 +358,53 @@ def test_baselines_return_valid_plans() -> None:
         assert np.isfinite(plan.predicted.batch_time_s), planner
         assert sum(s.layers[1] - s.layers[0] for s in plan.stages) == model.layers
         assert all(s.fs and s.bs for s in plan.stages)
+
+
+class Ticks:
+    """A clock that advances one second each time it is read: a budget of N seconds lasts N reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_the_anytime_search_only_improves_replays_from_its_seed_and_rounds_and_reports_its_gap() -> None:
+    """`--budget-s`: given time, the refined planner keeps improving its plan in seeded rounds (never ending worse
+    than without it), the plan records the rounds, the same seed and round count give the same plan, and the plan's
+    gap to the bound is in its JSON."""
+    swarm = load_swarm(PEERS / "paper-case3.toml")
+    assert swarm.model is not None
+    kwargs = {"batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
+    quick = make_plan(swarm, swarm.model, **kwargs)
+    assert quick.search is None
+    searched = make_plan(swarm, swarm.model, budget_s=1e9, clock=Ticks(), **kwargs)
+    assert searched.search is not None and searched.search.rounds >= PATIENCE and searched.search.improved >= 1
+    assert searched.predicted.batch_time_s < quick.predicted.batch_time_s  # this file's quick plan is 5% off
+    assert make_plan(swarm, swarm.model, budget_s=1e9, clock=Ticks(), **kwargs) == searched
+    # a budget that runs out after some rounds: the plan of exactly those rounds, no worse than without the search
+    cut = make_plan(swarm, swarm.model, budget_s=100, clock=Ticks(), **kwargs)
+    assert cut.search is not None and 0 < cut.search.rounds < searched.search.rounds
+    assert cut.predicted.batch_time_s <= quick.predicted.batch_time_s
+    data = searched.to_json()
+    bound = max(searched.predicted.lower_bound_s, searched.predicted.memory_lower_bound_s or 0.0)
+    assert data["predicted"]["gap"] == pytest.approx(searched.predicted.batch_time_s / bound - 1)
+    assert data["search"]["rounds"] == searched.search.rounds
+    assert Plan.from_json(data) == searched
+    # what a budget gave, again without a clock: the same number of rounds
+    replayed = make_plan(swarm, swarm.model, rounds=cut.search.rounds, **kwargs)
+    assert replace(replayed, search=None) == replace(cut, search=None)
+    assert replayed.search is not None and replayed.search.rounds == cut.search.rounds
+    with pytest.raises(ValueError, match="clock"):
+        make_plan(swarm, swarm.model, budget_s=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_the_anytime_search_keeps_a_forced_stage_count(stages: int) -> None:
+    swarm = load_swarm(PEERS / "paper-sec43-24.toml")
+    assert swarm.model is not None
+    plan = make_plan(swarm, swarm.model, batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches,
+                     stages=stages, budget_s=1e9, clock=Ticks())
+    assert len(plan.stages) == stages and plan.search is not None and plan.search.rounds > 0

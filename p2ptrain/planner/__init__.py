@@ -2,6 +2,8 @@
 the baselines. ``make_plan`` is the entry point the CLI and the runtime share."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
@@ -24,19 +26,32 @@ class PlanningError(ValueError):
 
 def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
               stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
-              average_every: int = 1) -> Plan:
+              average_every: int = 1, budget_s: float = 0.0, clock: Callable[[], float] | None = None,
+              rounds: int | None = None) -> Plan:
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
-    ``average_every``: the run's rounds come once every that many global batches (`--average-every`).
+    ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
+    the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
+    anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving), the
+    same on any machine.
 
-    Deterministic for a given seed. Raises ``PlanningError`` when no valid plan is found.
+    Deterministic for a given seed (and, with a budget, the number of rounds the anytime phase completed, which the
+    plan records). Raises ``PlanningError`` when no valid plan is found.
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
+    out_of_time = None
+    if rounds is not None:
+        out_of_time = lambda: False  # noqa: E731
+    elif budget_s > 0:
+        if clock is None:
+            raise ValueError("a planning budget needs a clock")
+        deadline = clock() + budget_s
+        out_of_time = lambda: clock() >= deadline  # noqa: E731
     reliable = swarm.reliable
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
                             f"has {int(reliable.sum())} reliable devices and the model {model.layers} layers")
-    net = swarm.network()
+    net, search = swarm.network(), None
     engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches,
                                    average_every=average_every), reliable)
     if planner in ("paper", "refined"):
@@ -45,7 +60,9 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
         if planner == "paper":
             layouts = paper_layouts
         else:
-            layouts = better(engine, refined_layouts(engine, paper, seed=seed, stages=stages), paper_layouts)
+            refined, search = refined_layouts(engine, paper, seed=seed, stages=stages, out_of_time=out_of_time,
+                                              max_rounds=rounds)
+            layouts = better(engine, refined, paper_layouts)
     elif stages is not None:
         raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")
     elif planner == "random":
@@ -59,4 +76,4 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
         raise PlanningError(f"the {planner} planner found no plan whose servers can hold {model.layers} layers of "
                             f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each"
                             + (f" beside {shared / 2**30:.3g} GiB of shared tensors" if shared else ""))
-    return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner, reliable=reliable)
+    return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner, reliable=reliable, search=search)

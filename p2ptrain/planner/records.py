@@ -1,11 +1,13 @@
 """The plan as the runtime and the CLI see it: device ids, half-open layer ranges, the prediction."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
+from p2ptrain.planner.anytime import SearchRecord
 from p2ptrain.planner.cost import Evaluation, Network, StageLayout, Workload, evaluate, memory_lower_bound
 
 
@@ -36,6 +38,12 @@ class Prediction:
     averaging_s: tuple[float, ...]
     memory_lower_bound_s: float | None = None  # cost.memory_lower_bound: no plan of this swarm can beat it
 
+    @property
+    def gap(self) -> float:
+        """How far the plan may be from the best possible: its batch time over the tightest bound known, less 1."""
+        bound = max(self.lower_bound_s, self.memory_lower_bound_s or 0.0)
+        return self.batch_time_s / bound - 1 if bound > 0 else float("inf")
+
     @classmethod
     def of(cls, evaluation: Evaluation, *, memory_lower_bound_s: float | None = None) -> "Prediction":
         return cls(batch_time_s=evaluation.batch_time_s, lower_bound_s=evaluation.lower_bound_s,
@@ -49,6 +57,7 @@ class Plan:
     idle: tuple[str, ...]
     predicted: Prediction
     planner: str = ""
+    search: SearchRecord | None = None  # the refined planner's anytime phase, when it had a budget
 
     def to_json(self) -> dict[str, Any]:
         stages = []
@@ -62,9 +71,10 @@ class Plan:
         return {"planner": self.planner, "stages": stages, "idle": list(self.idle),
                 "predicted": {"batch_time_s": p.batch_time_s, "lower_bound_s": p.lower_bound_s,
                               "efficiency": p.efficiency, "stage_times_s": list(p.stage_times_s),
-                              "averaging_s": list(p.averaging_s),
+                              "averaging_s": list(p.averaging_s), "gap": p.gap,
                               **({} if p.memory_lower_bound_s is None
-                                 else {"memory_lower_bound_s": p.memory_lower_bound_s})}}
+                                 else {"memory_lower_bound_s": p.memory_lower_bound_s})},
+                **({} if self.search is None else {"search": dataclasses.asdict(self.search)})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Plan":
@@ -78,8 +88,11 @@ class Plan:
                                efficiency=float(p["efficiency"]), stage_times_s=tuple(p["stage_times_s"]),
                                averaging_s=tuple(p.get("averaging_s", ())),
                                memory_lower_bound_s=p.get("memory_lower_bound_s"))
+        search = data.get("search")
         return cls(stages=stages, idle=tuple(data.get("idle", ())), predicted=predicted,
-                   planner=str(data.get("planner", "")))
+                   planner=str(data.get("planner", "")),
+                   search=None if search is None else SearchRecord(**{f.name: int(search[f.name])
+                                                                      for f in dataclasses.fields(SearchRecord)}))
 
     def layouts(self, ids: Sequence[str]) -> list[StageLayout]:
         """The plan by device index, for re-scoring it against a (possibly changed) network."""
@@ -95,7 +108,7 @@ class Plan:
 
 
 def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence[StageLayout], *,
-               planner: str, reliable: np.ndarray | None = None) -> Plan:
+               planner: str, reliable: np.ndarray | None = None, search: SearchRecord | None = None) -> Plan:
     """Score index layouts with the cost model and name everything by device id; with ``reliable``, also the
     memory-aware lower bound."""
     evaluation = evaluate(net, wl, layouts)
@@ -111,7 +124,7 @@ def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence
         start += s.layers
     idle = tuple(device for device in ids if device not in placed)
     return Plan(stages=tuple(stages), idle=idle, predicted=Prediction.of(evaluation, memory_lower_bound_s=bound),
-                planner=planner)
+                planner=planner, search=search)
 
 
 def format_plan(plan: Plan, *, title: str) -> str:
@@ -130,4 +143,8 @@ def format_plan(plan: Plan, *, title: str) -> str:
     if p.memory_lower_bound_s is not None and p.memory_lower_bound_s > p.lower_bound_s * (1 + 1e-9):
         lines.append(f"with memory and 2 servers per stage counted, no plan beats {p.memory_lower_bound_s:.4g} s "
                      f"({p.memory_lower_bound_s / p.batch_time_s:.3f} of this plan's time)")
+    lines.append(f"gap to the bound: {p.gap:.1%} (no plan is faster than the bound; the best one may be slower)")
+    if plan.search is not None:
+        s = plan.search
+        lines.append(f"search: {s.rounds} anytime rounds ({s.improved} improved the plan), {s.scored} plans scored")
     return "\n".join(lines)

@@ -11,16 +11,20 @@
 3. Iterated local search from the best plan: a few random moves, then the local search again with swaps of two
    devices between near stages added (the move that keeps both stages' sizes), kept only if better; until a
    run of kicks finds nothing.
-4. Row shares and layer counts by time (``shares.timed_layouts``).
+4. Given a time budget, the anytime phase (``anytime``): rounds of simulated annealing from the best plan while the
+   budget lasts.
+5. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Sequence
 
 import numpy as np
 
+from p2ptrain.planner.anytime import SearchRecord, anytime
 from p2ptrain.planner.baselines import swarm_groups
 from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
@@ -97,8 +101,12 @@ def perturb(engine: Engine, groups: list[Group], score: Score, *, rng: np.random
 
 
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
-                    rounds: int = 200, budget: int = 2000, starts: int = 2, screen: int = 3,
-                    kick_total: int = 2000, patience: int = 6, kick_budget: int = 200) -> list[StageLayout] | None:
+                    out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
+                    rounds: int = 200, budget: int = 2000,
+                    starts: int = 2, screen: int = 3, kick_total: int = 2000, patience: int = 6,
+                    kick_budget: int = 200) -> tuple[list[StageLayout] | None, SearchRecord | None]:
+    """The refined plan (module doc); with ``out_of_time``, the anytime phase runs until it says the budget is
+    spent (or ``max_rounds`` rounds), and what it did comes back beside the plan."""
     rng = np.random.default_rng(seed)
     reliable = np.flatnonzero(engine.reliable)
     most = min(len(reliable) // 2, engine.layers)
@@ -125,7 +133,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
         candidates.append((paper.groups, engine.score(paper.groups)))
     candidates = [c for c in candidates if np.isfinite(c[1].pt)]
     if not candidates:
-        return None
+        return None, None
     candidates.sort(key=lambda c: (c[1].pt, c[1].smooth))
     best: tuple[list[Group], Score] | None = None
     for groups, score in candidates[:starts]:
@@ -136,12 +144,14 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     assert best is not None
     best = perturb(engine, *best, rng=rng, budget=kick_total, patience=patience, rounds=rounds,
                    kick_budget=kick_budget)
-    plain = engine.layouts(best[0], best[1])
-    timed = timed_layouts(engine, best[0])
-    if timed is not None and evaluate(engine.net, engine.wl, timed).batch_time_s < \
-            evaluate(engine.net, engine.wl, plain).batch_time_s:
-        return timed
-    return plain
+    finalists, record = [best], None
+    if out_of_time is not None:
+        *searched, record = anytime(engine, *best, seed=seed, fixed_stages=stages is not None,
+                                    out_of_time=out_of_time, max_rounds=max_rounds)
+        finalists.append(searched)
+    # the engine's score prices shares by compute and some shared tensors by a bound: the exact cost model decides
+    options = [o for groups, score in finalists for o in (engine.layouts(groups, score), timed_layouts(engine, groups))]
+    return better(engine, *options), record
 
 
 def better(engine: Engine, *options: Sequence[StageLayout] | None) -> list[StageLayout] | None:

@@ -1,0 +1,148 @@
+"""The refined planner's anytime phase: simulated annealing over stage memberships while a time budget lasts.
+
+The refined search (``refine``) ends in a local optimum of its moves. Given more time (``--budget-s``), this phase
+keeps improving the best plan in rounds. A round anneals from the best plan so far: it makes random moves (a device
+to idleness, to a near stage or the other server role; two devices of near stages trading places; two neighbouring
+stages trading places; two stages merged; a stage split), accepts a worse plan with a probability that falls as the
+round goes on, and ends in a first-improvement local search (``Engine.improve``). Each round draws from a generator
+seeded by the planner's seed and the round's number and scores a fixed number of moves, so the result depends only on
+the seed and how many rounds completed; the clock only decides how many (a round the budget cuts short is dropped).
+The phase also ends once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the
+whole budget.
+Moves are scored through ``Engine.score``, which caches every stage's statistics: a move recomputes only the stages it
+touches.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2ptrain.planner.search import Engine, Group, Score
+
+PATIENCE = 20  # rounds in a row without a better plan after which the search ends before its budget
+CHECK_EVERY = 64  # moves between looks at the clock
+HOT, COLD = 0.02, 0.0003  # a round's temperature, as the relative PT increase accepted with probability 1/e
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchRecord:
+    """What the anytime phase did: rounds completed (the result replays from the seed and this count), plans
+    scored by the whole refined search, and the rounds that improved the best plan."""
+
+    rounds: int
+    scored: int
+    improved: int
+
+
+def default_budget_s(devices: int) -> float:
+    """The CLI's budget: about 6.5 s at 64 devices and 44 s at 1,024, so that a whole planning process stays under
+    10 s and 60 s (the refined search before this phase takes about 0.4 s and 6 s there)."""
+    return min(44.0, 4.0 + 40.0 * devices / 1024)
+
+
+def round_moves(devices: int) -> int:
+    """Scored moves per round: enough to cross a few plateaus, few enough that a small swarm's search (which runs
+    out of better plans fast) ends in a fraction of a second."""
+    return min(3000, 200 + 40 * devices)
+
+
+def anytime(engine: Engine, groups: list[Group], score: Score, *, seed: int, fixed_stages: bool,
+            out_of_time: Callable[[], bool], patience: int = PATIENCE,
+            max_rounds: int | None = None) -> tuple[list[Group], Score, SearchRecord]:
+    """Anneal in rounds from (``groups``, ``score``) until ``out_of_time()``, ``patience`` rounds in a row found
+    nothing better, or ``max_rounds`` rounds; the best plan found and what was done. With ``fixed_stages`` no move
+    changes the stage count."""
+    rounds = improved = misses = 0
+    moves = round_moves(engine.net.size)
+    while misses < patience and (max_rounds is None or rounds < max_rounds):
+        result = _round(engine, groups, score, rng=np.random.default_rng([seed, rounds]), moves=moves,
+                        fixed_stages=fixed_stages, out_of_time=out_of_time)
+        if result is None:
+            break
+        rounds += 1
+        if result[1].better_than(score):
+            groups, score = result
+            improved, misses = improved + 1, 0
+        else:
+            misses += 1
+    return groups, score, SearchRecord(rounds=rounds, scored=engine.scored, improved=improved)
+
+
+def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, moves: int,
+           fixed_stages: bool, out_of_time: Callable[[], bool]) -> tuple[list[Group], Score] | None:
+    """One annealing round and its closing local search; None if the budget ended first."""
+    current, current_pt = groups, score.pt
+    best, best_score = groups, score
+    for step in range(moves):
+        if step % CHECK_EVERY == 0 and out_of_time():
+            return None
+        trial = _move(engine, current, rng, fixed_stages)
+        if trial is None:
+            continue
+        trial_score = engine.score(trial)
+        if not math.isfinite(trial_score.pt):
+            continue
+        temperature = HOT * (COLD / HOT) ** (step / moves)
+        rise = (trial_score.pt - current_pt) / current_pt
+        if rise <= 0 or rng.random() < math.exp(-rise / temperature):
+            current, current_pt = trial, trial_score.pt
+            if trial_score.better_than(best_score):
+                best, best_score = trial, trial_score
+    if out_of_time():
+        return None
+    return engine.improve(best, rng=rng, rounds=200, budget=2000, swaps=True)
+
+
+def _move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group] | None:
+    """A random neighbour of ``groups`` (module doc), or None where the drawn move does not apply."""
+    draw = rng.random()
+    if draw < 0.45:
+        device = _device(engine, groups, rng)
+        home = next((k for k, g in enumerate(groups) if device in g.workers), -1)
+        options = list(engine.relocations(groups, device, home, engine.nearness(groups), 3))
+        return options[int(rng.integers(len(options)))] if options else None
+    if draw < 0.85:
+        device = _device(engine, groups, rng, placed=True)
+        home = next(k for k, g in enumerate(groups) if device in g.workers)
+        options = list(engine.swaps(groups, device, home, engine.nearness(groups), 3, rng))
+        return options[int(rng.integers(len(options)))] if options else None
+    if len(groups) < 2:
+        return None
+    k = int(rng.integers(len(groups) - 1))
+    if draw < 0.93 or fixed_stages:
+        return groups[:k] + [groups[k + 1], groups[k]] + groups[k + 2:]
+    if draw < 0.965:
+        a, b = groups[k], groups[k + 1]
+        return groups[:k] + [Group.of(a.fs + b.fs, a.bs + b.bs, a.clients + b.clients)] + groups[k + 2:]
+    return _split(groups, int(rng.integers(len(groups))), rng)
+
+
+def _device(engine: Engine, groups: list[Group], rng: np.random.Generator, placed: bool = False) -> int:
+    """A device to move: half the time one that binds the slowest stage (its slowest link, farthest pair or least
+    memory), else any device (placed ones only, with ``placed``)."""
+    if rng.random() < 0.5:
+        slowest = max(range(len(groups)), key=lambda k: engine.stats(groups[k]).comm)
+        stats = engine.stats(groups[slowest])
+        binding = (stats.worst, *stats.far, stats.weakest)
+        return int(binding[int(rng.integers(len(binding)))])
+    if placed:
+        workers = [x for g in groups for x in g.workers]
+        return int(workers[int(rng.integers(len(workers)))])
+    return int(rng.integers(engine.net.size))
+
+
+def _split(groups: list[Group], k: int, rng: np.random.Generator) -> list[Group] | None:
+    """Stage k's servers and clients dealt at random into two stages of at least an FS and a BS each."""
+    group = groups[k]
+    servers = list(group.servers)
+    if len(servers) < 4:
+        return None
+    order = rng.permutation(len(servers))
+    half = len(servers) // 2
+    halves = [[servers[i] for i in order[:half]], [servers[i] for i in order[half:]]]
+    clients = [int(x) for x in rng.permutation(np.array(group.clients, dtype=int))]
+    parts = [Group.of(h[: len(h) // 2], h[len(h) // 2:], clients[i::2]) for i, h in enumerate(halves)]
+    return groups[:k] + parts + groups[k + 1:]
