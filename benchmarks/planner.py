@@ -1,9 +1,13 @@
 """Planner benchmark: PT and efficiency of every planner on every ``peers/`` file and on generated geo-distributed
-swarms of 64, 256 and 1,024 devices, the planners' wall time, and the §4.4 stage-count comparison.
+swarms of 64, 256 and 1,024 devices, the planners' wall time; the refined plan with its default budget against the
+best plan long runs find (generated swarms of 32 to 1,024 devices, seeds 100-102, and the paper files), with its gap
+to the bound; and the §4.4 stage-count comparison.
 
-    python benchmarks/planner.py [--quick]
+    python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
+                                 [--gap-sizes 32,64,256,1024]
 
-writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``.
+writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
+some --parts, ``planner-PARTS.*``.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from p2ptrain.planner import PLANNERS, PlanningError, Swarm, make_plan, model_spec  # noqa: E402
+from p2ptrain.planner.anytime import default_budget_s  # noqa: E402
 from p2ptrain.planner.cost import Workload, evaluate  # noqa: E402
 from p2ptrain.planner.generate import GEO_BATCH, GEO_MODEL, geo_swarm  # noqa: E402
 from p2ptrain.planner.swarmfile import load_swarm  # noqa: E402
@@ -64,6 +69,65 @@ def run_planners(swarm: Swarm, name: str, model, tokens: int, microbatches: int,
     return row
 
 
+def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, factor: float, seeds: int,
+            samples: int) -> dict:
+    """The refined plan with the CLI's default budget against the best plan found by long runs of the refined
+    search (``factor`` times the budget, seeds 1..``seeds``, never stopping early), and every other planner against
+    that best; the gap to the bound; plan times."""
+    kwargs = {"batch_tokens": tokens, "microbatches": microbatches}
+    budget = default_budget_s(len(swarm.devices))
+    start = time.perf_counter()
+    default = make_plan(swarm, model, budget_s=budget, clock=time.monotonic, **kwargs)
+    row: dict = {"swarm": name, "devices": len(swarm.devices), "budget_s": budget,
+                 "default_pt": default.predicted.batch_time_s, "default_wall_s": time.perf_counter() - start,
+                 "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap,
+                 "long": []}
+    for seed in range(1, seeds + 1):
+        start = time.perf_counter()
+        long = make_plan(swarm, model, seed=seed, budget_s=factor * budget, clock=time.monotonic,
+                         patience=1_000_000, **kwargs)
+        row["long"].append({"seed": seed, "pt": long.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
+                            "rounds": long.search.rounds if long.search else 0})
+    best = min([row["default_pt"], *(r["pt"] for r in row["long"])])
+    row["best_pt"] = best
+    row["default_vs_best"] = row["default_pt"] / best
+    row["others_vs_best"] = {}
+    for planner in ("paper", "swarm", "dtfm", "random"):
+        try:
+            pt = make_plan(swarm, model, planner=planner, random_samples=samples, **kwargs).predicted.batch_time_s
+        except PlanningError:
+            pt = float("inf")
+        row["others_vs_best"][planner] = pt / best
+    row["never_worse"] = all(row["default_pt"] <= pt * best * (1 + 1e-9) for pt in row["others_vs_best"].values())
+    print(f"  {name:22s} default {row['default_pt']:10.4g} s ({row['default_wall_s']:.1f} s, "
+          f"{row['default_rounds']} rounds)  best {best:10.4g} s  ratio {row['default_vs_best']:.3f}  "
+          f"gap to bound {row['gap']:.2f}  " + "  ".join(f"{p} {v:.2f}" for p, v in row["others_vs_best"].items()),
+          flush=True)
+    return row
+
+
+def gap_markdown(rows: list[dict], factor: float, seeds: int) -> list[str]:
+    out = ["", "## The refined plan against the best plan found", "",
+           f"default: `python -m p2ptrain.plan`'s refined plan with its default budget (`--budget-s`, "
+           f"`planner.anytime.default_budget_s`); best: the best of it and of {seeds} long runs of the refined search "
+           f"({factor:g} x the budget each, seeds 1-{seeds}, no early stop); ratio = default PT / best PT (must-show "
+           "1: at most 1.05); gap = default PT over the bound, less 1; the other planners' PT over the best PT "
+           "(must-show 3: none below the default's ratio).", "",
+           "| swarm | devices | budget s | default PT s | plan wall s | rounds | best PT s | ratio | gap to bound | "
+           "paper | swarm | dtfm | random | never worse |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        o = r["others_vs_best"]
+        out.append(f"| {r['swarm']} | {r['devices']} | {r['budget_s']:.1f} | {r['default_pt']:.5g} | "
+                   f"{r['default_wall_s']:.1f} | {r['default_rounds']} | {r['best_pt']:.5g} | "
+                   f"{r['default_vs_best']:.3f} | {r['gap']:.2f} | {o['paper']:.3f} | {o['swarm']:.3f} | "
+                   f"{o['dtfm']:.3f} | {o['random']:.3f} | {'yes' if r['never_worse'] else 'NO'} |")
+    worst = max(rows, key=lambda r: r["default_vs_best"]) if rows else None
+    if worst is not None:
+        out += ["", f"Worst ratio: {worst['default_vs_best']:.3f} ({worst['swarm']}); within 5% on "
+                    f"{sum(r['default_vs_best'] <= 1.05 for r in rows)} of {len(rows)}."]
+    return out
+
+
 def stage_comparison(path: Path, tokens: int) -> list[dict]:
     """§4.4: the planner's own choice beside plans forced to 2, 3 and 4 stages, with the terms that set PT."""
     swarm = load_swarm(path)
@@ -89,8 +153,16 @@ def stage_comparison(path: Path, tokens: int) -> list[dict]:
 
 
 def markdown(rows: list[dict], comparison: list[dict], command: str, samples: int) -> str:
-    out = ["# Planner benchmark", "", f"Command: `{command}`", "",
-           f"PT: predicted time per global batch (docs/design.md §3 cost model), seconds; eff = LB/PT. random = best of "
+    out = ["# Planner benchmark", "", f"Command: `{command}`"]
+    if rows:
+        out += planners_markdown(rows, samples)
+    if comparison:
+        out += sec44_markdown(comparison)
+    return "\n".join(out) + "\n"
+
+
+def planners_markdown(rows: list[dict], samples: int) -> list[str]:
+    out = ["", f"PT: predicted time per global batch (docs/design.md §3 cost model), seconds; eff = LB/PT. random = best of "
            f"{samples} random valid plans. ok = refined PT <= 0.9 x random and <= DT-FM.", "",
            "bound: the larger of LB and the memory-aware lower bound (`cost.memory_lower_bound`: devices that no "
            "stage of a valid plan has room for, and the two reliable servers every stage needs, are counted); no "
@@ -112,7 +184,11 @@ def markdown(rows: list[dict], comparison: list[dict], command: str, samples: in
         out.append(f"| {r['swarm']} | {r['devices']} | " +
                    " | ".join(f"{r['planners'][p]['wall_s']:.2f} / {r['planners'][p]['cpu_s']:.2f}"
                               for p in PLANNERS) + " |")
-    out += ["", "## §4.4 real-world testbed: stage count", "",
+    return out
+
+
+def sec44_markdown(comparison: list[dict]) -> list[str]:
+    out = ["", "## §4.4 real-world testbed: stage count", "",
             "Batch tokens: the file's 524,288, then smaller batches, where averaging (which does not shrink with "
             "the batch) starts to bind.", "",
             "| batch tokens | planner | stages forced | K | PT s | eff | max d·(C+C+DT) s | max AR s | "
@@ -122,7 +198,7 @@ def markdown(rows: list[dict], comparison: list[dict], command: str, samples: in
                    f"{c['efficiency']:.3f}"
                    f" | {c['max_stage']:.5g} | {c['max_averaging']:.5g} | {c['max_compute']:.5g} | "
                    f"{c['layers']} | {' '.join(c['members'])} | {c['idle']} |")
-    return "\n".join(out) + "\n"
+    return out
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -151,29 +227,56 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="200 random samples, no 1,024-device swarm")
+    parser.add_argument("--quick", action="store_true", help="200 random samples, no 1,024-device swarm; the gap "
+                                                              "section on 3 small swarms with 2x budgets, one seed")
+    parser.add_argument("--parts", default="planners,gap,sec44",
+                        help="which sections: planners (every planner on every swarm, the quick refined search), "
+                             "gap (the default refined plan against long runs), sec44 (the stage-count comparison)")
+    parser.add_argument("--gap-factor", type=float, default=10.0, help="a long run's budget over the default")
+    parser.add_argument("--gap-seeds", type=int, default=3, help="long runs per swarm")
+    parser.add_argument("--gap-sizes", default="32,64,256,1024",
+                        help="device counts of the gap section's generated swarms (3 seeds each, 100-102)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     samples = 200 if args.quick else 2000
-    rows = []
-    for path in sorted((ROOT / "peers").glob("*.toml")):
-        swarm = load_swarm(path)
-        assert swarm.model is not None and swarm.batch_tokens and swarm.microbatches, path
-        rows.append(run_planners(swarm, path.stem, swarm.model, swarm.batch_tokens, swarm.microbatches, samples))
+    files = [(path.stem, load_swarm(path)) for path in sorted((ROOT / "peers").glob("*.toml"))]
     model = model_spec(GEO_MODEL["preset"], precision=GEO_MODEL["precision"], offload=GEO_MODEL["offload"])
-    sizes = [(64, 0), (64, 1), (64, 2), (256, 0), (256, 1)] + ([] if args.quick else [(1024, 0)])
-    for n, seed in sizes:
-        rows.append(run_planners(geo_swarm(n, seed), f"geo-{n}-seed{seed}", model, GEO_BATCH["tokens"],
-                                 GEO_BATCH["microbatches"], samples))
-    comparison = [c for tokens in (524288, 262144, 131072)
-                  for c in stage_comparison(ROOT / "peers" / "paper-sec44.toml", tokens)]
+    rows = []
+    if "planners" in parts:
+        for name, swarm in files:
+            assert swarm.model is not None and swarm.batch_tokens and swarm.microbatches, name
+            rows.append(run_planners(swarm, name, swarm.model, swarm.batch_tokens, swarm.microbatches, samples))
+        sizes = [(64, 0), (64, 1), (64, 2), (256, 0), (256, 1)] + ([] if args.quick else [(1024, 0)])
+        for n, seed in sizes:
+            rows.append(run_planners(geo_swarm(n, seed), f"geo-{n}-seed{seed}", model, GEO_BATCH["tokens"],
+                                     GEO_BATCH["microbatches"], samples))
+    gaps = []
+    if "gap" in parts:
+        factor, seeds = (2.0, 1) if args.quick else (args.gap_factor, args.gap_seeds)
+        generated = [(32, 100), (32, 101), (64, 100)] if args.quick else \
+            [(int(n), seed) for n in args.gap_sizes.split(",") for seed in (100, 101, 102)]
+        cases = [(f"geo-{n}-seed{seed}", geo_swarm(n, seed), model, GEO_BATCH["tokens"], GEO_BATCH["microbatches"])
+                 for n, seed in generated]
+        if not args.quick:
+            cases += [(name, swarm, swarm.model, swarm.batch_tokens, swarm.microbatches) for name, swarm in files
+                      if name.startswith("paper-")]
+        for name, swarm, spec, tokens, microbatches in cases:
+            gaps.append(gap_row(swarm, name, spec, tokens, microbatches, factor=factor, seeds=seeds,
+                                samples=samples))
+    comparison = [] if "sec44" not in parts else [
+        c for tokens in (524288, 262144, 131072) for c in stage_comparison(ROOT / "peers" / "paper-sec44.toml", tokens)]
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/planner.py", *sys.argv[1:]])
     RESULTS.mkdir(parents=True, exist_ok=True)
     text = markdown(rows, comparison, command, samples)
-    (RESULTS / "planner.md").write_text(text)
-    (RESULTS / "planner.json").write_text(json.dumps({"command": command, "geo_model": GEO_MODEL,
-                                                      "geo_batch": GEO_BATCH, "rows": rows,
+    if gaps:
+        text += "\n".join(gap_markdown(gaps, *((2.0, 1) if args.quick else (args.gap_factor, args.gap_seeds)))) + "\n"
+    stem = "planner" if parts == {"planners", "gap", "sec44"} else "planner-" + "-".join(sorted(parts))
+    (RESULTS / f"{stem}.md").write_text(text)
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"command": command, "geo_model": GEO_MODEL,
+                                                      "geo_batch": GEO_BATCH, "rows": rows, "gap": gaps,
                                                       "sec44": comparison}, indent=1) + "\n")
-    plot(rows, RESULTS / "planner.png")
+    if rows:
+        plot(rows, RESULTS / f"{stem}.png")
     print(text)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from p2ptrain.planner.anytime import PATIENCE
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
@@ -27,12 +28,12 @@ class PlanningError(ValueError):
 def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
               stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
               average_every: int = 1, budget_s: float = 0.0, clock: Callable[[], float] | None = None,
-              rounds: int | None = None) -> Plan:
+              rounds: int | None = None, patience: int = PATIENCE) -> Plan:
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
     the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
     anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving), the
-    same on any machine.
+    same on any machine; ``patience``: the anytime phase ends once that many rounds in a row found no better plan.
 
     Deterministic for a given seed (and, with a budget, the number of rounds the anytime phase completed, which the
     plan records). Raises ``PlanningError`` when no valid plan is found.
@@ -61,7 +62,7 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
             layouts = paper_layouts
         else:
             refined, search = refined_layouts(engine, paper, seed=seed, stages=stages, out_of_time=out_of_time,
-                                              max_rounds=rounds)
+                                              max_rounds=rounds, anytime_patience=patience)
             layouts = better(engine, refined, paper_layouts)
     elif stages is not None:
         raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from p2ptrain.planner.anytime import SearchRecord, anytime
+from p2ptrain.planner.anytime import PATIENCE, SearchRecord, anytime
 from p2ptrain.planner.baselines import swarm_groups
 from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
@@ -102,6 +102,7 @@ def perturb(engine: Engine, groups: list[Group], score: Score, *, rng: np.random
 
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
                     out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
+                    anytime_patience: int = PATIENCE,
                     rounds: int = 200, budget: int = 2000,
                     starts: int = 2, screen: int = 3, kick_total: int = 2000, patience: int = 6,
                     kick_budget: int = 200) -> tuple[list[StageLayout] | None, SearchRecord | None]:
@@ -147,7 +148,8 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     finalists, record = [best], None
     if out_of_time is not None:
         *searched, record = anytime(engine, *best, seed=seed, fixed_stages=stages is not None,
-                                    out_of_time=out_of_time, max_rounds=max_rounds)
+                                    out_of_time=out_of_time, max_rounds=max_rounds,
+                                    patience=anytime_patience)
         finalists.append(searched)
     # the engine's score prices shares by compute and some shared tensors by a bound: the exact cost model decides
     options = [o for groups, score in finalists for o in (engine.layouts(groups, score), timed_layouts(engine, groups))]
