@@ -243,7 +243,7 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
     try:
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
-                          stop=stop, average_every=args.average_every)
+                          stop=stop, average_every=args.average_every, budget_s=args.budget_s, rounds=args.rounds)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers
 from p2ptrain.live.swarm import planning_peers, swarm_from_peers
 from p2ptrain.planner import Plan, format_plan, make_plan
+from p2ptrain.planner.anytime import default_budget_s
 from p2ptrain.planner.presets import ModelSpec, run_spec
 
 logger = logging.getLogger(__name__)
@@ -46,9 +47,11 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
     return None
 
 
-def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int, microbatches: int, planner: str, stages: int | None, seed: int, expect: int, settings: RuntimeConfig,
-               stop: threading.Event, average_every: int = 1) -> Plan | None:
-    """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time.
+def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int, microbatches: int, planner: str,
+               stages: int | None, seed: int, expect: int, settings: RuntimeConfig, stop: threading.Event,
+               average_every: int = 1, budget_s: float | None = 0.0, rounds: int | None = None) -> Plan | None:
+    """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time. The
+    refined planner's anytime search runs for `budget_s` (None: `default_budget_s` of the peers found) or `rounds`.
 
     Raises SwarmFileError or PlanningError when the announced swarm cannot be planned.
     """
@@ -56,8 +59,9 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int,
     if peers is None:
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
-    return make_plan(swarm, model, batch_tokens=tokens,
-                     microbatches=microbatches, planner=planner, stages=stages, seed=seed, average_every=average_every)
+    budget_s = default_budget_s(len(swarm.devices)) if budget_s is None else budget_s
+    return make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=planner, stages=stages,
+                     seed=seed, average_every=average_every, budget_s=budget_s, clock=time.monotonic, rounds=rounds)
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,
