@@ -1,6 +1,6 @@
 """Planner benchmark: PT and efficiency of every planner on every ``peers/`` file and on generated geo-distributed
 swarms of 64, 256 and 1,024 devices, the planners' wall time; the refined plan with its default budget against the
-best plan long runs find (generated swarms of 32 to 1,024 devices, seeds 100-102, and the paper files), with its gap
+best plan long runs find (generated swarms of 32 to 1,024 devices, seeds 500-502, and the paper files), with its gap
 to the bound; and the §4.4 stage-count comparison.
 
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
@@ -235,7 +235,7 @@ def main() -> None:
     parser.add_argument("--gap-factor", type=float, default=10.0, help="a long run's budget over the default")
     parser.add_argument("--gap-seeds", type=int, default=3, help="long runs per swarm")
     parser.add_argument("--gap-sizes", default="32,64,256,1024",
-                        help="device counts of the gap section's generated swarms (3 seeds each, 100-102)")
+                        help="device counts of the gap section's generated swarms (3 seeds each, 500-502)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     samples = 200 if args.quick else 2000
@@ -253,8 +253,8 @@ def main() -> None:
     gaps = []
     if "gap" in parts:
         factor, seeds = (2.0, 1) if args.quick else (args.gap_factor, args.gap_seeds)
-        generated = [(32, 100), (32, 101), (64, 100)] if args.quick else \
-            [(int(n), seed) for n in args.gap_sizes.split(",") for seed in (100, 101, 102)]
+        generated = [(32, 500), (32, 501), (64, 500)] if args.quick else \
+            [(int(n), seed) for n in args.gap_sizes.split(",") for seed in (500, 501, 502)]
         cases = [(f"geo-{n}-seed{seed}", geo_swarm(n, seed), model, GEO_BATCH["tokens"], GEO_BATCH["microbatches"])
                  for n, seed in generated]
         if not args.quick:

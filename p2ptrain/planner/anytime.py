@@ -24,7 +24,9 @@ from p2ptrain.planner.search import Engine, Group, Score
 
 PATIENCE = 20  # rounds in a row without a better plan after which the search ends before its budget
 CHECK_EVERY = 64  # moves between looks at the clock
-HOT, COLD = 0.02, 0.0003  # a round's temperature, as the relative PT increase accepted with probability 1/e
+# a round's starting temperatures, in turn, and its final one: the relative PT increase accepted with probability
+# 1/e. Hotter rounds leave the best plan's basin (they found the better plans of small swarms), cooler ones refine it
+HOTS, COLD = (0.02, 0.06), 0.0003
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +61,7 @@ def anytime(engine: Engine, groups: list[Group], score: Score, *, seed: int, fix
     moves = round_moves(engine.net.size)
     while misses < patience and (max_rounds is None or rounds < max_rounds):
         result = _round(engine, groups, score, rng=np.random.default_rng([seed, rounds]), moves=moves,
-                        fixed_stages=fixed_stages, out_of_time=out_of_time)
+                        hot=HOTS[rounds % len(HOTS)], fixed_stages=fixed_stages, out_of_time=out_of_time)
         if result is None:
             break
         rounds += 1
@@ -71,7 +73,7 @@ def anytime(engine: Engine, groups: list[Group], score: Score, *, seed: int, fix
     return groups, score, SearchRecord(rounds=rounds, scored=engine.scored, improved=improved)
 
 
-def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, moves: int,
+def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, moves: int, hot: float,
            fixed_stages: bool, out_of_time: Callable[[], bool]) -> tuple[list[Group], Score] | None:
     """One annealing round and its closing local search; None if the budget ended first."""
     current, current_pt = groups, score.pt
@@ -85,7 +87,7 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
         trial_score = engine.score(trial)
         if not math.isfinite(trial_score.pt):
             continue
-        temperature = HOT * (COLD / HOT) ** (step / moves)
+        temperature = hot * (COLD / hot) ** (step / moves)
         rise = (trial_score.pt - current_pt) / current_pt
         if rise <= 0 or rng.random() < math.exp(-rise / temperature):
             current, current_pt = trial, trial_score.pt
