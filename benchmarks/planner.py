@@ -52,7 +52,7 @@ def run_planners(swarm: Swarm, name: str, model, tokens: int, microbatches: int,
             result = {"pt": plan.predicted.batch_time_s, "efficiency": plan.predicted.efficiency,
                       "stages": len(plan.stages), "idle": len(plan.idle)}
             # the same for every planner: no plan is faster, so where 0.9 x random lies below it the target is out
-            row["bound_s"] = plan.predicted.memory_lower_bound_s
+            row["bound_s"] = plan.predicted.bound_s
         except PlanningError:
             result = {"pt": float("inf"), "efficiency": 0.0, "stages": 0, "idle": len(swarm.devices)}
         result["wall_s"] = time.perf_counter() - start
@@ -164,9 +164,10 @@ def markdown(rows: list[dict], comparison: list[dict], command: str, samples: in
 def planners_markdown(rows: list[dict], samples: int) -> list[str]:
     out = ["", f"PT: predicted time per global batch (docs/design.md §3 cost model), seconds; eff = LB/PT. random = best of "
            f"{samples} random valid plans. ok = refined PT <= 0.9 x random and <= DT-FM.", "",
-           "bound: the larger of LB and the memory-aware lower bound (`cost.memory_lower_bound`: devices that no "
-           "stage of a valid plan has room for, and the two reliable servers every stage needs, are counted); no "
-           "plan has a lower PT. reachable = 0.9 x random >= bound: where it is 'no', no planner can meet the 0.9 "
+           "bound: the largest of LB, the memory-aware lower bound (`cost.memory_lower_bound`: devices that no "
+           "stage of a valid plan has room for, and the two reliable servers every stage needs, are counted) and the "
+           "link-aware one (`cost.link_lower_bound`: each device's least latency and inverse bandwidth to a server); "
+           "no plan has a lower PT. reachable = 0.9 x random >= bound: where it is 'no', no planner can meet the 0.9 "
            "target, and refined/bound says how far from the best possible the refined plan is.", "",
            "| swarm | devices (reliable) | " + " | ".join(f"{p} PT (eff)" for p in PLANNERS) +
            " | bound | refined/random | refined/dtfm | refined/bound | reachable | ok |",

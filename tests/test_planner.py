@@ -14,7 +14,15 @@ from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
 from p2ptrain.planner.anytime import PATIENCE
 from p2ptrain.planner.baselines import random_layout
-from p2ptrain.planner.cost import Network, StageLayout, Workload, evaluate, lower_bound, memory_lower_bound
+from p2ptrain.planner.cost import (
+    Network,
+    StageLayout,
+    Workload,
+    evaluate,
+    link_lower_bound,
+    lower_bound,
+    memory_lower_bound,
+)
 from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.search import Engine, Group, allocate
@@ -276,10 +284,12 @@ def test_memory_lower_bound_is_below_every_valid_plan() -> None:
         net.memory[:2] = 7e9  # two servers that can hold the whole model, so some plan is valid
         bound = memory_lower_bound(net, wl, reliable)
         assert bound >= lower_bound(net, wl)
+        links = link_lower_bound(net, wl, reliable)
+        assert links >= lower_bound(net, wl) * (1 - 1e-9)
         engine = Engine(net, wl, reliable)
         times = [evaluate(net, wl, layout).batch_time_s for _ in range(400)
                  if (layout := random_layout(engine, rng)) is not None]
-        assert times and min(times) >= bound * (1 - 1e-9), seed
+        assert times and min(times) >= max(bound, links) * (1 - 1e-9), seed
 
 
 def test_memory_lower_bound_counts_devices_no_plan_can_use() -> None:
@@ -389,7 +399,9 @@ def test_the_anytime_search_only_improves_replays_from_its_seed_and_rounds_and_r
     assert cut.search is not None and 0 < cut.search.rounds < searched.search.rounds
     assert cut.predicted.batch_time_s <= quick.predicted.batch_time_s
     data = searched.to_json()
-    bound = max(searched.predicted.lower_bound_s, searched.predicted.memory_lower_bound_s or 0.0)
+    p = searched.predicted
+    bound = max(p.lower_bound_s, p.memory_lower_bound_s or 0.0, p.link_lower_bound_s or 0.0)
+    assert p.link_lower_bound_s is not None and data["predicted"]["link_lower_bound_s"] == p.link_lower_bound_s
     assert data["predicted"]["gap"] == pytest.approx(searched.predicted.batch_time_s / bound - 1)
     assert data["search"]["rounds"] == searched.search.rounds
     assert Plan.from_json(data) == searched

@@ -259,6 +259,38 @@ def memory_lower_bound(net: Network, wl: Workload, reliable: np.ndarray) -> floa
     return max(lower_bound(net, wl), float(per_layer * worst))
 
 
+def link_lower_bound(net: Network, wl: Workload, reliable: np.ndarray) -> float:
+    """A lower bound on PT that counts each device's links as well as its compute and memory.
+
+    A worker w with row share p in a stage of L_k layers has T_w = link + p·L_k·m·f/c_w, its link at least
+    ``lat_w + p·A·inv_w``: for a server, the least latency and inverse bandwidth to any other reliable device; for a
+    client, the least from one plus the least to one. So within DT_k <= T, p·L_k <= g_w(T) =
+    l_w·(T - lat_w)/(A·inv_w + l_w·m·f/c_w) with l_w = min(L, layers w has room for) (g grows with L_k). Every
+    stage's shares sum to 1, so the layers sum: L = Σ_k L_k = Σ_w p_w·L_{k(w)} <= Σ_w g_w(T); the least T for which
+    the sum reaches L, times d, bounds every stage time, hence PT. With no link costs it is the compute bound LB.
+    """
+    reliable = np.asarray(reliable, dtype=bool)
+    if reliable.sum() < 2:
+        return 0.0
+    others = np.where(reliable[None, :] & ~np.eye(net.size, dtype=bool), 0.0, np.inf)  # reliable, not oneself
+    out_lat, out_inv = (net.latency + others).min(axis=1), (net.inv_bandwidth + others).min(axis=1)
+    in_lat, in_inv = (net.latency.T + others).min(axis=1), (net.inv_bandwidth.T + others).min(axis=1)
+    lat, inv = in_lat + out_lat, in_inv + out_inv  # a client's
+    lat[reliable] = np.minimum(lat, out_lat)[reliable]  # a reliable device may serve: one transfer
+    inv[reliable] = np.minimum(inv, out_inv)[reliable]
+    layers, m, f = wl.model.layers, wl.microbatch_tokens, wl.model.flops_per_token_per_layer
+    room = np.minimum(np.floor(net.memory / wl.model.memory_bytes_per_layer), layers)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = np.where(room > 0, room / (wl.message_bytes * inv + room * m * f / net.flops), 0.0)
+    order = np.argsort(lat, kind="stable")
+    slope, intercept = np.cumsum(rate[order]), np.cumsum(rate[order] * lat[order])
+    # Σ_w rate_w·max(T - lat_w, 0) is convex and grows with T: its root is the least of the roots of its partial
+    # sums over the devices of least latency (each partial sum is at most the whole)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        roots = np.where(slope > 0, (layers + intercept) / slope, np.inf)
+    return float(wl.microbatches * roots.min())
+
+
 def layout_problems(net: Network, wl: Workload, stages: Sequence[StageLayout]) -> list[str]:
     """Why a layout is not a valid plan (empty if it is)."""
     problems = []

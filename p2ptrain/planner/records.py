@@ -8,7 +8,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from p2ptrain.planner.anytime import SearchRecord
-from p2ptrain.planner.cost import Evaluation, Network, StageLayout, Workload, evaluate, memory_lower_bound
+from p2ptrain.planner.cost import (
+    Evaluation,
+    Network,
+    StageLayout,
+    Workload,
+    evaluate,
+    link_lower_bound,
+    memory_lower_bound,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,18 +45,26 @@ class Prediction:
     stage_times_s: tuple[float, ...]
     averaging_s: tuple[float, ...]
     memory_lower_bound_s: float | None = None  # cost.memory_lower_bound: no plan of this swarm can beat it
+    link_lower_bound_s: float | None = None  # cost.link_lower_bound: nor this one
+
+    @property
+    def bound_s(self) -> float:
+        """The tightest lower bound on PT known: no plan of the swarm is faster."""
+        return max(self.lower_bound_s, self.memory_lower_bound_s or 0.0, self.link_lower_bound_s or 0.0)
 
     @property
     def gap(self) -> float:
         """How far the plan may be from the best possible: its batch time over the tightest bound known, less 1."""
-        bound = max(self.lower_bound_s, self.memory_lower_bound_s or 0.0)
+        bound = self.bound_s
         return self.batch_time_s / bound - 1 if bound > 0 else float("inf")
 
     @classmethod
-    def of(cls, evaluation: Evaluation, *, memory_lower_bound_s: float | None = None) -> "Prediction":
+    def of(cls, evaluation: Evaluation, *, memory_lower_bound_s: float | None = None,
+           link_lower_bound_s: float | None = None) -> "Prediction":
         return cls(batch_time_s=evaluation.batch_time_s, lower_bound_s=evaluation.lower_bound_s,
                    efficiency=evaluation.efficiency, stage_times_s=evaluation.stage_times_s,
-                   averaging_s=evaluation.averaging_s, memory_lower_bound_s=memory_lower_bound_s)
+                   averaging_s=evaluation.averaging_s, memory_lower_bound_s=memory_lower_bound_s,
+                   link_lower_bound_s=link_lower_bound_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +89,9 @@ class Plan:
                               "efficiency": p.efficiency, "stage_times_s": list(p.stage_times_s),
                               "averaging_s": list(p.averaging_s), "gap": p.gap,
                               **({} if p.memory_lower_bound_s is None
-                                 else {"memory_lower_bound_s": p.memory_lower_bound_s})},
+                                 else {"memory_lower_bound_s": p.memory_lower_bound_s}),
+                              **({} if p.link_lower_bound_s is None
+                                 else {"link_lower_bound_s": p.link_lower_bound_s})},
                 **({} if self.search is None else {"search": dataclasses.asdict(self.search)})}
 
     @classmethod
@@ -87,7 +105,8 @@ class Plan:
         predicted = Prediction(batch_time_s=float(p["batch_time_s"]), lower_bound_s=float(p["lower_bound_s"]),
                                efficiency=float(p["efficiency"]), stage_times_s=tuple(p["stage_times_s"]),
                                averaging_s=tuple(p.get("averaging_s", ())),
-                               memory_lower_bound_s=p.get("memory_lower_bound_s"))
+                               memory_lower_bound_s=p.get("memory_lower_bound_s"),
+                               link_lower_bound_s=p.get("link_lower_bound_s"))
         search = data.get("search")
         return cls(stages=stages, idle=tuple(data.get("idle", ())), predicted=predicted,
                    planner=str(data.get("planner", "")),
@@ -113,6 +132,7 @@ def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence
     memory-aware lower bound."""
     evaluation = evaluate(net, wl, layouts)
     bound = None if reliable is None else memory_lower_bound(net, wl, reliable)
+    links = None if reliable is None else link_lower_bound(net, wl, reliable)
     stages, start, placed = [], 0, set()
     for s in layouts:
         workers = [ids[i] for i in s.workers]
@@ -123,7 +143,8 @@ def build_plan(ids: Sequence[str], net: Network, wl: Workload, layouts: Sequence
                                 shares=shares))
         start += s.layers
     idle = tuple(device for device in ids if device not in placed)
-    return Plan(stages=tuple(stages), idle=idle, predicted=Prediction.of(evaluation, memory_lower_bound_s=bound),
+    return Plan(stages=tuple(stages), idle=idle, predicted=Prediction.of(evaluation, memory_lower_bound_s=bound,
+                                                                          link_lower_bound_s=links),
                 planner=planner, search=search)
 
 
@@ -143,7 +164,10 @@ def format_plan(plan: Plan, *, title: str) -> str:
     if p.memory_lower_bound_s is not None and p.memory_lower_bound_s > p.lower_bound_s * (1 + 1e-9):
         lines.append(f"with memory and 2 servers per stage counted, no plan beats {p.memory_lower_bound_s:.4g} s "
                      f"({p.memory_lower_bound_s / p.batch_time_s:.3f} of this plan's time)")
-    lines.append(f"gap to the bound: {p.gap:.1%} (no plan is faster than the bound; the best one may be slower)")
+    if p.link_lower_bound_s is not None and p.link_lower_bound_s > max(p.lower_bound_s, p.memory_lower_bound_s or 0):
+        lines.append(f"with every device's links counted, no plan beats {p.link_lower_bound_s:.4g} s")
+    lines.append(f"gap to the tightest bound: {p.gap:.1%} (no plan is faster than the bound; the best one may be "
+                 "slower)")
     if plan.search is not None:
         s = plan.search
         lines.append(f"search: {s.rounds} anytime rounds ({s.improved} improved the plan), {s.scored} plans scored")
