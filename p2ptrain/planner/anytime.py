@@ -9,8 +9,9 @@ seeded by the planner's seed and the round's number and scores a fixed number of
 the seed and how many rounds completed; the clock only decides how many (a round the budget cuts short is dropped).
 The phase also ends once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the
 whole budget.
-Moves are scored through ``Engine.score``, which caches every stage's statistics: a move recomputes only the stages it
-touches.
+Moves are scored through ``Engine.score`` with row shares set by time, as the plan ends with (``Engine.levels``), so
+the search balances each stage's workers as it moves them; the engine caches every stage's statistics and levels,
+so a move recomputes only the stages it touches.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def anytime(engine: Engine, groups: list[Group], score: Score, *, seed: int, fix
     changes the stage count."""
     rounds = improved = misses = 0
     moves = round_moves(engine.net.size)
+    score = engine.score(groups, timed=True)
     while misses < patience and (max_rounds is None or rounds < max_rounds):
         result = _round(engine, groups, score, rng=np.random.default_rng([seed, rounds]), moves=moves,
                         hot=HOTS[rounds % len(HOTS)], fixed_stages=fixed_stages, out_of_time=out_of_time)
@@ -84,7 +86,7 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
         trial = _move(engine, current, rng, fixed_stages)
         if trial is None:
             continue
-        trial_score = engine.score(trial)
+        trial_score = engine.score(trial, timed=True)
         if not math.isfinite(trial_score.pt):
             continue
         temperature = hot * (COLD / hot) ** (step / moves)
@@ -95,7 +97,7 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
                 best, best_score = trial, trial_score
     if out_of_time():
         return None
-    return engine.improve(best, rng=rng, rounds=200, budget=2000, swaps=True)
+    return engine.improve(best, rng=rng, rounds=200, budget=2000, swaps=True, timed=True)
 
 
 def _move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group] | None:

@@ -222,6 +222,39 @@ def allocate(h: np.ndarray, total: int) -> tuple[float, np.ndarray]:
     return t, counts
 
 
+def partners(net: Network, wl: Workload, group: Group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(alpha, per-row link cost, workers): latency and bytes-per-share terms with partners chosen at compute shares."""
+    a = wl.message_bytes
+    workers = np.array(group.workers, dtype=int)
+    p0 = compute_shares(net, workers)
+    fs, bs, clients = (np.array(x, dtype=int) for x in (group.fs, group.bs, group.clients))
+    alpha, link = np.zeros(len(workers)), np.zeros(len(workers))
+    for start, own, other in ((0, fs, bs), (len(fs), bs, fs)):
+        cost = net.latency[np.ix_(own, other)] + (p0[start:start + len(own)] * a)[:, None] * \
+            net.inv_bandwidth[np.ix_(own, other)]
+        best = other[cost.argmin(axis=1)]
+        alpha[start:start + len(own)] = net.latency[own, best]
+        link[start:start + len(own)] = a * net.inv_bandwidth[own, best]
+    if len(clients):
+        start = len(fs) + len(bs)
+        pc = p0[start:] * a
+        f = fs[(net.latency[np.ix_(fs, clients)] + pc[None, :] * net.inv_bandwidth[np.ix_(fs, clients)]).argmin(0)]
+        b = bs[(net.latency[np.ix_(clients, bs)] + pc[:, None] * net.inv_bandwidth[np.ix_(clients, bs)]).argmin(1)]
+        alpha[start:] = net.latency[f, clients] + net.latency[clients, b]
+        link[start:] = a * (net.inv_bandwidth[f, clients] + net.inv_bandwidth[clients, b])
+    return alpha, link, workers
+
+
+def water_fill(alpha: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each row of ``beta`` (one per layer count): the least level T with Σ max(0, (T-α)/β) >= 1 and T >= every
+    α (a worker's latency counts even with few rows), and the shares at that level. At T >= max α every term is
+    positive, so the sum is linear in T: T = max(max α, (1 + Σ α/β) / Σ 1/β)."""
+    inverse = 1.0 / beta
+    level = np.maximum(alpha.max(), (1.0 + (alpha[None, :] * inverse).sum(axis=1)) / inverse.sum(axis=1))
+    shares = np.maximum(0.0, (level[:, None] - alpha[None, :]) * inverse)
+    return level, shares / shares.sum(axis=1, keepdims=True)
+
+
 class Engine:
     """Caches stage statistics and scores memberships for one network and workload."""
 
@@ -237,6 +270,7 @@ class Engine:
         self.steps = np.arange(1, self.layers + 1, dtype=float)
         self.held = Held.of(wl.model) if wl.model.shared else None
         self._rounds: dict[tuple[Group, ...], float] = {}
+        self._levels: dict[Group, tuple[np.ndarray, np.ndarray]] = {}
 
     def stats(self, group: Group) -> GroupStats:
         cached = self._stats.get(group)
@@ -306,7 +340,20 @@ class Engine:
             caps[k] = int((steps * wl.model.memory_bytes_per_layer + held[:, 1] <= st.memory).sum())
         return rows, caps
 
-    def score(self, groups: Sequence[Group]) -> Score:
+    def levels(self, group: Group) -> tuple[np.ndarray, np.ndarray]:
+        """DT_k of a membership for 1..L layers with its row shares set by time (``water_fill``), and those shares
+        (one row per layer count)."""
+        cached = self._levels.get(group)
+        if cached is None:
+            alpha, link, workers = partners(self.net, self.wl, group)
+            per_layer = self.wl.microbatch_tokens * self.wl.model.flops_per_token_per_layer
+            beta = link[None, :] + self.steps[:, None] * per_layer / self.net.flops[workers][None, :]
+            cached = self._levels[group] = water_fill(alpha, beta)
+        return cached
+
+    def score(self, groups: Sequence[Group], *, timed: bool = False) -> Score:
+        """PT of the memberships with their best layer counts, under compute-proportional shares (the contract's)
+        or, ``timed``, shares set by time (what the refined plan ends with); the latter scores no ties."""
         self.scored += 1
         if not groups or len(groups) > self.layers or not all(g.valid for g in groups):
             return INFEASIBLE
@@ -315,6 +362,14 @@ class Engine:
             return INFEASIBLE
         steps = self.steps
         ar = c.ar0[:, None] + c.ar1[:, None] * steps if c.averaging is None else c.averaging
+        if timed:
+            d = self.wl.microbatches
+            edges = [0.0] + [self.boundary(a, b) for a, b in zip(groups, groups[1:])] + [0.0]
+            pipeline = np.array([d * (edges[k] + edges[k + 1] + self.levels(g)[0]) for k, g in enumerate(groups)])
+            h = np.maximum(pipeline, ar)
+            h[steps[None, :] > c.cap[:, None]] = np.inf
+            pt = best_time(h, self.layers)
+            return Score(pt, None, self.layers, h) if np.isfinite(pt) else INFEASIBLE
         h = np.maximum(c.intercept[:, None] + c.slope[:, None] * steps, ar)
         h[steps[None, :] > c.cap[:, None]] = np.inf
         pt = best_time(h, self.layers)
@@ -410,14 +465,15 @@ class Engine:
                 yield moved
 
     def improve(self, groups: list[Group], *, rng: np.random.Generator, rounds: int, budget: int, swaps: bool = False,
-                fan: int = 3, sample: int = 6) -> tuple[list[Group], Score]:
-        """First-improvement local search; stops after ``rounds`` accepted moves, ``budget`` scored neighbours, or
-        when no neighbour is better (a count, not a clock, so the result depends only on the seed)."""
-        best = self.score(groups)
+                fan: int = 3, sample: int = 6, timed: bool = False) -> tuple[list[Group], Score]:
+        """First-improvement local search (scoring as ``score`` does, ``timed`` or not); stops after ``rounds``
+        accepted moves, ``budget`` scored neighbours, or when no neighbour is better (a count, not a clock, so the
+        result depends only on the seed)."""
+        best = self.score(groups, timed=timed)
         for _ in range(rounds):
             for candidate in self.neighbours(groups, rng, fan, sample, swaps):
                 budget -= 1
-                s = self.score(candidate)
+                s = self.score(candidate, timed=timed)
                 if s.better_than(best):
                     groups, best = candidate, s
                     break
