@@ -390,14 +390,17 @@ def test_the_anytime_search_only_improves_replays_from_its_seed_and_rounds_and_r
     kwargs = {"batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
     quick = make_plan(swarm, swarm.model, **kwargs)
     assert quick.search is None
-    searched = make_plan(swarm, swarm.model, budget_s=1e9, clock=Ticks(), **kwargs)
-    assert searched.search is not None and searched.search.rounds >= PATIENCE and searched.search.improved >= 1
+    searched = make_plan(swarm, swarm.model, rounds=4, **kwargs)
+    assert searched.search is not None and searched.search.rounds == 4 and searched.search.improved >= 1
     assert searched.predicted.batch_time_s < quick.predicted.batch_time_s  # this file's quick plan is 5% off
-    assert make_plan(swarm, swarm.model, budget_s=1e9, clock=Ticks(), **kwargs) == searched
+    assert make_plan(swarm, swarm.model, rounds=4, **kwargs) == searched
     # a budget that runs out after some rounds: the plan of exactly those rounds, no worse than without the search
-    cut = make_plan(swarm, swarm.model, budget_s=100, clock=Ticks(), **kwargs)
-    assert cut.search is not None and 0 < cut.search.rounds < searched.search.rounds
+    cut = make_plan(swarm, swarm.model, budget_s=150, clock=Ticks(), **kwargs)
+    assert cut.search is not None and 0 < cut.search.rounds < 8
     assert cut.predicted.batch_time_s <= quick.predicted.batch_time_s
+    replayed = make_plan(swarm, swarm.model, rounds=cut.search.rounds, **kwargs)
+    assert replace(replayed, search=None) == replace(cut, search=None)
+    assert replayed.search is not None and replayed.search.rounds == cut.search.rounds
     data = searched.to_json()
     p = searched.predicted
     bound = max(p.lower_bound_s, p.memory_lower_bound_s or 0.0, p.link_lower_bound_s or 0.0)
@@ -405,12 +408,16 @@ def test_the_anytime_search_only_improves_replays_from_its_seed_and_rounds_and_r
     assert data["predicted"]["gap"] == pytest.approx(searched.predicted.batch_time_s / bound - 1)
     assert data["search"]["rounds"] == searched.search.rounds
     assert Plan.from_json(data) == searched
-    # what a budget gave, again without a clock: the same number of rounds
-    replayed = make_plan(swarm, swarm.model, rounds=cut.search.rounds, **kwargs)
-    assert replace(replayed, search=None) == replace(cut, search=None)
-    assert replayed.search is not None and replayed.search.rounds == cut.search.rounds
     with pytest.raises(ValueError, match="clock"):
         make_plan(swarm, swarm.model, budget_s=1.0, **kwargs)
+
+
+def test_the_anytime_search_ends_once_its_rounds_stop_finding_better_plans() -> None:
+    swarm = load_swarm(PEERS / "local.toml")
+    assert swarm.model is not None
+    plan = make_plan(swarm, swarm.model, batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches,
+                     budget_s=1e9, clock=Ticks())
+    assert plan.search is not None and plan.search.rounds == PATIENCE + plan.search.improved
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -418,8 +425,8 @@ def test_the_anytime_search_keeps_a_forced_stage_count(stages: int) -> None:
     swarm = load_swarm(PEERS / "paper-sec43-24.toml")
     assert swarm.model is not None
     plan = make_plan(swarm, swarm.model, batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches,
-                     stages=stages, budget_s=1e9, clock=Ticks())
-    assert len(plan.stages) == stages and plan.search is not None and plan.search.rounds > 0
+                     stages=stages, rounds=3)
+    assert len(plan.stages) == stages and plan.search is not None and plan.search.rounds == 3
 
 
 @pytest.mark.parametrize(("devices", "seed"), [(24, 300), (32, 301), (32, 302), (48, 303), (64, 304)])

@@ -2,8 +2,8 @@
 
 The refined search (``refine``) ends in a local optimum of its moves. Given more time (``--budget-s``), this phase
 keeps improving the best plan in rounds. A round anneals from the best plan so far: it makes random moves (a device
-to idleness, to a near stage or the other server role; two devices of near stages trading places; two neighbouring
-stages trading places; two stages merged; a stage split), accepts a worse plan with a probability that falls as the
+to idleness, to a near stage or the other server role, or anywhere; two devices of near stages, or any two, trading
+places; two neighbouring stages trading places; two stages merged; a stage split), accepts a worse plan with a probability that falls as the
 round goes on, and ends in a first-improvement local search (``Engine.improve``). Each round draws from a generator
 seeded by the planner's seed and the round's number and scores a fixed number of moves, so the result depends only on
 the seed and how many rounds completed; the clock only decides how many (a round the budget cuts short is dropped).
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2ptrain.planner.search import Engine, Group, Score
+from p2ptrain.planner.search import CLIENT, Engine, Group, Score
 
 PATIENCE = 20  # rounds in a row without a better plan after which the search ends before its budget
 CHECK_EVERY = 64  # moves between looks at the clock
@@ -49,7 +49,7 @@ def default_budget_s(devices: int) -> float:
 def round_moves(devices: int) -> int:
     """Scored moves per round: enough to cross a few plateaus, few enough that a small swarm's search (which runs
     out of better plans fast) ends in a fraction of a second."""
-    return min(3000, 200 + 40 * devices)
+    return min(8000, 800 + 160 * devices)
 
 
 def anytime(engine: Engine, groups: list[Group], score: Score, *, seed: int, fixed_stages: bool,
@@ -103,16 +103,20 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
 def _move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group] | None:
     """A random neighbour of ``groups`` (module doc), or None where the drawn move does not apply."""
     draw = rng.random()
-    if draw < 0.45:
+    if draw < 0.25:
         device = _device(engine, groups, rng)
         home = next((k for k, g in enumerate(groups) if device in g.workers), -1)
         options = list(engine.relocations(groups, device, home, engine.nearness(groups), 3))
         return options[int(rng.integers(len(options)))] if options else None
-    if draw < 0.85:
+    if draw < 0.5:
+        return _anywhere(engine, groups, rng)
+    if draw < 0.7:
         device = _device(engine, groups, rng, placed=True)
         home = next(k for k, g in enumerate(groups) if device in g.workers)
         options = list(engine.swaps(groups, device, home, engine.nearness(groups), 3, rng))
         return options[int(rng.integers(len(options)))] if options else None
+    if draw < 0.85:
+        return _trade(engine, groups, rng)
     if len(groups) < 2:
         return None
     k = int(rng.integers(len(groups) - 1))
@@ -122,6 +126,36 @@ def _move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_s
         a, b = groups[k], groups[k + 1]
         return groups[:k] + [Group.of(a.fs + b.fs, a.bs + b.bs, a.clients + b.clients)] + groups[k + 2:]
     return _split(groups, int(rng.integers(len(groups))), rng)
+
+
+def _anywhere(engine: Engine, groups: list[Group], rng: np.random.Generator) -> list[Group]:
+    """Any device to any stage, in any role it may take, or to idleness: moves no notion of nearness proposes."""
+    device = int(rng.integers(engine.net.size))
+    moved = [g.without(device) for g in groups]
+    target = int(rng.integers(-1, len(groups)))
+    if target >= 0:
+        role = int(rng.integers(3)) if engine.reliable[device] else CLIENT
+        moved[target] = moved[target].adding(device, role)
+    return moved
+
+
+def _trade(engine: Engine, groups: list[Group], rng: np.random.Generator) -> list[Group] | None:
+    """Two devices, placed or idle, anywhere, trade places and roles; None where a role does not fit."""
+    first, second = (int(x) for x in rng.choice(engine.net.size, size=2, replace=False))
+    home = {x: k for k, g in enumerate(groups) for x in g.workers}
+    a, b = home.get(first, -1), home.get(second, -1)
+    if a == b:
+        return None
+    role_a = groups[a].role(first) if a >= 0 else CLIENT
+    role_b = groups[b].role(second) if b >= 0 else CLIENT
+    if (role_a != CLIENT and not engine.reliable[second]) or (role_b != CLIENT and not engine.reliable[first]):
+        return None
+    moved = list(groups)
+    if a >= 0:
+        moved[a] = moved[a].without(first).adding(second, role_a)
+    if b >= 0:
+        moved[b] = moved[b].without(second).adding(first, role_b)
+    return moved
 
 
 def _device(engine: Engine, groups: list[Group], rng: np.random.Generator, placed: bool = False) -> int:
