@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -153,7 +154,11 @@ def stage_comparison(path: Path, tokens: int) -> list[dict]:
 
 
 def markdown(rows: list[dict], comparison: list[dict], command: str, samples: int) -> str:
-    out = ["# Planner benchmark", "", f"Command: `{command}`"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    out = ["# Planner benchmark", "", f"Command: `{command}`", "",
+           f"Commit: {commit.stdout.strip() or '?'}{' (with uncommitted changes)' if dirty else ''}"]
     if rows:
         out += planners_markdown(rows, samples)
     if comparison:
