@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.swarm is not None and args.initial_peers is not None:
         parser.error("give either a swarm file or --initial-peers, not both")
+    if args.budget_s is not None and args.rounds is not None:
+        parser.error("--budget-s and --rounds both bound the refined planner's search; give one")
+    if (args.budget_s is not None or args.rounds is not None) and args.planner != "refined":
+        parser.error(f"--{'budget-s' if args.budget_s is not None else 'rounds'} applies to the refined planner, "
+                     f"not {args.planner}")
     if args.initial_peers is not None:
         return live_main(parser, args)
     offline = [name for name in (*_LIVE_ONLY, "planner_identity") if getattr(args, name) not in (None, False)]
