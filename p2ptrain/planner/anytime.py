@@ -47,15 +47,15 @@ def default_budget_s(devices: int) -> float:
 
 
 def round_moves(devices: int) -> int:
-    """Scored moves per round: enough to cross a few plateaus, few enough that a small swarm's search (which runs
-    out of better plans fast) ends in a fraction of a second."""
+    """Scored moves per round: enough to cross a few plateaus (longer rounds found better plans than more, shorter
+    ones), few enough that a 1,024-device swarm completes several rounds in its default budget."""
     return min(8000, 800 + 160 * devices)
 
 
-def anytime(engine: Engine, groups: list[Group], score: Score, *, seed: int, fixed_stages: bool,
+def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
             out_of_time: Callable[[], bool], patience: int = PATIENCE,
             max_rounds: int | None = None) -> tuple[list[Group], Score, SearchRecord]:
-    """Anneal in rounds from (``groups``, ``score``) until ``out_of_time()``, ``patience`` rounds in a row found
+    """Anneal in rounds from ``groups`` (scored with time-set shares) until ``out_of_time()``, ``patience`` rounds in a row found
     nothing better, or ``max_rounds`` rounds; the best plan found and what was done. With ``fixed_stages`` no move
     changes the stage count."""
     rounds = improved = misses = 0

@@ -147,7 +147,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
                    kick_budget=kick_budget)
     finalists, record = [best], None
     if out_of_time is not None:
-        *searched, record = anytime(engine, *best, seed=seed, fixed_stages=stages is not None,
+        *searched, record = anytime(engine, best[0], seed=seed, fixed_stages=stages is not None,
                                     out_of_time=out_of_time, max_rounds=max_rounds,
                                     patience=anytime_patience)
         finalists.append(searched)
