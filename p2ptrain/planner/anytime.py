@@ -106,14 +106,14 @@ def _move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_s
     if draw < 0.25:
         device = _device(engine, groups, rng)
         home = next((k for k, g in enumerate(groups) if device in g.workers), -1)
-        options = list(engine.relocations(groups, device, home, engine.nearness(groups), 3))
+        options = list(engine.relocations(groups, device, home, engine.near(groups, device), 3))
         return options[int(rng.integers(len(options)))] if options else None
     if draw < 0.5:
         return _anywhere(engine, groups, rng)
     if draw < 0.7:
         device = _device(engine, groups, rng, placed=True)
         home = next(k for k, g in enumerate(groups) if device in g.workers)
-        options = list(engine.swaps(groups, device, home, engine.nearness(groups), 3, rng))
+        options = list(engine.swaps(groups, device, home, engine.near(groups, device), 3, rng))
         return options[int(rng.integers(len(options)))] if options else None
     if draw < 0.85:
         return _trade(engine, groups, rng)

@@ -24,6 +24,7 @@ from p2ptrain.planner.cost import Network, StageLayout, Workload, block, compute
 from p2ptrain.planner.presets import ModelSpec
 
 FS, BS, CLIENT = 0, 1, 2
+CACHED = 100_000  # entries of a per-membership cache, cleared when full: a long search must not grow without bound
 
 
 @dataclass(frozen=True)
@@ -270,12 +271,15 @@ class Engine:
         self.steps = np.arange(1, self.layers + 1, dtype=float)
         self.held = Held.of(wl.model) if wl.model.shared else None
         self._rounds: dict[tuple[Group, ...], float] = {}
-        self._levels: dict[Group, tuple[np.ndarray, np.ndarray]] = {}
+        self._levels: dict[Group, np.ndarray] = {}
+        self._rows: dict[tuple[Group | None, Group, Group | None], np.ndarray] = {}
 
     def stats(self, group: Group) -> GroupStats:
         cached = self._stats.get(group)
         if cached is not None:
             return cached
+        if len(self._stats) >= CACHED:
+            self._stats.clear()
         net, wl = self.net, self.wl
         workers = np.array(group.workers, dtype=int)
         links = link_times(net, wl, group.layout(1), compute_shares(net, workers))
@@ -340,16 +344,41 @@ class Engine:
             caps[k] = int((steps * wl.model.memory_bytes_per_layer + held[:, 1] <= st.memory).sum())
         return rows, caps
 
-    def levels(self, group: Group) -> tuple[np.ndarray, np.ndarray]:
-        """DT_k of a membership for 1..L layers with its row shares set by time (``water_fill``), and those shares
-        (one row per layer count)."""
+    def _water_fill(self, group: Group) -> tuple[np.ndarray, np.ndarray]:
+        alpha, link, workers = partners(self.net, self.wl, group)
+        per_layer = self.wl.microbatch_tokens * self.wl.model.flops_per_token_per_layer
+        return water_fill(alpha, link[None, :] + self.steps[:, None] * per_layer / self.net.flops[workers][None, :])
+
+    def levels(self, group: Group) -> np.ndarray:
+        """DT_k of a membership for 1..L layers with its row shares set by time (``water_fill``)."""
         cached = self._levels.get(group)
         if cached is None:
-            alpha, link, workers = partners(self.net, self.wl, group)
-            per_layer = self.wl.microbatch_tokens * self.wl.model.flops_per_token_per_layer
-            beta = link[None, :] + self.steps[:, None] * per_layer / self.net.flops[workers][None, :]
-            cached = self._levels[group] = water_fill(alpha, beta)
+            if len(self._levels) >= CACHED:
+                self._levels.clear()
+            cached = self._levels[group] = self._water_fill(group)[0]
         return cached
+
+    def shares(self, group: Group, layers: int) -> np.ndarray:
+        """The row shares behind ``levels(group)[layers - 1]`` (only the final plan needs them: not cached)."""
+        return self._water_fill(group)[1][layers - 1]
+
+    def _timed_row(self, prev: Group | None, group: Group, nxt: Group | None) -> np.ndarray:
+        """A stage's times for 1..L layers with time-set shares (inf beyond its memory), given its neighbours: all
+        a timed score needs of it when no shared tensors tie it to other stages, so a move rescores only the
+        stages it touches and their neighbours."""
+        key = (prev, group, nxt)
+        row = self._rows.get(key)
+        if row is None:
+            if len(self._rows) >= CACHED:
+                self._rows.clear()
+            st = self.stats(group)
+            edges = (self.boundary(prev, group) if prev is not None else 0.0) + \
+                (self.boundary(group, nxt) if nxt is not None else 0.0)
+            row = np.maximum(self.wl.microbatches * (edges + self.levels(group)),
+                             st.ar_fixed + st.ar_per_layer * self.steps)
+            row[st.cap:] = np.inf
+            self._rows[key] = row
+        return row
 
     def score(self, groups: Sequence[Group], *, timed: bool = False) -> Score:
         """PT of the memberships with their best layer counts, under compute-proportional shares (the contract's)
@@ -357,6 +386,11 @@ class Engine:
         self.scored += 1
         if not groups or len(groups) > self.layers or not all(g.valid for g in groups):
             return INFEASIBLE
+        if timed and self.held is None:
+            around = (None, *groups, None)
+            h = np.stack([self._timed_row(around[k], g, around[k + 2]) for k, g in enumerate(groups)])
+            pt = best_time(h, self.layers)  # inf where a stage holds no layer or all of them too few
+            return Score(pt, None, self.layers, h) if np.isfinite(pt) else INFEASIBLE
         c = self.curves(groups)
         if c.cap.min() < 1 or c.cap.sum() < self.layers:
             return INFEASIBLE
@@ -365,7 +399,7 @@ class Engine:
         if timed:
             d = self.wl.microbatches
             edges = [0.0] + [self.boundary(a, b) for a, b in zip(groups, groups[1:])] + [0.0]
-            pipeline = np.array([d * (edges[k] + edges[k + 1] + self.levels(g)[0]) for k, g in enumerate(groups)])
+            pipeline = np.array([d * (edges[k] + edges[k + 1] + self.levels(g)) for k, g in enumerate(groups)])
             h = np.maximum(pipeline, ar)
             h[steps[None, :] > c.cap[:, None]] = np.inf
             pt = best_time(h, self.layers)
@@ -387,16 +421,23 @@ class Engine:
         """Mean delay from every device to each stage's servers (devices x stages)."""
         return np.stack([self.delay[:, list(g.servers)].mean(axis=1) for g in groups], axis=1)
 
-    def targets(self, device: int, near: np.ndarray, exclude: int, count: int) -> list[int]:
-        """Stages whose servers are closest to ``device`` (the paper's rule for placing clients)."""
-        row = near[device].copy()
+    def near(self, groups: Sequence[Group], device: int) -> np.ndarray:
+        """One device's row of ``nearness``: what a single move needs, at a stage count's cost, not a swarm's."""
+        delay = self.delay[device]
+        return np.array([delay[list(g.servers)].mean() for g in groups])
+
+    def targets(self, near: np.ndarray, exclude: int, count: int) -> list[int]:
+        """Stages whose servers are closest to a device, given its ``near`` row (the paper's rule for placing
+        clients)."""
+        row = near.copy()
         if exclude >= 0:
             row[exclude] = np.inf
         return [int(k) for k in np.argsort(row, kind="stable")[:min(count, len(row) - (exclude >= 0))]]
 
     def relocations(self, groups: list[Group], device: int, home: int, near: np.ndarray,
                     fan: int) -> Iterator[list[Group]]:
-        """Plans in which ``device`` leaves stage ``home`` (-1: idle) for idleness, a role flip, or a near stage."""
+        """Plans in which ``device`` leaves stage ``home`` (-1: idle) for idleness, a role flip, or a near stage
+        (``near``: its row of ``nearness``)."""
         rest = groups[home].without(device) if home >= 0 else None
         if rest is not None and rest.valid:
             yield groups[:home] + [rest] + groups[home + 1:]
@@ -406,7 +447,7 @@ class Engine:
                 yield groups[:home] + [flipped] + groups[home + 1:]
         if rest is not None and not rest.valid:
             return
-        for k in self.targets(device, near, home, fan):
+        for k in self.targets(near, home, fan):
             for role in ((FS, BS) if self.reliable[device] else (CLIENT,)):
                 moved = list(groups)
                 if rest is not None:
@@ -442,16 +483,16 @@ class Engine:
             if x < 0:
                 yield groups[:k] + [groups[k + 1], groups[k]] + groups[k + 2:]
             else:
-                yield from self.relocations(groups, x, k, near, fan if k >= 0 else 2)
+                yield from self.relocations(groups, x, k, near[x], fan if k >= 0 else 2)
                 if swaps and k >= 0:
-                    yield from self.swaps(groups, x, k, near, fan, rng)
+                    yield from self.swaps(groups, x, k, near[x], fan, rng)
 
     def swaps(self, groups: list[Group], device: int, home: int, near: np.ndarray, fan: int,
               rng: np.random.Generator) -> Iterator[list[Group]]:
-        """Plans in which ``device`` trades places (and roles) with a device of a near stage: the move that keeps
-        both stages' sizes, which single moves reach only through a worse plan."""
+        """Plans in which ``device`` trades places (and roles) with a device of a near stage (``near``: its row of
+        ``nearness``): the move that keeps both stages' sizes, which single moves reach only through a worse plan."""
         role = groups[home].role(device)
-        for k in self.targets(device, near, home, fan):
+        for k in self.targets(near, home, fan):
             st = self.stats(groups[k])
             partners = {st.worst, st.weakest, int(rng.choice(groups[k].workers))}
             for other in partners:
@@ -489,7 +530,7 @@ class Engine:
         near = self.nearness(groups)
         for u in sorted(clients, key=lambda x: -self.net.flops[x]):
             choice = None
-            for k in self.targets(u, near, -1, fan):
+            for k in self.targets(near[u], -1, fan):
                 moved = list(groups)
                 moved[k] = groups[k].adding(u, CLIENT)
                 s = self.score(moved)

@@ -17,4 +17,4 @@ def timed_layouts(engine: Engine, groups: list[Group]) -> list[StageLayout] | No
     if score.table is None:
         return None
     _, counts = allocate(score.table, engine.layers)
-    return [g.layout(int(c), engine.levels(g)[1][int(c) - 1]) for g, c in zip(groups, counts)]
+    return [g.layout(int(c), engine.shares(g, int(c))) for g, c in zip(groups, counts)]
