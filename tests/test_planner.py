@@ -12,7 +12,7 @@ from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
-from p2ptrain.planner.anytime import PATIENCE
+from p2ptrain.planner.anytime import PATIENCE, random_move
 from p2ptrain.planner.baselines import random_layout
 from p2ptrain.planner.cost import (
     Network,
@@ -418,6 +418,34 @@ def test_the_anytime_search_ends_once_its_rounds_stop_finding_better_plans() -> 
     plan = make_plan(swarm, swarm.model, batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches,
                      budget_s=1e9, clock=Ticks())
     assert plan.search is not None and plan.search.rounds == PATIENCE + plan.search.improved
+
+
+@pytest.mark.parametrize("fixed_stages", [False, True])
+def test_every_anytime_move_gives_a_plan_of_distinct_devices_in_roles_they_may_take(fixed_stages: bool) -> None:
+    """Thousands of chained random moves (single devices, trades, whole clusters, new stages, reorders, merges,
+    splits): no device is ever in two places, only reliable devices serve, and a forced stage count holds."""
+    swarm = geo_swarm(96, seed=305)
+    engine = Engine(swarm.network(), cost.Workload(model=model_spec("llama-33b", precision="fp16", offload="optimizer"),
+                                                   batch_tokens=2048 * 512, microbatches=64), swarm.reliable)
+    plan = make_plan(swarm, engine.wl.model, batch_tokens=2048 * 512, microbatches=64)
+    index = {d.id: i for i, d in enumerate(swarm.devices)}
+    groups = [Group.of([index[x] for x in s.fs], [index[x] for x in s.bs], [index[x] for x in s.clients])
+              for s in plan.stages]
+    rng = np.random.default_rng(7)
+    reordered = changed = 0
+    for _ in range(3000):
+        moved = random_move(engine, groups, rng, fixed_stages)
+        if moved is None:
+            continue
+        placed = [x for g in moved for x in g.workers]
+        assert len(placed) == len(set(placed))
+        assert all(engine.reliable[x] for g in moved for x in g.servers)
+        assert not fixed_stages or len(moved) == len(groups)
+        changed += moved != groups
+        reordered += sorted(moved, key=hash) == sorted(groups, key=hash) and moved != groups
+        if all(g.valid for g in moved):
+            groups = moved
+    assert changed > 2000 and reordered > 50
 
 
 @pytest.mark.parametrize("stages", [2, 3])

@@ -3,8 +3,9 @@
 The refined search (``refine``) ends in a local optimum of its moves. Given more time (``--budget-s``), this phase
 keeps improving the best plan in rounds. A round anneals from the best plan so far: it makes random moves (a device
 to idleness, to a near stage or the other server role, or anywhere; two devices of near stages, or any two, trading
-places; two neighbouring stages trading places; two stages merged; a stage split), accepts a worse plan with a probability that falls as the
-round goes on, and ends in a first-improvement local search (``Engine.improve``). Each round draws from a generator
+places; a device and its nearest mates moving together, to a near stage, to idleness or into a new stage; two
+neighbouring stages trading places, a stage moved elsewhere in the pipeline or a run of stages reversed; two stages
+merged; a stage split), accepts a worse plan with a probability that falls as the round goes on, and ends in a first-improvement local search (``Engine.improve``). Each round draws from a generator
 seeded by the planner's seed and the round's number and scores a fixed number of moves, so the result depends only on
 the seed and how many rounds completed; the clock only decides how many (a round the budget cuts short is dropped).
 The phase also ends once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2ptrain.planner.search import CLIENT, Engine, Group, Score
+from p2ptrain.planner.search import BS, CLIENT, FS, Engine, Group, Score
 
 PATIENCE = 20  # rounds in a row without a better plan after which the search ends before its budget
 CHECK_EVERY = 64  # moves between looks at the clock
@@ -83,7 +84,7 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
     for step in range(moves):
         if step % CHECK_EVERY == 0 and out_of_time():
             return None
-        trial = _move(engine, current, rng, fixed_stages)
+        trial = random_move(engine, current, rng, fixed_stages)
         if trial is None:
             continue
         trial_score = engine.score(trial, timed=True)
@@ -100,28 +101,32 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
     return engine.improve(best, rng=rng, rounds=200, budget=2000, swaps=True, timed=True)
 
 
-def _move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group] | None:
+def random_move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group] | None:
     """A random neighbour of ``groups`` (module doc), or None where the drawn move does not apply."""
     draw = rng.random()
-    if draw < 0.25:
+    if draw < 0.2:
         device = _device(engine, groups, rng)
         home = next((k for k, g in enumerate(groups) if device in g.workers), -1)
         options = list(engine.relocations(groups, device, home, engine.near(groups, device), 3))
         return options[int(rng.integers(len(options)))] if options else None
-    if draw < 0.5:
+    if draw < 0.4:
         return _anywhere(engine, groups, rng)
-    if draw < 0.7:
+    if draw < 0.55:
         device = _device(engine, groups, rng, placed=True)
         home = next(k for k, g in enumerate(groups) if device in g.workers)
         options = list(engine.swaps(groups, device, home, engine.near(groups, device), 3, rng))
         return options[int(rng.integers(len(options)))] if options else None
-    if draw < 0.85:
+    if draw < 0.67:
         return _trade(engine, groups, rng)
+    if draw < 0.8:
+        return _cluster(engine, groups, rng, new_stage=not fixed_stages and rng.random() < 0.25)
     if len(groups) < 2:
         return None
     k = int(rng.integers(len(groups) - 1))
-    if draw < 0.93 or fixed_stages:
+    if draw < 0.86:
         return groups[:k] + [groups[k + 1], groups[k]] + groups[k + 2:]
+    if draw < 0.93 or fixed_stages:
+        return _reorder(groups, rng)
     if draw < 0.965:
         a, b = groups[k], groups[k + 1]
         return groups[:k] + [Group.of(a.fs + b.fs, a.bs + b.bs, a.clients + b.clients)] + groups[k + 2:]
@@ -155,6 +160,58 @@ def _trade(engine: Engine, groups: list[Group], rng: np.random.Generator) -> lis
         moved[a] = moved[a].without(first).adding(second, role_a)
     if b >= 0:
         moved[b] = moved[b].without(second).adding(first, role_b)
+    return moved
+
+
+def _reorder(groups: list[Group], rng: np.random.Generator) -> list[Group] | None:
+    """A stage moved to another place in the pipeline, or a run of stages reversed: orders with other boundaries
+    (the inter-stage links), which swaps of neighbours reach only through worse plans."""
+    i, j = sorted(int(x) for x in rng.choice(len(groups), size=2, replace=False))
+    if rng.random() < 0.5:
+        return groups[:i] + groups[i:j + 1][::-1] + groups[j + 1:]
+    moved = list(groups)
+    if rng.random() < 0.5:
+        moved.insert(j, moved.pop(i))
+    else:
+        moved.insert(i, moved.pop(j))
+    return moved
+
+
+def _cluster(engine: Engine, groups: list[Group], rng: np.random.Generator, *, new_stage: bool) -> list[Group] | None:
+    """A device and its nearest mates of the same stage and role (or idle) move together: to a near stage (servers
+    keep their role, idle ones take one), to idleness, or, with ``new_stage``, into a stage of their own at a random
+    place. A site's devices reach another stage in one move instead of one by one through worse plans."""
+    device = _device(engine, groups, rng)
+    homes = np.full(engine.net.size, -1)
+    roles = np.full(engine.net.size, CLIENT)
+    for k, g in enumerate(groups):
+        for role, members in ((FS, g.fs), (BS, g.bs), (CLIENT, g.clients)):
+            homes[list(members)] = k
+            roles[list(members)] = role
+    home, role = int(homes[device]), int(roles[device])
+    order = engine.closest(device)
+    same = order[(homes[order] == home) & ((home < 0) | (roles[order] == role))]
+    mates = [int(x) for x in same[:int(rng.integers(4, 13) if new_stage else rng.integers(2, 9))]]
+    moved = [g if k != home else Group.of(*(tuple(x for x in part if x not in mates) for part in (g.fs, g.bs, g.clients)))
+             for k, g in enumerate(groups)]
+    reliable = [x for x in mates if engine.reliable[x]]
+    if new_stage:
+        clients = [x for x in mates if not engine.reliable[x]]
+        stage = Group.of(reliable[::2], reliable[1::2], clients)
+        if not stage.valid or len(moved) >= engine.layers:
+            return None
+        at = int(rng.integers(len(moved) + 1))
+        return moved[:at] + [stage] + moved[at:]
+    near = engine.near(groups, device)
+    targets = engine.targets(near, home, 3)
+    target = targets[int(rng.integers(len(targets)))] if targets and rng.random() < 0.8 else -1
+    if target < 0:
+        return moved if home >= 0 else None
+    server = role if home >= 0 and role != CLIENT else int(rng.integers(2))
+    parts = [list(moved[target].fs), list(moved[target].bs), list(moved[target].clients)]
+    for x in mates:
+        parts[server if engine.reliable[x] else CLIENT].append(x)
+    moved[target] = Group.of(*parts)
     return moved
 
 

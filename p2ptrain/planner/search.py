@@ -273,6 +273,7 @@ class Engine:
         self._rounds: dict[tuple[Group, ...], float] = {}
         self._levels: dict[Group, np.ndarray] = {}
         self._rows: dict[tuple[Group | None, Group, Group | None], np.ndarray] = {}
+        self._closest: dict[int, np.ndarray] = {}
 
     def stats(self, group: Group) -> GroupStats:
         cached = self._stats.get(group)
@@ -420,6 +421,13 @@ class Engine:
     def nearness(self, groups: Sequence[Group]) -> np.ndarray:
         """Mean delay from every device to each stage's servers (devices x stages)."""
         return np.stack([self.delay[:, list(g.servers)].mean(axis=1) for g in groups], axis=1)
+
+    def closest(self, device: int) -> np.ndarray:
+        """Every device by its delay from ``device``, nearest first (itself first)."""
+        order = self._closest.get(device)
+        if order is None:
+            order = self._closest[device] = np.argsort(self.delay[device], kind="stable")
+        return order
 
     def near(self, groups: Sequence[Group], device: int) -> np.ndarray:
         """One device's row of ``nearness``: what a single move needs, at a stage count's cost, not a swarm's."""
