@@ -5,9 +5,11 @@
    clients admitted greedily (strongest first, into the nearer stage only where that lowers PT, else idle).
    SWARM's balanced layout and the paper's plan join them as starting points. Layers are always set by time
    (``search.allocate``).
-2. The best candidates go through a local search that moves single devices (to idle, to a near stage, FS <-> BS)
-   and swaps adjacent stages, re-optimising all layer counts after every move; then stages are split or merged
-   (K±1) and searched again while that helps. Work is bounded by counts of moves and scored plans, not by time.
+2. The best three candidates go through a local search (a candidate's rank before it says little of where it ends:
+   on a 1,024-device swarm a 24-stage candidate ranked behind a 5-stage one ended 40% faster) that moves single
+   devices (to idle, to a near stage, FS <-> BS) and swaps adjacent stages, re-optimising all layer counts after
+   every move; then stages are split or merged (K±1) and searched again while that helps. Work is bounded by
+   counts of moves and scored plans, not by time.
 3. Iterated local search from the best plan: a few random moves, then the local search again with swaps of two
    devices between near stages added (the move that keeps both stages' sizes), kept only if better; until a
    run of kicks finds nothing.
@@ -104,7 +106,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
                     out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
                     anytime_patience: int = PATIENCE,
                     rounds: int = 200, budget: int = 2000,
-                    starts: int = 2, screen: int = 3, kick_total: int = 2000, patience: int = 6,
+                    starts: int = 3, screen: int = 3, kick_total: int = 2000, patience: int = 6,
                     kick_budget: int = 200) -> tuple[list[StageLayout] | None, SearchRecord | None]:
     """The refined plan (module doc); with ``out_of_time``, the anytime phase runs until it says the budget is
     spent (or ``max_rounds`` rounds), and what it did comes back beside the plan."""
