@@ -4,10 +4,10 @@ best plan long runs find (generated swarms of 32 to 1,024 devices, seeds 500-502
 to the bound; and the §4.4 stage-count comparison.
 
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
-                                 [--gap-sizes 32,64,256,1024]
+                                 [--gap-sizes 32,64,256,1024] [--no-gap-files] [--stem NAME]
 
 writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
-some --parts, ``planner-PARTS.*``.
+some --parts, ``planner-PARTS.*``; with --stem, ``NAME.*``.
 """
 from __future__ import annotations
 
@@ -171,7 +171,8 @@ def planners_markdown(rows: list[dict], samples: int) -> list[str]:
            f"{samples} random valid plans. ok = refined PT <= 0.9 x random and <= DT-FM.", "",
            "bound: the largest of LB, the memory-aware lower bound (`cost.memory_lower_bound`: devices that no "
            "stage of a valid plan has room for, and the two reliable servers every stage needs, are counted) and the "
-           "link-aware one (`cost.link_lower_bound`: each device's least latency and inverse bandwidth to a server); "
+           "link-aware one (`cost.link_lower_bound`: each device's least latency and inverse bandwidth to a server, the "
+           "cheapest transfer between stages, and the layers a stage can average within the batch time); "
            "no plan has a lower PT. reachable = 0.9 x random >= bound: where it is 'no', no planner can meet the 0.9 "
            "target, and refined/bound says how far from the best possible the refined plan is.", "",
            "| swarm | devices (reliable) | " + " | ".join(f"{p} PT (eff)" for p in PLANNERS) +
@@ -242,6 +243,9 @@ def main() -> None:
     parser.add_argument("--gap-seeds", type=int, default=3, help="long runs per swarm")
     parser.add_argument("--gap-sizes", default="32,64,256,1024",
                         help="device counts of the gap section's generated swarms (3 seeds each, 500-502)")
+    parser.add_argument("--gap-files", action=argparse.BooleanOptionalAction, default=True,
+                        help="whether the gap section also takes the paper's swarm files")
+    parser.add_argument("--stem", help="name of the result files (default: planner, or planner-PARTS with --parts)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     samples = 200 if args.quick else 2000
@@ -263,7 +267,7 @@ def main() -> None:
             [(int(n), seed) for n in args.gap_sizes.split(",") for seed in (500, 501, 502)]
         cases = [(f"geo-{n}-seed{seed}", geo_swarm(n, seed), model, GEO_BATCH["tokens"], GEO_BATCH["microbatches"])
                  for n, seed in generated]
-        if not args.quick:
+        if not args.quick and args.gap_files:
             cases += [(name, swarm, swarm.model, swarm.batch_tokens, swarm.microbatches) for name, swarm in files
                       if name.startswith("paper-")]
         for name, swarm, spec, tokens, microbatches in cases:
@@ -276,7 +280,7 @@ def main() -> None:
     text = markdown(rows, comparison, command, samples)
     if gaps:
         text += "\n".join(gap_markdown(gaps, *((2.0, 1) if args.quick else (args.gap_factor, args.gap_seeds)))) + "\n"
-    stem = "planner" if parts == {"planners", "gap", "sec44"} else "planner-" + "-".join(sorted(parts))
+    stem = args.stem or ("planner" if parts == {"planners", "gap", "sec44"} else "planner-" + "-".join(sorted(parts)))
     (RESULTS / f"{stem}.md").write_text(text)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"command": command, "geo_model": GEO_MODEL,
                                                       "geo_batch": GEO_BATCH, "rows": rows, "gap": gaps,

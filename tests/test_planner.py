@@ -292,6 +292,28 @@ def test_memory_lower_bound_is_below_every_valid_plan() -> None:
         assert times and min(times) >= max(bound, links) * (1 - 1e-9), seed
 
 
+@pytest.mark.parametrize("param_bytes", [1e8, 1.0])
+def test_the_link_bound_counts_the_averaging_and_the_boundary_every_plan_of_several_stages_pays(
+        param_bytes: float) -> None:
+    """Four servers with room for half the model each: every plan has two stages of 3 layers, so averaging
+    3 x 100 MB over 100 MB/s takes 3 s plus 2 ms of latency (param_bytes 1e8), and every stage has a boundary of
+    1 ms + 5.12 MB / 100 MB/s each microbatch (param_bytes 1). Compute and memory alone bound PT far lower."""
+    net = Network.from_matrices(flops=np.full(4, 1e15), memory=np.full(4, 3.5e9), latency_s=np.full((4, 4), 1e-3),
+                                bandwidth_bytes_s=np.full((4, 4), 1e8))
+    wl = Workload(model=replace(SPEC, param_bytes_per_layer=param_bytes), batch_tokens=4096, microbatches=8)
+    reliable = np.ones(4, dtype=bool)
+    bound = link_lower_bound(net, wl, reliable)
+    floor = 3.002 if param_bytes > 1 else 8 * (1e-3 + wl.message_bytes / 1e8)
+    assert bound >= floor * (1 - 1e-9)
+    assert max(lower_bound(net, wl), memory_lower_bound(net, wl, reliable)) < floor / 5
+    engine, rng = Engine(net, wl, reliable), np.random.default_rng(0)
+    times = [evaluate(net, wl, layout).batch_time_s for _ in range(300)
+             if (layout := random_layout(engine, rng)) is not None]
+    assert times and min(times) >= bound * (1 - 1e-9)
+    if param_bytes > 1:
+        assert min(times) == pytest.approx(bound, rel=1e-6)  # the averaging decides every plan: the bound is met
+
+
 def test_memory_lower_bound_counts_devices_no_plan_can_use() -> None:
     # two servers hold all 6 layers; the clients hold 2, and two servers allow only one stage: the clients idle
     net = Network.from_matrices(flops=np.array([2e12, 2e12, 8e12, 8e12]), memory=np.array([7e9, 7e9, 2e9, 2e9]),

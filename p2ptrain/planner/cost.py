@@ -260,35 +260,66 @@ def memory_lower_bound(net: Network, wl: Workload, reliable: np.ndarray) -> floa
 
 
 def link_lower_bound(net: Network, wl: Workload, reliable: np.ndarray) -> float:
-    """A lower bound on PT that counts each device's links as well as its compute and memory.
+    """A lower bound on PT that counts each device's links, the inter-stage transfer and averaging as well as its
+    compute and memory.
 
     A worker w with row share p in a stage of L_k layers has T_w = link + p·L_k·m·f/c_w, its link at least
     ``lat_w + p·A·inv_w``: for a server, the least latency and inverse bandwidth to any other reliable device; for a
-    client, the least from one plus the least to one. So within DT_k <= T, p·L_k <= g_w(T) =
-    l_w·(T - lat_w)/(A·inv_w + l_w·m·f/c_w) with l_w = min(L, layers w has room for) (g grows with L_k). Every
-    stage's shares sum to 1, so the layers sum: L = Σ_k L_k = Σ_w p_w·L_{k(w)} <= Σ_w g_w(T); the least T for which
-    the sum reaches L, times d, bounds every stage time, hence PT. With no link costs it is the compute bound LB.
+    client, the least from one plus the least to one. A plan of PT = d·T has, in every stage, DT_k <= T - e with e
+    the least inter-stage transfer C of any two reliable devices when there are several stages (each stage has a
+    boundary), 0 for one stage (then only devices with room for every layer can serve). Its averaging AR_k <= PT,
+    and AR_k >= (L_k·P·ib_w + 2·a_w)/H for each of its workers (n >= 2 workers; ib_w, a_w: w's least inverse
+    bandwidth and latency to any other device), which caps L_k. So p·L_k <= g_w(T) = min(l_w, l_w·(T - e - lat_w) /
+    (A·inv_w + l_w·m·f/c_w)), l_w the least of the layers w has room for and the averaging cap (g grows with L_k).
+    Every stage's shares sum to 1, so the layers sum: L = Σ_k L_k = Σ_w p_w·L_{k(w)} <= Σ_w g_w(T), which grows with
+    T; d times the least T at which it reaches L (by bisection, the lower end kept) bounds PT, the least over one
+    stage and several. Beside it, some stage holds ceil(L / K_max) layers (K_max: half the reliable devices) and
+    averages them. With no link costs it is the compute bound LB.
     """
     reliable = np.asarray(reliable, dtype=bool)
     if reliable.sum() < 2:
         return 0.0
-    others = np.where(reliable[None, :] & ~np.eye(net.size, dtype=bool), 0.0, np.inf)  # reliable, not oneself
+    eye = np.eye(net.size, dtype=bool)
+    others = np.where(reliable[None, :] & ~eye, 0.0, np.inf)  # reliable, not oneself
     out_lat, out_inv = (net.latency + others).min(axis=1), (net.inv_bandwidth + others).min(axis=1)
     in_lat, in_inv = (net.latency.T + others).min(axis=1), (net.inv_bandwidth.T + others).min(axis=1)
     lat, inv = in_lat + out_lat, in_inv + out_inv  # a client's
     lat[reliable] = np.minimum(lat, out_lat)[reliable]  # a reliable device may serve: one transfer
     inv[reliable] = np.minimum(inv, out_inv)[reliable]
+    anyone = np.where(eye, np.inf, 0.0)
+    ib = np.maximum((net.inv_bandwidth + anyone).min(axis=1), (net.inv_bandwidth.T + anyone).min(axis=1))
+    a = np.maximum((net.latency + anyone).min(axis=1), (net.latency.T + anyone).min(axis=1))
     layers, m, f = wl.model.layers, wl.microbatch_tokens, wl.model.flops_per_token_per_layer
+    d, per_round = wl.microbatches, wl.model.param_bytes_per_layer / wl.average_every
     room = np.minimum(np.floor(net.memory / wl.model.memory_bytes_per_layer), layers)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rate = np.where(room > 0, room / (wl.message_bytes * inv + room * m * f / net.flops), 0.0)
-    order = np.argsort(lat, kind="stable")
-    slope, intercept = np.cumsum(rate[order]), np.cumsum(rate[order] * lat[order])
-    # Σ_w rate_w·max(T - lat_w, 0) is convex and grows with T: its root is the least of the roots of its partial
-    # sums over the devices of least latency (each partial sum is at most the whole)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        roots = np.where(slope > 0, (layers + intercept) / slope, np.inf)
-    return float(wl.microbatches * roots.min())
+    pairs = np.ix_(reliable, reliable)
+    boundary = float((net.latency[pairs] + wl.message_bytes * net.inv_bandwidth[pairs] + np.where(eye[pairs], np.inf, 0.0)).min())
+
+    def covered(t: float, room: np.ndarray, boundary: float) -> float:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cap = np.minimum(room, np.floor(np.maximum(d * t - 2 * a / wl.average_every, 0.0) / (per_round * ib)))
+            share = np.where(cap > 0, cap * np.maximum(t - boundary - lat, 0.0) /
+                             (wl.message_bytes * inv + cap * m * f / net.flops), 0.0)
+        return float(np.minimum(share, cap).sum())
+
+    def least(room: np.ndarray, boundary: float) -> float:
+        low, high = 0.0, 1.0
+        while covered(high, room, boundary) < layers:
+            low, high = high, 2 * high
+            if high > 1e12:
+                return float("inf")
+        while high - low > 1e-12 * high:
+            middle = (low + high) / 2
+            low, high = (low, middle) if covered(middle, room, boundary) >= layers else (middle, high)
+        return low
+
+    several = least(room, boundary)
+    whole = room >= layers
+    one = least(np.where(whole, room, 0.0), 0.0) if (reliable & whole).sum() >= 2 else float("inf")
+    # some stage holds at least ceil(L / K_max) layers and two reliable servers: its averaging is at least that much
+    most = -(-layers // min(int(reliable.sum()) // 2, layers))
+    averaging = (most * wl.model.param_bytes_per_layer * ib[reliable].min() + 2 * a[reliable].min()) / wl.average_every
+    return float(max(d * min(several, one), averaging))
 
 
 def layout_problems(net: Network, wl: Workload, stages: Sequence[StageLayout]) -> list[str]:

@@ -165,7 +165,8 @@ def format_plan(plan: Plan, *, title: str) -> str:
         lines.append(f"with memory and 2 servers per stage counted, no plan beats {p.memory_lower_bound_s:.4g} s "
                      f"({p.memory_lower_bound_s / p.batch_time_s:.3f} of this plan's time)")
     if p.link_lower_bound_s is not None and p.link_lower_bound_s > max(p.lower_bound_s, p.memory_lower_bound_s or 0):
-        lines.append(f"with every device's links counted, no plan beats {p.link_lower_bound_s:.4g} s")
+        lines.append(f"with every device's links, the stages' boundaries and averaging counted, no plan beats "
+                     f"{p.link_lower_bound_s:.4g} s")
     lines.append(f"gap to the tightest bound: {p.gap:.1%} (no plan is faster than the bound; the best one may be "
                  "slower)")
     if plan.search is not None:
