@@ -151,6 +151,7 @@ class Score:
     curves: Curves | None = None
     total: int = 0
     table: np.ndarray | None = None  # stage x layer-count times the counts come from
+    load: float | None = None   # timed scores: the mean of the ``total`` least entries of ``table``
 
     @cached_property
     def layers(self) -> tuple[int, ...]:
@@ -159,8 +160,11 @@ class Score:
 
     @cached_property
     def smooth(self) -> float:
-        """PT with fractional layer counts: breaks ties between equal integer PTs (computed only for ties)."""
-        return self.pt if self.curves is None else smooth_time(self.pt, self.curves, self.total)
+        """What breaks ties between equal integer PTs (computed only for ties): PT with fractional layer counts, or
+        for a timed score its ``load``, which falls when any stage gets faster, not only the slowest."""
+        if self.curves is None:
+            return self.pt if self.load is None else self.load
+        return smooth_time(self.pt, self.curves, self.total)
 
     def better_than(self, other: "Score") -> bool:
         if self.pt < other.pt * (1 - 1e-9):
@@ -191,6 +195,15 @@ def smooth_time(hi: float, c: Curves, total: int) -> float:
         return hi
     t0, t1, f0, f1 = breaks[i - 1], breaks[i], sums[i - 1], sums[i]
     return float(t0 + (t1 - t0) * (total - f0) / (f1 - f0))
+
+
+def timed_time(h: np.ndarray, total: int) -> tuple[float, float]:
+    """``best_time`` and the mean of the ``total`` least entries of ``h`` (the times of the layer counts that reach
+    PT, roughly), from one partition."""
+    if h.shape[0] > total:
+        return float("inf"), float("inf")
+    least = np.partition(h.ravel(), total - 1)[:total]
+    return max(float(h[:, 0].max()), float(least[-1])), float(least.mean())
 
 
 def best_time(h: np.ndarray, total: int) -> float:
@@ -390,8 +403,8 @@ class Engine:
         if timed and self.held is None:
             around = (None, *groups, None)
             h = np.stack([self._timed_row(around[k], g, around[k + 2]) for k, g in enumerate(groups)])
-            pt = best_time(h, self.layers)  # inf where a stage holds no layer or all of them too few
-            return Score(pt, None, self.layers, h) if np.isfinite(pt) else INFEASIBLE
+            pt, load = timed_time(h, self.layers)  # inf where a stage holds no layer or all of them too few
+            return Score(pt, None, self.layers, h, load) if np.isfinite(pt) else INFEASIBLE
         c = self.curves(groups)
         if c.cap.min() < 1 or c.cap.sum() < self.layers:
             return INFEASIBLE
