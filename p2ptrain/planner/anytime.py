@@ -5,11 +5,11 @@ keeps improving the best plan in rounds. A round anneals from the best plan so f
 to idleness, to a near stage or the other server role, or anywhere; two devices of near stages, or any two, trading
 places; a device and its nearest mates moving together, to a near stage, to idleness or into a new stage; two
 neighbouring stages trading places, a stage moved elsewhere in the pipeline or a run of stages reversed; two stages
-merged; a stage split), accepts a worse plan with a probability that falls as the round goes on, and ends in a first-improvement local search (``Engine.improve``). Each round draws from a generator
-seeded by the planner's seed and the round's number and scores a fixed number of moves, so the result depends only on
-the seed and how many rounds completed; the clock only decides how many (a round the budget cuts short is dropped).
-The phase also ends once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the
-whole budget.
+merged; a stage split), accepts a worse plan with a probability that falls as the round goes on, and ends in a
+first-improvement local search (``Engine.improve``). Each round draws from a generator seeded by the planner's seed
+and the round's number and scores a fixed number of moves, so the result depends only on the seed and how many
+rounds completed; the clock only decides how many (a round the budget cuts short is dropped). The phase also ends
+once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the whole budget.
 Moves are scored through ``Engine.score`` with row shares set by time, as the plan ends with (``Engine.levels``), so
 the search balances each stage's workers as it moves them; the engine caches every stage's statistics and levels,
 so a move recomputes only the stages it touches.
@@ -171,7 +171,7 @@ def _trade(engine: Engine, groups: list[Group], rng: np.random.Generator) -> lis
     return moved
 
 
-def _reorder(groups: list[Group], rng: np.random.Generator) -> list[Group] | None:
+def _reorder(groups: list[Group], rng: np.random.Generator) -> list[Group]:
     """A stage moved to another place in the pipeline, or a run of stages reversed: orders with other boundaries
     (the inter-stage links), which swaps of neighbours reach only through worse plans."""
     i, j = sorted(int(x) for x in rng.choice(len(groups), size=2, replace=False))
