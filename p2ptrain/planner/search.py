@@ -27,6 +27,11 @@ FS, BS, CLIENT = 0, 1, 2
 CACHED = 100_000  # entries of a per-membership cache, cleared when full: a long search must not grow without bound
 
 
+def _make_room(cache: dict) -> None:
+    if len(cache) >= CACHED:
+        cache.clear()
+
+
 @dataclass(frozen=True)
 class Group:
     """A stage's members by device index, each role sorted, so equal memberships compare and hash equal."""
@@ -208,12 +213,7 @@ def timed_time(h: np.ndarray, total: int) -> tuple[float, float]:
 
 def best_time(h: np.ndarray, total: int) -> float:
     """The PT of ``allocate`` alone (the search's hot path needs only this)."""
-    if h.shape[0] > total:
-        return float("inf")
-    first = float(h[:, 0].max())
-    if first == float("inf"):
-        return first
-    return max(first, float(np.partition(h.ravel(), total - 1)[total - 1]))
+    return timed_time(h, total)[0]
 
 
 def allocate(h: np.ndarray, total: int) -> tuple[float, np.ndarray]:
@@ -292,8 +292,7 @@ class Engine:
         cached = self._stats.get(group)
         if cached is not None:
             return cached
-        if len(self._stats) >= CACHED:
-            self._stats.clear()
+        _make_room(self._stats)
         net, wl = self.net, self.wl
         workers = np.array(group.workers, dtype=int)
         links = link_times(net, wl, group.layout(1), compute_shares(net, workers))
@@ -321,6 +320,7 @@ class Engine:
         if cached is None:
             bs, fs = np.array(prev.bs), np.array(nxt.fs)
             a = block(self.net.latency, bs, fs) + self.wl.message_bytes * block(self.net.inv_bandwidth, bs, fs)
+            _make_room(self._boundary)
             cached = self._boundary[key] = float(a.mean())
         return cached
 
@@ -349,6 +349,7 @@ class Engine:
             time = self._rounds.get(key)
             if time is None:
                 workers = np.array([w for g in key for w in g.workers], dtype=int)
+                _make_room(self._rounds)
                 time = self._rounds[key] = round_time(self.net, wl, workers, nbytes)
             across[list(may)] += time
         rows, caps = np.empty((count, self.layers)), np.empty(count, dtype=int)
@@ -367,8 +368,7 @@ class Engine:
         """DT_k of a membership for 1..L layers with its row shares set by time (``water_fill``)."""
         cached = self._levels.get(group)
         if cached is None:
-            if len(self._levels) >= CACHED:
-                self._levels.clear()
+            _make_room(self._levels)
             cached = self._levels[group] = self._water_fill(group)[0]
         return cached
 
@@ -383,8 +383,7 @@ class Engine:
         key = (prev, group, nxt)
         row = self._rows.get(key)
         if row is None:
-            if len(self._rows) >= CACHED:
-                self._rows.clear()
+            _make_room(self._rows)
             st = self.stats(group)
             edges = (self.boundary(prev, group) if prev is not None else 0.0) + \
                 (self.boundary(group, nxt) if nxt is not None else 0.0)
