@@ -7,13 +7,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import hivemind
+import pydantic.v1 as pydantic
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.utils import get_dht_time
+from hivemind.dht.routing import DHTID
+from hivemind.dht.schema import SchemaValidator
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2ptrain.dht import (
     Announcer,
+    CachedSchemaValidator,
     EpochMetrics,
     Link,
     Membership,
@@ -120,6 +125,42 @@ def test_wrong_schema_is_rejected(peers: tuple[Peer, Peer]) -> None:
     # the same value, well formed, is accepted: the rejections above were the schema's doing
     assert b.dht.store(peers_key(RUN), value, get_dht_time() + 30, subkey=owned_subkey("bad", b.key)) is True
     assert _mine(get_peers(a.dht, RUN), "bad") == [_info("bad", started=value["started"])]
+
+
+def test_the_schema_validator_checks_each_distinct_record_once_and_still_refuses_bad_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[bytes] = []
+    original = SchemaValidator.validate
+
+    def counting(self: SchemaValidator, record: DHTRecord) -> bool:
+        checked.append(record.value)
+        return original(self, record)
+
+    monkeypatch.setattr(SchemaValidator, "validate", counting)
+    [_, schema] = make_validators(RUN)
+    assert isinstance(schema, CachedSchemaValidator)
+    key = DHTID.generate(source=peers_key(RUN)).to_bytes()
+    subkey = MSGPackSerializer.dumps(owned_subkey("p", RSASignatureValidator(RSAPrivateKey()).local_public_key))
+
+    def record(value: dict) -> DHTRecord:
+        return DHTRecord(key=key, subkey=subkey, value=MSGPackSerializer.dumps(value),
+                         expiration_time=get_dht_time() + 30)
+
+    good, bad = _info("p").to_value(), {**_info("p").to_value(), "compute": 5}
+    assert [schema.validate(record(good)) for _ in range(3)] == [True] * 3
+    assert [schema.validate(record(bad)) for _ in range(3)] == [False] * 3
+    assert len(checked) == 2  # each distinct record went through pydantic once
+    changed = {**good, "state": "joining"}
+    assert schema.validate(record(changed)) and len(checked) == 3
+    # another schema merged in may accept what this one refused: the verdicts are forgotten
+    other = SchemaValidator(pydantic.create_model("Other", other=(int, None)), prefix=RUN)
+    assert schema.merge_with(other)
+    assert not schema.validate(record(bad)) and len(checked) == 4
+    # bounded: at cache_size distinct records it starts again
+    schema.cache_size = 2
+    for value in (good, changed, good):
+        schema.validate(record(value))
+    assert len(checked) == 7
 
 
 def test_a_record_too_large_for_the_dht_process_is_refused_before_it_is_sent(peers: tuple[Peer, Peer]) -> None:

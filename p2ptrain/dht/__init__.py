@@ -2,6 +2,7 @@
 from p2ptrain.dht.announcer import Announcer
 from p2ptrain.dht.keys import (
     MAX_STAGES,
+    CachedSchemaValidator,
     make_validators,
     metrics_key,
     owned_subkey,
@@ -28,6 +29,7 @@ __all__ = [
     "MAX_EPOCHS_KEPT",
     "MAX_STAGES",
     "Announcer",
+    "CachedSchemaValidator",
     "EpochMetrics",
     "Link",
     "Membership",

@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import pydantic.v1 as pydantic
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from p2ptrain.dht.records import MembershipModel, MetricsModel, PeerInfoModel, PlanModel, RecipeModel
 
@@ -77,6 +77,37 @@ def _schema() -> type[pydantic.BaseModel]:
     return pydantic.create_model("P2PTrainRecords", **fields)
 
 
+class CachedSchemaValidator(SchemaValidator):
+    """hivemind's SchemaValidator that remembers its verdict on each (key, subkey, value).
+
+    A DHT lookup answers with every subkey of a dictionary key, and a store first looks its key up at several nodes,
+    so the same records come back many times, most unchanged since the last lookup; pydantic takes milliseconds on a
+    metrics record of a few dozen epochs. Validating each distinct record once took the DHT processes of a 7-peer
+    training swarm from most of their CPU to little (benchmarks/results/dataplane.md). The verdict depends on the
+    record's bytes and the schemas only, so the memory is cleared when another schema is merged in.
+    """
+
+    def __init__(self, *args, cache_size: int = 256, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cache_size = cache_size
+        self._verdicts: dict[tuple[bytes, bytes, bytes], bool] = {}
+
+    def validate(self, record: DHTRecord) -> bool:
+        slot = (record.key, record.subkey, record.value)
+        verdict = self._verdicts.get(slot)
+        if verdict is None:
+            if len(self._verdicts) >= self.cache_size:  # bounded: the records live now are few and come back often
+                self._verdicts.clear()
+            verdict = self._verdicts[slot] = super().validate(record)
+        return verdict
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        merged = super().merge_with(other)
+        if merged:
+            self._verdicts.clear()
+        return merged
+
+
 def make_validators(run_id: str, *, signer: RSASignatureValidator | None = None) -> list[RecordValidatorBase]:
     """Validators for `hivemind.DHT(record_validators=...)`: owner signatures and the run's record schema.
 
@@ -85,4 +116,4 @@ def make_validators(run_id: str, *, signer: RSASignatureValidator | None = None)
     so a different key here would leave those records unsigned). Pass `signer.local_public_key` to
     `Announcer(owner_key=...)`. Keys outside this run's schema (the averagers' own) stay allowed.
     """
-    return [signer or RSASignatureValidator(), SchemaValidator(_schema(), allow_extra_keys=True, prefix=run_id)]
+    return [signer or RSASignatureValidator(), CachedSchemaValidator(_schema(), allow_extra_keys=True, prefix=run_id)]
