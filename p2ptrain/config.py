@@ -297,7 +297,9 @@ class RuntimeConfig:
     unreachable_backoff_s: float = 0.2  # after a server did not answer a task poll
     leave_timeout_s: float = 5.0  # a stopping worker tells its servers it leaves for at most this long
     no_servers_wait_s: float = 0.5  # a worker that knows no FS of its stage looks again after this
-    fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work
+    fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work...
+    fs_poll_wait_backward_s: float = 0.02  # ...and while the worker awaits backward tasks from the BS (it holds
+    # forward states): the FS's poll wakes on the FS's news only, so this is the longest a backward task waits
     bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
     idle_poll_wait_s: float = 1.0  # how long the only FS of a stage holds a poll while nothing of the stage is out;
     # its news (rows, the rows all back, a closure) answer the poll at once, so this only spaces an idle swarm's polls

@@ -255,15 +255,17 @@ class Worker:
         poll = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode,
                         holds_state=self.holds_only, deposited=self.rows_accumulated if current else 0,
                         idle_wait_s=idle_wait_s)
-        # after a quiet FS's answer no backward task can be waiting: the next one follows the FS's next rows
-        for bs in bs_list if not (self.holds_only or self._fs_quiet) else ():
+        # after a quiet FS's answer no backward task can be waiting: the next one follows the FS's next rows; and the
+        # last stage's BS issues none (its workers take forward, loss and backward as one task from the FS)
+        for bs in bs_list if not (self.holds_only or self._fs_quiet or self.is_last) else ():
             reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=self.settings.bs_poll_wait_s))
             if reply is not None and reply.task is not None:
                 return reply, {}
         polls: dict[str, TaskReply | None] = {}
         self._fs_quiet = False
+        wait_s = self.settings.fs_poll_wait_backward_s if self.cache else self.settings.fs_poll_wait_s
         for fs in fs_list:
-            reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(poll, wait_s=self.settings.fs_poll_wait_s))
+            reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(poll, wait_s=wait_s))
             if reply is None:
                 self.silent_since.setdefault(fs, time.monotonic())
             else:
