@@ -13,11 +13,14 @@ dtype, shape, codec and chunk count, the rest only bytes, as hivemind's `split_f
   `create_dynamic_map()`. Error bound: see `int8_error_bound`. bitsandbytes is imported on the first int8
   tensor only: it takes seconds to import, and peers that do not use int8 need none of it.
 
-Integer and bool tensors are always sent uncompressed, whatever the codec.
+Integer and bool tensors are always sent uncompressed, whatever the codec. The averaging codec (`WireCodec`) sends a
+tensor of zeros as its shape alone, a message without a buffer (`encode_zeros`): what a server that only keeps its
+stage's replica hands in to an average (`client.averaging`).
 """
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from functools import cache
 from types import ModuleType
@@ -34,6 +37,10 @@ from p2ptrain.config import CODECS, INT8_BLOCKSIZE, WIRE_BYTES
 # One message per MiB: far below the 4 MiB per-message limit of hivemind's P2P (docs/design.md §7), and few enough
 # messages that per-message overhead does not matter for activation-sized tensors.
 CHUNK_BYTES = 2**20
+
+# The most values a message of zeros may stand for: as many as hivemind's P2P carries in its largest message (4 MiB)
+# at int8's byte per value. A bound, so that a peer's message cannot make its receiver allocate without limit.
+MAX_ZEROS = 2**22
 
 # INT8_BLOCKSIZE: bitsandbytes supports blocks of 64..4096 values. Measured on (8, 128, 256) activations with outlier
 # channels and on Student-t(2) samples: 256 gives ~30% less relative error than 4096 for 1.5% more bytes
@@ -103,8 +110,19 @@ def encode(tensor: torch.Tensor, codec: str) -> runtime_pb2.Tensor:
     return serialize_torch_tensor(tensor, _PROTO_CODEC[codec])
 
 
+def encode_zeros(shape: Sequence[int]) -> runtime_pb2.Tensor:
+    """A float32 tensor of zeros as a message of its shape and no bytes: no codec's message of a non-empty tensor
+    has an empty buffer, so `decode` tells it apart."""
+    return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, size=list(shape), dtype="float32")
+
+
 def decode(message: runtime_pb2.Tensor) -> torch.Tensor:
-    """Decode one message made by `encode`; the codec is read from the message."""
+    """Decode one message made by `encode` or `encode_zeros`; the codec is read from the message."""
+    if not message.buffer and message.compression == runtime_pb2.CompressionType.NONE and math.prod(message.size):
+        if message.dtype != "float32" or math.prod(message.size) > MAX_ZEROS:
+            raise ValueError(f"a message of zeros must be float32 and of at most {MAX_ZEROS} values, not "
+                             f"{message.dtype!r} of shape {tuple(message.size)}")
+        return torch.zeros(torch.Size(message.size))
     if message.compression == runtime_pb2.CompressionType.BLOCKWISE_8BIT:
         return _decode_int8(message)
     if message.compression not in (runtime_pb2.CompressionType.NONE, runtime_pb2.CompressionType.FLOAT16):
@@ -138,6 +156,8 @@ class WireCodec(CompressionBase):
         self.compression_type = _PROTO_CODEC[codec]
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        if tensor.dtype == torch.float32 and not tensor.any():
+            return encode_zeros(tensor.shape)
         return encode(tensor, self.codec)
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:

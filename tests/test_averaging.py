@@ -14,7 +14,7 @@ import torch
 from hivemind.compression import Uniform8BitQuantization
 from hivemind.p2p import P2P
 
-from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts
+from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts, reducer_modes
 from p2ptrain.compression import int8_error_bound
 from p2ptrain.config import AVERAGING_CODECS, WIRE_BYTES, RunConfig
 from p2ptrain.live.probe import LinkProbe
@@ -74,6 +74,12 @@ async def one_round(averagers: list[StageAllReduce], grads: list[list[torch.Tens
         a.average(g, epoch=3, rows=r, group=group) for a, g, r in zip(averagers, grads, rows))), 60)
 
 
+def round_bytes(numel: int, *, members: int, with_rows: int, itemsize: float) -> int:
+    """What a round among `members` sends when the `with_rows` members that hand in rows reduce it between them (the
+    others' zeros travel as their shape, a few bytes)."""
+    return with_rows * all_reduce_bytes(numel, members=members, reducers=with_rows, itemsize=itemsize)
+
+
 def weighted_mean(grads: list[list[torch.Tensor]], rows: list[int]) -> list[torch.Tensor]:
     return [sum(r * g[k] for r, g in zip(rows, grads)) / sum(rows) for k in range(len(grads[0]))]
 
@@ -124,6 +130,31 @@ def test_int8_averaging_sends_under_a_third_and_a_half_of_fp32s_bytes():
 
 
 @pytest.mark.timeout(120)
+def test_a_member_without_rows_reduces_nothing_and_sends_only_the_shape_of_its_zeros():
+    """A server that keeps its stage's replica hands in zeros for no rows: the two workers reduce the whole average
+    between them, the server's zeros travel as their shape alone, and all three end with the very same average. The
+    round sends what two reducers among three members send (3/4 of three reducers' bytes), headers aside."""
+    async def scenario() -> None:
+        async with members(3) as averagers:
+            grads, rows = draws(3), [0, 4, 3]
+            grads[0] = [torch.zeros_like(grad) for grad in grads[0]]
+            group = tuple(GroupMember(peer_id=a.caller.peer_id, client_mode=False, rows=r)
+                          for a, r in zip(averagers, rows))
+            before = METER.snapshot()["averaging"]
+            results = await asyncio.wait_for(asyncio.gather(*(
+                a.average(g, epoch=3, rows=r, group=group) for a, g, r in zip(averagers, grads, rows))), 60)
+            nbytes = METER.snapshot()["averaging"] - before
+        assert_averaged(results, grads, rows, rows_lost=0)
+        first = results[0][0]
+        assert all(torch.equal(tensor, same) for averaged, _ in results for tensor, same in zip(averaged, first))
+        counted = round_bytes(NUMEL, members=3, with_rows=2, itemsize=WIRE_BYTES["none"])
+        assert counted <= nbytes <= 1.03 * counted, (nbytes, counted)
+        assert counted < 3 * all_reduce_bytes(NUMEL, members=3, itemsize=WIRE_BYTES["none"])
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
 def test_a_round_that_averaged_nothing_is_counted_as_failed():
     """A member sends its parts in hivemind's 8-bit codec (which does not decode under numpy 2.4, docs/design.md
     §7); the reducers refuse them: its own round fails, and its groupmates' markers show its part missing from their
@@ -138,6 +169,18 @@ def test_a_round_that_averaged_nothing_is_counted_as_failed():
             assert all(torch.equal(a, b) for a, b in zip(averaged, own))  # the local gradients come back
 
     asyncio.run(scenario())
+
+
+def test_the_members_with_rows_that_take_calls_reduce_and_the_others_only_when_none_can():
+    def modes(*members: tuple[bool, int]) -> list[str]:
+        group = tuple(GroupMember(peer_id=f"p{i}", client_mode=nat, rows=rows) for i, (nat, rows) in enumerate(members))
+        return [mode.name for mode in reducer_modes(group)]
+
+    assert modes((False, 0), (False, 4), (False, 3)) == ["CLIENT", "NODE", "NODE"]
+    assert modes((False, 0), (True, 4), (False, 3)) == ["CLIENT", "CLIENT", "NODE"]
+    assert modes((False, 0), (True, 4), (True, 3)) == ["NODE", "CLIENT", "CLIENT"]  # the replica reduces for them
+    assert modes((False, 0), (False, 0)) == ["NODE", "NODE"]  # survivors without rows of their own
+    assert modes((True, 2), (True, 3)) == ["CLIENT", "CLIENT"]  # nobody can: the round fails
 
 
 def test_markers_name_the_members_whose_part_is_missing():
@@ -231,16 +274,16 @@ def test_a_swarm_averaging_in_int8_keeps_stage_mates_equal_and_learns(make_swarm
     assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
     losses = [e["loss"] for e in epochs_closed]
     assert losses[-1] < losses[0] - 0.3, losses
-    # per stage and epoch: each of its 3 members (2 clients, the FS's replica) sends 2/3 of its values and gets as
-    # many averages back, and each client that holds rows of the epoch deposits its values once (one may hold none:
-    # the other took every task, as at the start while one is still joining), every value at int8's bytes
+    # per stage and epoch: the clients that hold rows of the epoch reduce the round among its 3 members (2 clients,
+    # the FS's replica) and each deposits its values once (one may hold none: the other took every task, as at the
+    # start while one is still joining), every value at int8's bytes
     config = RunConfig(model="llama-tiny", num_stages=2)
     for epoch in epochs_closed[:-1]:  # the last epoch's records may not carry their last bytes yet
         for stage in epoch["stages"]:
             start, end = config.stage_layers(stage["stage"])
             model = build_stage(config.model_config, start=start, end=end, seed=0)
             numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            expected = [3 * all_reduce_bytes(numel, members=3, itemsize=WIRE_BYTES["int8"])
+            expected = [round_bytes(numel, members=3, with_rows=depositors, itemsize=WIRE_BYTES["int8"])
                         + depositors * numel * WIRE_BYTES["int8"] for depositors in (1, 2)]
             assert any(bound <= stage["averaging_bytes"] <= 1.03 * bound for bound in expected), \
                 (epoch["epoch"], stage, expected)
@@ -275,6 +318,8 @@ def test_a_swarm_averaging_every_4_epochs_sends_a_quarter_of_the_rounds_keeps_it
             start, end = config.stage_layers(stage["stage"])
             model = build_stage(config.model_config, start=start, end=end, seed=0)
             numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            bound = 3 * all_reduce_bytes(numel, members=3, itemsize=WIRE_BYTES[AVERAGING_CODECS["fp32"]])  # 2 clients, FS
-            assert bound <= stage["averaging_bytes"] <= 1.03 * bound, (stage, bound)
+            # 2 clients and the FS; the clients with rows in the interval reduce (one may have none, as in the int8 test)
+            expected = [round_bytes(numel, members=3, with_rows=reducers, itemsize=WIRE_BYTES["none"])
+                        for reducers in (1, 2)]
+            assert any(bound <= stage["averaging_bytes"] <= 1.03 * bound for bound in expected), (stage, expected)
     assert swarm.failed() == []

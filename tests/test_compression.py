@@ -5,18 +5,23 @@ import asyncio
 import pytest
 import torch
 from bitsandbytes import functional as bnbf
+from hivemind.compression import CompressionInfo
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.compression import (
     CODECS,
     INT8_BLOCKSIZE,
+    MAX_ZEROS,
     BadTensorError,
+    WireCodec,
     check_tensor,
+    decode,
     deserialize,
     encoded_nbytes,
     int8_error_bound,
     serialize,
 )
+from p2ptrain.config import WIRE_BYTES
 from p2ptrain.transport import Envelope, pack, unpack
 
 
@@ -122,6 +127,26 @@ def test_int8_rejects_truncated_buffer() -> None:
     part.buffer = part.buffer[:-1]
     with pytest.raises(ValueError, match="bytes"):
         deserialize([part])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_the_averaging_codec_sends_zeros_as_their_shape_and_anything_else_in_its_codec(codec: str) -> None:
+    wire = WireCodec(codec)
+    zeros = torch.zeros(300, 7)
+    message = wire.compress(zeros, CompressionInfo.from_tensor(zeros))
+    assert message.ByteSize() < 32 and torch.equal(decode(message), zeros)
+    one = zeros.clone()
+    one[299, 6] = 1.0
+    message = wire.compress(one, CompressionInfo.from_tensor(one))
+    assert len(message.buffer) >= one.numel() * WIRE_BYTES[codec] and decode(message)[299, 6] == 1.0
+    empty = torch.zeros(0, dtype=torch.int64)  # an empty tensor of any dtype still round-trips
+    assert decode(serialize(empty, codec)[0]).dtype == torch.int64
+
+
+def test_a_message_of_zeros_must_be_float32_and_bounded() -> None:
+    for size, dtype in (([4], "int64"), ([MAX_ZEROS + 1], "float32"), ([2**12, 2**12], "float32")):
+        with pytest.raises(ValueError, match="zeros"):
+            decode(runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, size=size, dtype=dtype))
 
 
 def test_check_tensor() -> None:

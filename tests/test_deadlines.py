@@ -36,3 +36,6 @@ def test_an_all_reduce_member_sends_its_parts_and_the_average_of_its_share():
     assert all_reduce_bytes(1000, members=1, itemsize=8) == 0
     assert all_reduce_bytes(1000, members=2, itemsize=8) == 8000  # half out, half's average back
     assert all_reduce_bytes(1000, members=4, itemsize=8) == 12000  # 2 * 3/4 of 8000
+    # two of three reduce: a reducer sends the other reducer half its values and its half's average to both others
+    assert all_reduce_bytes(1000, members=3, itemsize=8, reducers=2) == 12000
+    assert all_reduce_bytes(1000, members=3, itemsize=8, reducers=1) == 16000  # the whole average to both others

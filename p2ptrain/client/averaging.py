@@ -4,7 +4,8 @@ The group is not found by DHT matchmaking: when an epoch closes, the stage's fir
 workers it has seen) and hands the same list to every worker, so all agree on peers, order and group id at
 once. (hivemind's matchmaking left peers out of rounds on a loaded 2-core machine and costs its waiting time.)
 Each worker hands in its mean gradient weighted by the rows it computed, so the average is the gradient of
-the whole batch. A worker behind NAT (client mode) sends its part and receives the result but reduces none.
+the whole batch. A worker behind NAT (client mode) sends its part and receives the result but reduces none; nor
+does a member without rows (a server keeping its stage's replica) while a member with rows can (`reducer_modes`).
 
 Every round proves it averaged: beside the gradients each member hands in a marker, a vector with one entry per
 member that is 1 at its own place and 0 elsewhere. Averaged, entry j is member j's share of the weights, so a
@@ -129,6 +130,17 @@ def missing_parts(marker: torch.Tensor, group: tuple[GroupMember, ...], me: str)
     """The members whose part did not reach the average, read from this member's averaged marker (module doc)."""
     return [member.peer_id for member, share in zip(group, marker.tolist())
             if member.peer_id != me and not share > 0]
+
+
+def reducer_modes(group: tuple[GroupMember, ...]) -> list[AveragingMode]:
+    """Who reduces a share of the round: the members that hand in rows and take calls. A member without rows (a
+    server keeping its stage's replica) sends zeros, which travel as their shape alone (`compression.encode_zeros`),
+    and only receives the average: as a reducer it would also take the others' parts of its share and send its
+    average back, bytes and work for a share that weighs nothing. It reduces only when no member with rows can."""
+    reachable = [not m.client_mode for m in group]
+    with_rows = [ok and m.rows > 0 for ok, m in zip(reachable, group)]
+    reduces = with_rows if any(with_rows) else reachable
+    return [AveragingMode.NODE if r else AveragingMode.CLIENT for r in reduces]
 
 
 class CodecAllReduceRunner(AllReduceRunner):
@@ -354,9 +366,10 @@ class StageAllReduce(ServicerBase):
         return ([part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total,
                 overflow or any(d.overflow for d in deposited))
 
-    def deadline_s(self, numel: int, *, members: int) -> float:
-        """How long a round over `numel` values among `members` may take (class doc)."""
-        sent = all_reduce_bytes(numel, members=members, itemsize=self.itemsize)
+    def deadline_s(self, numel: int, *, members: int, reducers: int | None = None) -> float:
+        """How long a round over `numel` values among `members`, `reducers` of them (all by default) reducing, may
+        take (class doc)."""
+        sent = all_reduce_bytes(numel, members=members, itemsize=self.itemsize, reducers=reducers)
         return self.throughput.deadline_s(sent, floor_s=self.timeout, slack=self.slack)
 
     async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...],
@@ -370,13 +383,14 @@ class StageAllReduce(ServicerBase):
         marker = torch.tensor([1.0 if member.peer_id == me else 0.0 for member in group] + [float(overflow)])
         tensors = [grad.detach().to(torch.float32, copy=True) for grad in grads] + [marker]
         own = float(weight) if weight else NO_ROWS_WEIGHT
-        modes = [AveragingMode.CLIENT if m.client_mode else AveragingMode.NODE for m in group]
+        modes = reducer_modes(group)
         if AveragingMode.NODE not in modes:  # hivemind asserts; a round nobody can reduce fails like any other
             logger.warning(f"all-reduce of epoch {epoch} among {len(group)} workers not started: every member dials "
                            "out only (client mode), none can reduce")
             raise RoundFailed("every member dials out only (client mode), none can reduce")
         numel = sum(tensor.numel() for tensor in tensors)
-        deadline = self.deadline_s(numel, members=len(group))
+        reducers = modes.count(AveragingMode.NODE)
+        deadline = self.deadline_s(numel, members=len(group), reducers=reducers)
         # a part on its way while this member's uplink carries one to each groupmate and an average back to each
         stall = self.throughput.deadline_s(2 * (len(group) - 1) * PART_BYTES, floor_s=self.timeout, slack=self.slack)
         runner = CodecAllReduceRunner(
@@ -429,7 +443,7 @@ class StageAllReduce(ServicerBase):
             # (it once broke an ast.parse in the same thread)
             self._finishing.add(task := asyncio.create_task(self._finish(runner, updates, deadline)))
             task.add_done_callback(self._finishing.discard)
-        self.throughput.observe(all_reduce_bytes(numel, members=len(group), itemsize=self.itemsize),
+        self.throughput.observe(all_reduce_bytes(numel, members=len(group), itemsize=self.itemsize, reducers=reducers),
                                 time.monotonic() - started)
         # entry `me` of the averaged marker is this member's weight over the round's total
         total = own / tensors[-1][[member.peer_id for member in group].index(me)].item()

@@ -48,9 +48,12 @@ class Throughput:
         return transfer_deadline_s(nbytes, rate=self.rate, floor_s=floor_s, slack=slack)
 
 
-def all_reduce_bytes(numel: int, *, members: int, itemsize: float) -> int:
-    """What one member of a butterfly all-reduce among `members` equal reducers sends (and receives): its tensors'
-    parts for the others' shares, then the average of its own share back to each of them."""
+def all_reduce_bytes(numel: int, *, members: int, itemsize: float, reducers: int | None = None) -> int:
+    """The most one member of a butterfly all-reduce among `members` sends (and receives), `reducers` of them (all, by
+    default) reducing equal shares: a reducer sends its tensors' parts for the other reducers' shares, then the
+    average of its own share back to every other member; a member that reduces none sends its tensors and gets the
+    whole average, no more."""
     if members < 2:
         return 0
-    return int(2 * (members - 1) * numel * itemsize / members)
+    reducers = members if reducers is None else reducers
+    return int((members + reducers - 2) * numel * itemsize / reducers)

@@ -411,8 +411,8 @@ class FrontalServer(StageServer[FrontalState]):
                 state.interval_rows = {} if self.config.averages_at(epoch) else rows
             state.closures[epoch] = Closure(
                 epoch=epoch, fs=layout.stages[self.stage].fs,
-                # servers that hold the state can be dialed: they reduce a share, so a group of survivors, or of
-                # workers that all dial out only, still has reducers
+                # servers that hold the state can be dialed: a group of survivors, or of workers that all dial out
+                # only, still has a reducer (`client.averaging.reducer_modes`)
                 group=tuple(GroupMember(peer_id=w, client_mode=state.workers[w].client_mode, rows=rows.get(w, 0))
                             for w in sorted(ready)))
             state.closures.pop(epoch - settings.closures_kept, None)
