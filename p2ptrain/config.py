@@ -301,8 +301,9 @@ class RuntimeConfig:
     fs_poll_wait_backward_s: float = 0.02  # ...and while the worker awaits backward tasks from the BS (it holds
     # forward states): the FS's poll wakes on the FS's news only, so this is the longest a backward task waits
     bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
-    idle_poll_wait_s: float = 1.0  # how long the only FS of a stage holds a poll while nothing of the stage is out;
+    idle_poll_wait_s: float = 4.0  # how long the only FS of a stage holds a poll while nothing of the stage is out;
     # its news (rows, the rows all back, a closure) answer the poll at once, so this only spaces an idle swarm's polls
+    # (at most half the FS's worker_lost_s: a worker in a held poll is heard only when it polls again)
     averaging_timeout_s: float = 30.0  # the floor of an all-reduce round's deadlines (`StageAllReduce`) and of a
     # worker's wait for the global gradient norm after it (clip_norm), asking the data source again every norm_poll_s;
     # an FS counts a worker gone whose gradients have not come after its last result, nor bytes of them for this long

@@ -668,6 +668,11 @@ def test_an_idle_fs_holds_polls_until_its_news_and_answers_them_at_once_when_row
         start = loop.time()
         assert not (await fs.take_task(dataclasses.replace(idle, idle_wait_s=30.0), "w1")).quiet
         assert loop.time() - start < 1.0
+        # however long a worker asks, a hold ends within half the time after which the FS counts a silent worker gone
+        fs.settings = dataclasses.replace(fs.settings, worker_lost_s=0.8)
+        start = loop.time()
+        assert (await fs.take_task(dataclasses.replace(idle, epoch=1, idle_wait_s=30.0), "w1")).quiet
+        assert 0.4 <= loop.time() - start < 1.0 and not fs.gone("w1")
 
     asyncio.run(scenario())
 

@@ -240,7 +240,9 @@ class StageServer(Service, Generic[S]):
                                             lease_s=lambda task: self.lease_for(worker, task))
                 if task is not None:
                     return task
-            held = max(wait_s, idle_wait_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
+            # a worker is heard when it polls: an idle hold ends well before this server would count it gone
+            idle_s = min(idle_wait_s, self.settings.worker_lost_s / 2)
+            held = max(wait_s, idle_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
             remaining = start + held - loop.time()
             if remaining <= 0:
                 return None
