@@ -678,12 +678,12 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 out.append(f"| {kind} | {method} | {fmt(t, '.1f')} | {fmt(i, '.1f')} |")
         out.append(f"| all | all | {fmt(sum(sum(m.values()) for m in training.values()), '.1f')} | "
                    f"{fmt(sum(sum(m.values()) for m in idle.values()), '.1f')} |")
-    report = swarm.get("report") or {}
-    sent, trained = report.get("bytes_sent") or {}, len(report.get("epochs") or [])
-    if sent and trained:
-        per_epoch = {kind: nbytes / trained / 1e6 for kind, nbytes in sent.items()}
+    sent = swarm["report"].get("bytes_sent") if swarm.get("report") else None
+    if sent and epochs:
+        per_epoch = {kind: nbytes / len(epochs) / 1e6 for kind, nbytes in sent.items()}
         out += ["", f"Bytes the swarm's processes sent, by kind (`p2ptrain.traffic`, the status's `bytes_sent`: each "
-                f"peer's last metrics record, so the last seconds may be missing), over the {trained} epochs trained, "
+                f"peer's last metrics record, so the last seconds may be missing), over the {len(epochs)} epochs "
+                "trained, "
                 "per epoch: " + ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(per_epoch.items(),
                                                                                     key=lambda km: -km[1])) + "."]
     out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]

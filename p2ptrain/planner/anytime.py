@@ -114,15 +114,13 @@ def random_move(engine: Engine, groups: list[Group], rng: np.random.Generator, f
     draw = rng.random()
     if draw < 0.2:
         device = _device(engine, groups, rng)
-        home = next((k for k, g in enumerate(groups) if device in g.workers), -1)
-        options = list(engine.relocations(groups, device, home, engine.near(groups, device), 3))
+        options = list(engine.relocations(groups, device, _home(groups, device), engine.near(groups, device), 3))
         return options[int(rng.integers(len(options)))] if options else None
     if draw < 0.4:
         return _anywhere(engine, groups, rng)
     if draw < 0.55:
         device = _device(engine, groups, rng, placed=True)
-        home = next(k for k, g in enumerate(groups) if device in g.workers)
-        options = list(engine.swaps(groups, device, home, engine.near(groups, device), 3, rng))
+        options = list(engine.swaps(groups, device, _home(groups, device), engine.near(groups, device), 3, rng))
         return options[int(rng.integers(len(options)))] if options else None
     if draw < 0.67:
         return _trade(engine, groups, rng)
@@ -141,6 +139,11 @@ def random_move(engine: Engine, groups: list[Group], rng: np.random.Generator, f
     return _split(groups, int(rng.integers(len(groups))), rng)
 
 
+def _home(groups: list[Group], device: int) -> int:
+    """The stage `device` works in; -1 if it is idle."""
+    return next((k for k, g in enumerate(groups) if device in g.workers), -1)
+
+
 def _anywhere(engine: Engine, groups: list[Group], rng: np.random.Generator) -> list[Group]:
     """Any device to any stage, in any role it may take, or to idleness: moves no notion of nearness proposes."""
     device = int(rng.integers(engine.net.size))
@@ -155,8 +158,7 @@ def _anywhere(engine: Engine, groups: list[Group], rng: np.random.Generator) -> 
 def _trade(engine: Engine, groups: list[Group], rng: np.random.Generator) -> list[Group] | None:
     """Two devices, placed or idle, anywhere, trade places and roles; None where a role does not fit."""
     first, second = (int(x) for x in rng.choice(engine.net.size, size=2, replace=False))
-    home = {x: k for k, g in enumerate(groups) for x in g.workers}
-    a, b = home.get(first, -1), home.get(second, -1)
+    a, b = _home(groups, first), _home(groups, second)
     if a == b:
         return None
     role_a = groups[a].role(first) if a >= 0 else CLIENT
