@@ -683,8 +683,7 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
         per_epoch = {kind: nbytes / len(epochs) / 1e6 for kind, nbytes in sent.items()}
         out += ["", f"Bytes the swarm's processes sent, by kind (`p2ptrain.traffic`, the status's `bytes_sent`: each "
                 f"peer's last metrics record, so the last seconds may be missing), over the {len(epochs)} epochs "
-                "trained, "
-                "per epoch: " + ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(per_epoch.items(),
+                "trained, per epoch: " + ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(per_epoch.items(),
                                                                                     key=lambda km: -km[1])) + "."]
     out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]
     if rpc is None:

@@ -20,7 +20,6 @@ stage's replica hands in to an average (`client.averaging`).
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from functools import cache
 from types import ModuleType
@@ -118,11 +117,12 @@ def encode_zeros(shape: Sequence[int]) -> runtime_pb2.Tensor:
 
 def decode(message: runtime_pb2.Tensor) -> torch.Tensor:
     """Decode one message made by `encode` or `encode_zeros`; the codec is read from the message."""
-    if not message.buffer and message.compression == runtime_pb2.CompressionType.NONE and math.prod(message.size):
-        if message.dtype != "float32" or math.prod(message.size) > MAX_ZEROS:
+    shape = torch.Size(message.size)
+    if not message.buffer and message.compression == runtime_pb2.CompressionType.NONE and shape.numel():
+        if message.dtype != "float32" or shape.numel() > MAX_ZEROS:
             raise ValueError(f"a message of zeros must be float32 and of at most {MAX_ZEROS} values, not "
-                             f"{message.dtype!r} of shape {tuple(message.size)}")
-        return torch.zeros(torch.Size(message.size))
+                             f"{message.dtype!r} of shape {tuple(shape)}")
+        return torch.zeros(shape)
     if message.compression == runtime_pb2.CompressionType.BLOCKWISE_8BIT:
         return _decode_int8(message)
     if message.compression not in (runtime_pb2.CompressionType.NONE, runtime_pb2.CompressionType.FLOAT16):

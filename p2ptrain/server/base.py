@@ -231,6 +231,8 @@ class StageServer(Service, Generic[S]):
         holds_state = record is not None and record.holds_state  # its poll only keeps it in the averaging group
         if not holds_state and ((record is not None and self.excluded(record)) or not self.may_work(worker, epoch)):
             return None
+        # a worker is heard when it polls: an idle hold ends well before this server would count it gone
+        idle_s = min(idle_wait_s, self.settings.worker_lost_s / 2)
         loop = asyncio.get_running_loop()  # the hold is a wait of this loop, whatever clock the server keeps
         start = loop.time()
         while True:
@@ -240,8 +242,6 @@ class StageServer(Service, Generic[S]):
                                             lease_s=lambda task: self.lease_for(worker, task))
                 if task is not None:
                     return task
-            # a worker is heard when it polls: an idle hold ends well before this server would count it gone
-            idle_s = min(idle_wait_s, self.settings.worker_lost_s / 2)
             held = max(wait_s, idle_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
             remaining = start + held - loop.time()
             if remaining <= 0:
