@@ -332,3 +332,42 @@ def test_membership_reads_back_off_while_nothing_changes_and_come_back_on_a_chan
     for wait, wanted in zip(waits, [0.1, 0.2, 0.4, 0.8, 0.8, 0.1, 0.2, 0.4]):
         assert wanted - 0.01 <= wait < wanted + 0.15, (waits, reads)
     assert reads[9] - reads[8] < 0.1 + 0.15 and reads[9] <= max(suspected, reads[8] + 0.1) + 0.15, (reads, suspected)
+
+
+def test_a_server_that_needs_a_fresh_read_has_one_within_the_retry_period_however_many_ask() -> None:
+    """A server handed a layout naming a server it has not read (`MembershipCache.refreshed`) gets a read that began
+    after it asked, within `retry_s` of the last read instead of the period; ten servers' worth of asking at once
+    cost one read, and a read that does not come in time ends the wait at its timeout."""
+    from p2ptrain.dht.membership import MembershipCache
+    from p2ptrain.protocol.layout import StageServers
+
+    async def scenario() -> None:
+        cache = MembershipCache(dht=None, run_id=RUN, num_stages=1, period_s=2.0, retry_s=0.2, idle_period_s=30.0)
+        loop, reads = asyncio.get_running_loop(), []
+        servers = StageServers(fs=("fs",), bs=("bs",))
+
+        def read() -> tuple[list[StageServers], list[frozenset[str]]]:
+            reads.append(loop.time())
+            return [servers], [frozenset()]
+
+        cache.read = read
+        stop = asyncio.Event()
+        task = asyncio.create_task(cache.run(stop))
+        while not reads:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        servers = StageServers(fs=("fs",), bs=("bs", "bs2"))  # a BS announced itself after the last read
+        asked = loop.time()
+        await asyncio.wait_for(asyncio.gather(*(cache.refreshed(timeout=5.0) for _ in range(10))), 5.0)
+        assert cache.authorizes("bs2", 0, "bs") and len(reads) == 2, reads
+        assert asked < reads[1] <= reads[0] + 0.2 + 0.5 and loop.time() - asked < 1.0, (asked, reads)
+        await asyncio.sleep(0.5)  # and then the period again: the next read is 2 s after the last
+        assert len(reads) == 2
+        cache.read = lambda: time.sleep(1.0) or read()  # a slow DHT: the wait ends at its timeout
+        started = loop.time()
+        await cache.refreshed(timeout=0.3)
+        assert 0.25 < loop.time() - started < 0.9
+        stop.set()
+        await asyncio.wait_for(task, 5.0)
+
+    asyncio.run(scenario())

@@ -719,3 +719,46 @@ def test_a_diloco_round_waits_for_a_worker_with_rows_earlier_in_the_interval_tha
             assert fs.state.closed_epoch == epoch and fs.state.interval_rows == {}
 
     asyncio.run(scenario())
+
+
+class Certificates:
+    """An owner's authorizations as a server reads them (`Authority`): what it has read, and what a fresh read of
+    the DHT would find; `refreshed` counts the reads it was asked for."""
+
+    def __init__(self, *, read: set[tuple[str, int, str]], in_dht: set[tuple[str, int, str]]):
+        self.read, self.in_dht, self.refreshes = read, in_dht, 0
+
+    def data_source(self) -> str | None:
+        return "fs" if ("fs", 0, "fs") in self.read else None
+
+    def authorizes(self, peer: str, stage: int, role: str) -> bool:
+        return (peer, stage, role) in self.read
+
+    async def refreshed(self, timeout: float) -> None:
+        self.refreshes += 1
+        self.read = set(self.in_dht)
+
+
+def test_a_layout_naming_a_server_not_read_yet_is_read_again_before_it_is_refused():
+    """A server that starts after the data source has not read every certificate when the first rows come: it reads
+    them again rather than refuse a sound layout (its sender would not ask again: a refused push stalled a fresh
+    swarm). A layout naming a server the owner never authorized is refused after that read."""
+    async def scenario() -> None:
+        fs, bs = servers()
+        fs.authority = Certificates(read={("fs", 0, "fs")}, in_dht={("fs", 0, "fs"), ("bs", 0, "bs")})
+        await feed(fs, 0)
+        assert fs.authority.refreshes == 1 and (0, 0) in fs.state.microbatches
+        await feed(fs, 1)
+        assert fs.authority.refreshes == 1  # nothing to read again for a layout it knows
+        stranger = Layout((StageServers(fs=("fs",), bs=("bs", "stranger")),))
+        tokens = torch.randint(0, 256, (ROWS, SEQ))
+        with pytest.raises(Refused, match="stranger as BS of stage 0, which the run's owner did not authorize"):
+            await fs.push_rows(PushRows(epoch=2, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS, layout=stranger,
+                                        inputs=tokens, labels=tokens), "fs")
+        assert fs.authority.refreshes == 2 and (2, 0) not in fs.state.microbatches
+        bs.authority = Certificates(read=set(), in_dht={("fs", 0, "fs"), ("bs", 0, "bs")})
+        with pytest.raises(Refused, match="not the data source"):  # read first: a worker is no data source
+            await bs.end_epoch(end(0, abandoned=False), "w1")
+        assert bs.authority.refreshes == 1
+
+    asyncio.run(scenario())

@@ -21,7 +21,8 @@ class MembershipCache:
     """The FS and BS of every stage as last read from the DHT: re-read every `period_s` while they change, backing
     off to `idle_period_s` (doubling) while reads find them unchanged; every `retry_s` while some stage lacks an FS
     or a BS (workers and the data source wait on that). A caller that sees a sign of change (a server stopped
-    answering: `suspect`) brings the period back to `period_s`.
+    answering: `suspect`) brings the period back to `period_s`; one that needs a read now (a server handed a layout
+    naming a server it has not read yet: `refreshed`) has one within `retry_s`.
     Reads cost every DHT replica of the keys a lookup and a check of every signed entry: an idle swarm that re-read
     every few seconds kept its DHT processes busier than anything else it did (issue 21).
 
@@ -39,10 +40,14 @@ class MembershipCache:
         self.unauthorized: list[set[str]] = [set() for _ in range(num_stages)]  # servers the owner did not authorize
         self._period = period_s  # the wait before the next read, as backed off
         self._suspect = asyncio.Event()
+        self._urgent = False  # someone awaits a read that begins after it asked (`refreshed`)
+        self._begun = self._ended = 0  # reads begun and ended
+        self._read_ended = asyncio.Condition()
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
+            self._begun, self._urgent = self._begun + 1, False
             try:
                 read = await asyncio.to_thread(self.read)
             except Exception as e:
@@ -52,10 +57,14 @@ class MembershipCache:
                 self._period = self.period_s if changed else min(2 * self._period, self.idle_period_s)
                 self.stages, self.holders = read
             last = loop.time()
+            async with self._read_ended:
+                self._ended = self._begun
+                self._read_ended.notify_all()
             for stage, listener in self._holder_listeners:
                 listener(self.holders[stage])
             while not stop.is_set():  # a suspicion shortens the wait under way
-                period = self._period if self.layout() is not None else min(self._period, self.retry_s)
+                urgent = self._urgent or self.layout() is None
+                period = min(self._period, self.retry_s) if urgent else self._period
                 remaining = last + period - loop.time()
                 if remaining <= 0:
                     break
@@ -67,6 +76,19 @@ class MembershipCache:
         from then on while the servers change or a server stays silent."""
         self._period = self.period_s
         self._suspect.set()
+
+    async def refreshed(self, timeout: float) -> None:
+        """Until a read that begins after this call has ended (within `retry_s` of the last read), or `timeout`
+        passed. However many ask, reads come at most every `retry_s`: a layout that names strangers costs the DHT no
+        more than a stage that lacks a server."""
+        wanted = self._begun + 1
+        self._urgent = True
+        self._suspect.set()
+        async with self._read_ended:
+            try:
+                await asyncio.wait_for(self._read_ended.wait_for(lambda: self._ended >= wanted), timeout)
+            except asyncio.TimeoutError:
+                pass
 
     def on_holders(self, stage: int, listener: Callable[[frozenset[str]], None]) -> None:
         """Call `listener` with the servers of `stage` that hold its state, after every read."""

@@ -53,6 +53,7 @@ class BackwardServer(StageServer[BackwardState]):
 
     async def push_outputs(self, request: PushOutputs, sender: str) -> Ack:
         self.check_sender(request.worker, sender)
+        await self.check_authorized(request.layout)
         epoch, index, rows = request.epoch, request.microbatch, request.rows
         if self.ended(epoch):  # a retry whose first push got through (counted already), or an abandoned epoch
             raise Refused(f"duplicate or late: epoch {epoch} ended here")
@@ -117,6 +118,7 @@ class BackwardServer(StageServer[BackwardState]):
     async def drop_result(self, request: DropResult, sender: str) -> Ack:
         if not self.is_last:
             raise Refused("only the last stage's BS waits for the loss of a result")
+        await self.check_authorized(request.layout)
         epoch, index, rows = request.epoch, request.microbatch, request.rows
         if self.ended(epoch):
             return Ack(again=True)

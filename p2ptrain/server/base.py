@@ -57,6 +57,8 @@ class Authority(Protocol):
 
     def authorizes(self, peer: str, stage: int, role: ServerRole) -> bool: ...
 
+    async def refreshed(self, timeout: float) -> None: ...
+
 
 class StageServer(Service, Generic[S]):
     """Base of FrontalServer and BackwardServer: one per server process, registered on its P2P.
@@ -408,8 +410,8 @@ class StageServer(Service, Generic[S]):
 
     async def end_epoch(self, request: EndEpoch, sender: str) -> Ack:
         epoch, layout = request.epoch, request.layout
+        await self.check_authorized(layout)
         self.check_source(sender, layout)
-        self.check_authorized(layout)
         if len(layout.stages) != self.config.num_stages or self.peer_id not in layout.stages[self.stage].of(self.role):
             raise Refused(f"this server is no {self.role.upper()} of stage {self.stage} in epoch {epoch}'s layout")
         if {mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch} - {layout}:
@@ -507,21 +509,33 @@ class StageServer(Service, Generic[S]):
         if self.authority is not None and sender != self.authority.data_source():
             raise Forbidden(f"{sender} is not the data source the run's owner authorized")
 
-    def check_authorized(self, layout: Layout) -> None:
+    async def check_authorized(self, layout: Layout) -> None:
         """In a run with an owner: every server `layout` names is authorized for its place, and its data source is
-        the run's. A plain refusal, not an offence: this server may not have read a new server's record yet, and the
-        sender retries."""
+        the run's; Refused if not. This server may not have read a new server's record yet: before it refuses, it
+        reads the records again (`Authority.refreshed`), since the sender does not ask again (a refused push costs
+        its rows' lease, and a BS's refused delivery stalls the epoch). Handlers check this before they look at
+        their state, which may change while it reads."""
         if self.authority is None:
             return
+        problem = self._unauthorized(layout)
+        if problem is not None:
+            await self.authority.refreshed(timeout=self.settings.membership_period_s)
+            problem = self._unauthorized(layout)
+        if problem is not None:
+            raise Refused(problem)
+
+    def _unauthorized(self, layout: Layout) -> str | None:
+        """What in `layout` the owner did not authorize, as far as this server has read; None if nothing."""
         source = self.authority.data_source()
         if layout.stages and layout.stages[0].fs and layout.stages[0].fs[0] != source:
-            raise Refused(f"the layout's data source {layout.stages[0].fs[0]} is not the run's ({source})")
+            return f"the layout's data source {layout.stages[0].fs[0]} is not the run's ({source})"
         for stage, servers in enumerate(layout.stages):
             for role in ("fs", "bs"):
                 for peer in servers.of(role):
                     if not self.authority.authorizes(peer, stage, role):
-                        raise Refused(f"the layout names {peer} as {role.upper()} of stage {stage}, which the run's "
-                                      f"owner did not authorize (as far as this server has read)")
+                        return (f"the layout names {peer} as {role.upper()} of stage {stage}, which the run's owner "
+                                f"did not authorize (as far as this server has read)")
+        return None
 
     async def confirm_result(self, issuer: str, *, task: str, worker: str, epoch: int, microbatch: int, rows: Rows,
                              taken: list[Rows]) -> None:
@@ -569,14 +583,14 @@ class StageServer(Service, Generic[S]):
 
     def check_layout(self, layout: Layout, *, epoch: int, microbatch: int, total_rows: int) -> Rows:
         """This server's segment of a microbatch under `layout`; Refused if the layout or the microbatch does not
-        fit the run's recipe, the layout leaves this server out, or the microbatch came here with another layout."""
+        fit the run's recipe, the layout leaves this server out, or the microbatch came here with another layout.
+        The caller checked that the owner authorized the layout (`check_authorized`) first."""
         if len(layout.stages) != self.config.num_stages:
             raise Refused(f"a layout of {len(layout.stages)} stages, but the run has {self.config.num_stages}")
         if total_rows != self.config.rows_per_microbatch:
             raise Refused(f"a microbatch of {total_rows} rows, but the run's have {self.config.rows_per_microbatch}")
         if microbatch >= self.config.microbatches:
             raise Refused(f"microbatch {microbatch}, but the run's epochs have {self.config.microbatches}")
-        self.check_authorized(layout)
         known = self.state.microbatches.get((epoch, microbatch))
         if known is not None and known.layout != layout:
             raise Refused(f"microbatch {epoch}:{microbatch} came with another layout")

@@ -77,6 +77,7 @@ class FrontalServer(StageServer[FrontalState]):
         return self.serve(requests, context, PushRows, self.push_rows)
 
     async def push_rows(self, request: PushRows, sender: str) -> Ack:
+        await self.check_authorized(request.layout)
         segment = self.check_layout(request.layout, epoch=request.epoch, microbatch=request.microbatch,
                                     total_rows=request.total_rows)
         if self.is_first:
