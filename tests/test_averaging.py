@@ -15,7 +15,7 @@ from hivemind.compression import Uniform8BitQuantization
 from hivemind.p2p import P2P
 
 from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts, reducer_modes
-from p2ptrain.compression import int8_error_bound
+from p2ptrain.compression import decode, encode, int8_error_bound
 from p2ptrain.config import AVERAGING_CODECS, WIRE_BYTES, RunConfig
 from p2ptrain.live.probe import LinkProbe
 from p2ptrain.models import build_stage, model_config
@@ -150,6 +150,44 @@ def test_a_member_without_rows_reduces_nothing_and_sends_only_the_shape_of_its_z
         counted = round_bytes(NUMEL, members=3, with_rows=2, itemsize=WIRE_BYTES["none"])
         assert counted <= nbytes <= 1.03 * counted, (nbytes, counted)
         assert counted < 3 * all_reduce_bytes(NUMEL, members=3, itemsize=WIRE_BYTES["none"])
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_a_worker_alone_with_the_server_holding_its_deposit_steps_on_the_deposit_without_a_round(codec: str):
+    """One worker with rows and the server keeping its stage's replica: the server holds the worker's deposit, so
+    both take it as the average, bit for bit the same (the gradients as they travel in the averaging codec), and no
+    all-reduce runs. Without a deposit of that epoch and those rows, or for what is not the epoch's gradients
+    (`deposited` off: DiLoCo's rounds), they run the round as before, and still agree."""
+    async def scenario() -> None:
+        async with members(2, codec, server=True) as (server, worker):
+            grads, rows = draws(2), [0, 3]
+            grads[0] = [torch.zeros_like(grad) for grad in grads[0]]
+            group = tuple(GroupMember(peer_id=a.caller.peer_id, client_mode=False, rows=r)
+                          for a, r in zip((server, worker), rows))
+
+            async def both(epoch: int, *, deposited: bool) -> tuple[list, int]:
+                before = METER.snapshot()["averaging"]
+                results = await asyncio.wait_for(asyncio.gather(*(
+                    a.average(g, epoch=epoch, rows=r, group=group, deposited=deposited)
+                    for a, g, r in zip((server, worker), grads, rows))), 60)
+                return results, METER.snapshot()["averaging"] - before
+
+            assert await worker.deposit(server.caller.peer_id, grads[1], epoch=5, rows=3)
+            handed, nbytes = await both(5, deposited=True)
+            assert nbytes == 0
+            travelled = decode(encode(torch.cat([g.reshape(-1) for g in grads[1]]), codec))
+            for averaged, result in handed:
+                assert result.ok and result.group_size == 2 and result.rows_lost == 0
+                assert torch.equal(torch.cat([a.reshape(-1) for a in averaged]), travelled)
+            for deposited, epoch in ((False, 5), (True, 6)):  # not gradients; no deposit of epoch 6
+                rounds, nbytes = await both(epoch, deposited=deposited)
+                assert nbytes > 0
+                assert all(result.ok and result.group_size == 2 for _, result in rounds)
+                first = rounds[0][0]
+                assert all(torch.equal(tensor, same) for averaged, _ in rounds for tensor, same in zip(averaged, first))
 
     asyncio.run(scenario())
 

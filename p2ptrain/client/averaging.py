@@ -26,6 +26,12 @@ itself (its own weight divided by its own marker entry is the round's total weig
 what no deposit brought back (the FS holding them died too). A deposit costs one more transfer of each worker's
 gradients per epoch, to one server, before the round.
 
+A round of two, one worker with rows and the server that holds its deposit of the epoch (one volunteer in a stage
+with its FS replica), needs no all-reduce: the average is the deposit, which the server holds already and the worker
+holds as it sent it (its gradients through the averaging codec). Both tell it from the group and their deposits
+alike, and step on the same bits; the round's transfer to the server, its latency and its way to fail are gone. With
+more members the round runs as above.
+
 Every member ends with the very same average, bit for bit, whatever the codec (`--averaging-codec`): a reducer hands
 back the average of its share itself, encoded once, the same bytes to every member (`CodecAllReduceRunner`).
 hivemind's runner hands each member its own difference from the average instead, rounded apart: in float32 the
@@ -52,7 +58,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished
 
-from p2ptrain.compression import BadTensorError, WireCodec, check_tensor, decode
+from p2ptrain.compression import BadTensorError, WireCodec, check_tensor, decode, encode
 from p2ptrain.config import WIRE_BYTES, RuntimeConfig
 from p2ptrain.live.probe import dial_failure
 from p2ptrain.protocol.deadlines import Throughput, all_reduce_bytes
@@ -65,6 +71,7 @@ logger = logging.getLogger(__name__)
 # hivemind needs a positive weight; a worker without rows this epoch still takes part and gets the result
 NO_ROWS_WEIGHT = 1e-9
 PART_BYTES = 2**19  # hivemind's default part size, named here because the stall deadline counts on it
+DEPOSITS_KEPT = 4  # epochs back a worker remembers where it deposited (`StageAllReduce._handed_over`)
 REDUCER_LINGER_S = 5.0  # how long a reducer keeps a sender's stream open after its last part (`rpc_aggregate_part`)
 
 
@@ -270,6 +277,7 @@ class StageAllReduce(ServicerBase):
         self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
         # the stage's own rounds, or (`namespace`) another kind of round its members take part in
         self.stage, self.prefix = stage, f"{run_id}_{namespace or f'stage{stage}'}_allreduce"
+        self._deposited: dict[int, tuple[int, str]] = {}  # this worker's deposits of recent epochs: rows, server
         self._runners: dict[bytes, asyncio.Future] = {}
         self._finishing: set[asyncio.Task] = set()  # runners of rounds already averaged, ending (`_finish`)
 
@@ -313,16 +321,24 @@ class StageAllReduce(ServicerBase):
             logger.warning(f"stage {self.stage}: depositing the gradients of epoch {epoch} with {server} failed: "
                            f"{e!r}")
             return False
+        self._deposited[epoch] = (rows, server)
+        for stale in [e for e in self._deposited if e < epoch - DEPOSITS_KEPT]:
+            del self._deposited[stale]
         return True
 
     async def average(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
-                      overflow: bool = False) -> tuple[list[torch.Tensor], RoundResult]:
+                      overflow: bool = False, deposited: bool = False) -> tuple[list[torch.Tensor], RoundResult]:
         """Average `grads` with the group; on failure the local gradients come back, and the result says so.
 
         A groupmate that dies in the round fails it for all; the survivors average again among themselves under a
         group id of their ids, a server bringing the deposits of the dead (module doc). `rows_lost`: the rows of the
         group that the average does not hold; `overflow` (fp16): whether this member's gradients overflowed, and in
-        the result, whether any member's or deposit's in the average did."""
+        the result, whether any member's or deposit's in the average did. `deposited`: the round averages the
+        epoch's gradients, which its members with rows deposited before it (`deposit`): a worker and the server
+        holding its deposit take that as the average without a round (module doc)."""
+        if deposited and (handed := self._handed_over(grads, epoch=epoch, rows=rows, group=group,
+                                                      overflow=overflow)) is not None:
+            return handed
         members, mine, weight, dead, flagged = group, grads, rows, set(), overflow
         expected = sum(member.rows for member in group)
         while len(members) > 1:
@@ -352,6 +368,32 @@ class StageAllReduce(ServicerBase):
                            + (f", bringing {weight - rows} of their rows from their deposits" if weight > rows else ""))
         lost = max(0, expected - weight)
         return mine, RoundResult(group_size=1, ok=True, rows_lost=lost, overflow=flagged)
+
+    def _handed_over(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
+                     overflow: bool) -> tuple[list[torch.Tensor], RoundResult] | None:
+        """The average of a round of two whose only member with rows deposited its gradients of `epoch` with the
+        other (module doc), as the other holds it; None if `group` is no such round. The worker's test (its last
+        deposit is this epoch's, of these rows, with that member) holds exactly when the server's does (it holds that
+        deposit, of the rows the group gives the worker): the server counts a worker ready only once it deposited
+        its current rows, so they do not part on whether to run the round (unless one averages more than
+        DEPOSITS_KEPT epochs late)."""
+        contributors = [member for member in group if member.rows > 0]
+        if len(group) != 2 or len(contributors) != 1:
+            return None
+        (contributor,), me = contributors, self.caller.peer_id
+        holder = next(member for member in group if member is not contributor)
+        if contributor.peer_id == me and self._deposited.get(epoch) == (rows, holder.peer_id):
+            flat, flagged = decode(encode(flatten(grads, torch.float32), self.wire.codec)), overflow  # as it travelled
+        elif holder.peer_id == me and self.deposits is not None:
+            held = self.deposits.of(epoch, {contributor.peer_id})
+            if not held or held[0].rows != contributor.rows:
+                return None
+            flat, flagged = held[0].grads, held[0].overflow
+        else:
+            return None
+        parts = flat.split([grad.numel() for grad in grads])
+        return ([part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)],
+                RoundResult(group_size=2, ok=True, overflow=flagged))
 
     def _with_deposits(self, grads: list[torch.Tensor], *, rows: int, epoch: int, dead: set[str], overflow: bool
                        ) -> tuple[list[torch.Tensor], int, bool]:

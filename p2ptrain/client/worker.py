@@ -494,7 +494,7 @@ class Worker:
             return
         self._averaging_with = frozenset(member.peer_id for member in group)
         update = self._average_and_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
-                                        overflow=overflow)
+                                        overflow=overflow, deposited=True)
         if self.config.dpu:
             self._update = asyncio.create_task(update)
         else:
@@ -533,21 +533,22 @@ class Worker:
 
     async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                 group: tuple[GroupMember, ...], seconds: float, weight: int | None = None,
-                                overflow: bool = False) -> None:
+                                overflow: bool = False, deposited: bool = False) -> None:
         """Average `grads` (weighing `weight` rows: by default the epoch's `rows`; the interval's with an outer
-        optimizer, whose step then follows; `overflow`: fp16 gradients of some of them overflowed) and step."""
+        optimizer, whose step then follows; `overflow`: fp16 gradients of some of them overflowed; `deposited`:
+        they are the epoch's gradients, deposited before the round, `StageAllReduce.average`) and step."""
         weight = rows if weight is None else weight
         logger.info(f"worker {self.worker_id}: averaging epoch {epoch} ({weight} rows) in a group of {len(group)}")
         self._stepping = epoch
         try:
             await self._average_and_step_now(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
-                                             weight=weight, overflow=overflow)
+                                             weight=weight, overflow=overflow, deposited=deposited)
         finally:
             self._stepping = None
 
     async def _average_and_step_now(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                                     group: tuple[GroupMember, ...], seconds: float, weight: int,
-                                    overflow: bool) -> None:
+                                    overflow: bool, deposited: bool) -> None:
         skipped: set[int] = set()  # shared tensors whose norm another stage counts
         shared_failed = False
         try:
@@ -556,7 +557,7 @@ class Worker:
             if self.fault == "failed-averaging" and epoch == FAILED_AVERAGING_EPOCH:
                 raise RuntimeError(f"fault failed-averaging: the round of epoch {epoch} fails here on purpose")
             averaged, result = await self.averager.average(grads, epoch=epoch, rows=weight, group=group,
-                                                           overflow=overflow)
+                                                           overflow=overflow, deposited=deposited)
             if self.shared_averager is not None and result.ok:
                 averaged, skipped = await self._combine_shared(averaged, epoch=epoch, rows=weight, group=group)
         except SharedRoundFailed as e:  # even a lone worker of its stage must not step its shared copies alone
