@@ -336,8 +336,8 @@ class StageAllReduce(ServicerBase):
         the result, whether any member's or deposit's in the average did. `deposited`: the round averages the
         epoch's gradients, which its members with rows deposited before it (`deposit`): a worker and the server
         holding its deposit take that as the average without a round (module doc)."""
-        if deposited and (handed := self._handed_over(grads, epoch=epoch, rows=rows, group=group,
-                                                      overflow=overflow)) is not None:
+        if deposited and (handed := await self._handed_over(grads, epoch=epoch, rows=rows, group=group,
+                                                            overflow=overflow)) is not None:
             return handed
         members, mine, weight, dead, flagged = group, grads, rows, set(), overflow
         expected = sum(member.rows for member in group)
@@ -369,11 +369,12 @@ class StageAllReduce(ServicerBase):
         lost = max(0, expected - weight)
         return mine, RoundResult(group_size=1, ok=True, rows_lost=lost, overflow=flagged)
 
-    def _handed_over(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
-                     overflow: bool) -> tuple[list[torch.Tensor], RoundResult] | None:
+    async def _handed_over(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
+                           group: tuple[GroupMember, ...], overflow: bool
+                           ) -> tuple[list[torch.Tensor], RoundResult] | None:
         """The average of a round of two whose only member with rows deposited its gradients of `epoch` with the
-        other (module doc), as the other holds it; None if `group` is no such round. The worker's test (its last
-        deposit is this epoch's, of these rows, with that member) holds exactly when the server's does (it holds that
+        other (module doc), as the other holds it; None if `group` is no such round. The worker's test (its deposit
+        of this epoch was of these rows, with that member) holds exactly when the server's does (it holds that
         deposit, of the rows the group gives the worker): the server counts a worker ready only once it deposited
         its current rows, so they do not part on whether to run the round (unless one averages more than
         DEPOSITS_KEPT epochs late)."""
@@ -383,7 +384,8 @@ class StageAllReduce(ServicerBase):
         (contributor,), me = contributors, self.caller.peer_id
         holder = next(member for member in group if member is not contributor)
         if contributor.peer_id == me and self._deposited.get(epoch) == (rows, holder.peer_id):
-            flat, flagged = decode(encode(flatten(grads, torch.float32), self.wire.codec)), overflow  # as it travelled
+            travelled = await asyncio.to_thread(lambda: decode(encode(flatten(grads, torch.float32), self.wire.codec)))
+            flat, flagged = travelled, overflow
         elif holder.peer_id == me and self.deposits is not None:
             held = self.deposits.of(epoch, {contributor.peer_id})
             if not held or held[0].rows != contributor.rows:
