@@ -133,6 +133,12 @@ def flatten(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([grad.detach().reshape(-1).to(dtype) for grad in grads])
 
 
+def unflatten(flat: torch.Tensor, *, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A flat vector (`flatten`) back as tensors of the shapes and dtypes of `like`."""
+    parts = flat.split([tensor.numel() for tensor in like])
+    return [part.reshape(tensor.shape).to(tensor.dtype) for part, tensor in zip(parts, like)]
+
+
 def missing_parts(marker: torch.Tensor, group: tuple[GroupMember, ...], me: str) -> list[str]:
     """The members whose part did not reach the average, read from this member's averaged marker (module doc)."""
     return [member.peer_id for member, share in zip(group, marker.tolist())
@@ -393,9 +399,7 @@ class StageAllReduce(ServicerBase):
             flat, flagged = held[0].grads, held[0].overflow
         else:
             return None
-        parts = flat.split([grad.numel() for grad in grads])
-        return ([part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)],
-                RoundResult(group_size=2, ok=True, overflow=flagged))
+        return unflatten(flat, like=grads), RoundResult(group_size=2, ok=True, overflow=flagged)
 
     def _with_deposits(self, grads: list[torch.Tensor], *, rows: int, epoch: int, dead: set[str], overflow: bool
                        ) -> tuple[list[torch.Tensor], int, bool]:
@@ -406,9 +410,7 @@ class StageAllReduce(ServicerBase):
             return grads, rows, overflow
         total = rows + sum(d.rows for d in deposited)
         flat = sum((d.rows * d.grads.double() for d in deposited), start=rows * flatten(grads, torch.float64)) / total
-        parts = flat.split([grad.numel() for grad in grads])
-        return ([part.reshape(grad.shape).to(grad.dtype) for part, grad in zip(parts, grads)], total,
-                overflow or any(d.overflow for d in deposited))
+        return unflatten(flat, like=grads), total, overflow or any(d.overflow for d in deposited)
 
     def deadline_s(self, numel: int, *, members: int, reducers: int | None = None) -> float:
         """How long a round over `numel` values among `members`, `reducers` of them (all by default) reducing, may
