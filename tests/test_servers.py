@@ -677,6 +677,32 @@ def test_an_idle_fs_holds_polls_until_its_news_and_answers_them_at_once_when_row
     asyncio.run(scenario())
 
 
+def test_a_poll_whose_reply_tells_the_worker_to_deposit_or_to_step_is_answered_at_once():
+    """At the epoch boundary (issue 21): once every row is back, a worker holding undeposited rows is told at once
+    where to deposit, and the poll whose deposit lets the FS close the epoch is answered at once with the closure;
+    a hold there would only stall the stage. A worker with nothing to deposit is held as before."""
+    async def scenario() -> None:
+        fs, _ = servers()
+        loop = asyncio.get_running_loop()
+        await feed(fs, 0)
+        task = await take(fs, "w1", 0)
+        await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1"))
+        start = loop.time()
+        held = await fs.take_task(TakeTask(worker="w2", compute=1.0, epoch=0, wait_s=0.3), "w2")
+        assert held.deposit_to == "fs" and loop.time() - start >= 0.3  # w2 holds no rows: nothing to do at once
+        start = loop.time()
+        reply = await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0, wait_s=30.0), "w1")
+        assert reply.task is None and reply.deposit_to == "fs" and loop.time() - start < 1.0
+        reply = await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0, wait_s=30.0, deposited=ROWS), "w1")
+        assert fs.state.closed_epoch == 0 and loop.time() - start < 2.0
+        assert judge(0, {"fs": reply}).group == fs.state.closures[0].group
+        start = loop.time()  # a worker of the next epoch, with no rows out yet, is held again
+        assert (await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=1, wait_s=0.3), "w1")).task is None
+        assert loop.time() - start >= 0.3
+
+    asyncio.run(scenario())
+
+
 def test_a_diloco_round_waits_for_a_worker_with_rows_earlier_in_the_interval_that_took_none_of_the_round_epoch():
     """DiLoCo (`average_every` 2): a worker that trained rows in epoch 0 but took none of epoch 1 (the round's) still
     holds its steps' sum: the round's closure waits for its poll and groups it with its interval's rows; only once it

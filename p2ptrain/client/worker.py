@@ -310,6 +310,8 @@ class Worker:
                                        overflow=self.overflowed):
             self._deposited = (epoch, rows)
             logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} ({rows} rows) with {server}")
+        else:  # the FS answers the next poll at once while the deposit is due: do not ask again at once
+            await asyncio.sleep(self.settings.unreachable_backoff_s)
 
     async def _ask(self, server: str, service: str, request: TakeTask) -> TaskReply | None:
         reply = await self._call(server, service, request)

@@ -244,6 +244,8 @@ class StageServer(Service, Generic[S]):
                                             lease_s=lambda task: self.lease_for(worker, task))
                 if task is not None:
                     return task
+            if self.due(worker, epoch):
+                return None  # holding the poll would only delay what its reply tells the worker to do
             held = max(wait_s, idle_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
             remaining = start + held - loop.time()
             if remaining <= 0:
@@ -253,6 +255,11 @@ class StageServer(Service, Generic[S]):
                 await asyncio.wait_for(self.news.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
+
+    def due(self, worker: str, epoch: int) -> bool:
+        """Whether the reply to a poll of `worker` in `epoch` that finds no task tells it to act now (deposit its
+        gradients, step, catch up): then the poll is answered at once, not held."""
+        return False
 
     def quiet(self, epoch: int, *, holds_state: bool) -> bool:
         """Whether nothing but news (`news`) can change what a poll of a worker in `epoch` is answered: no task can

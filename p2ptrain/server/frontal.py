@@ -156,6 +156,17 @@ class FrontalServer(StageServer[FrontalState]):
             return False
         return holds_state or (self.in_flight() == 0 and not state.redo)
 
+    def due(self, worker: str, epoch: int) -> bool:
+        # its epoch is over here (it steps, catches up or drops it), or every row is back and it has not deposited
+        # all it holds of this FS's rows (`close_ready` waits for that deposit)
+        if self.ended(epoch):
+            return True
+        record = self.state.workers.get(worker)
+        if record is None or self._depository(epoch) is None:
+            return False
+        held = sum(len(result.rows) for result in self.state.results.get(epoch, ()) if result.worker == worker)
+        return record.deposited < held
+
     def _depository(self, epoch: int) -> str | None:
         """Once every row of the open `epoch` is back here, the server its workers deposit their gradients with
         before it counts them ready to average (`close_ready`): the stage's first FS, which closes the epoch for all
