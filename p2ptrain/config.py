@@ -300,7 +300,10 @@ class RuntimeConfig:
     fs_poll_wait_s: float = 0.1  # how long an FS holds a worker's task poll open when it has no work...
     fs_poll_wait_backward_s: float = 0.02  # ...and while the worker awaits backward tasks from the BS (it holds
     # forward states): the FS's poll wakes on the FS's news only, so this is the longest a backward task waits
-    bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)
+    bs_poll_wait_s: float = 0.0  # the same for a BS (workers ask BS first and must not sit there)...
+    bs_poll_wait_backward_s: float = 0.1  # ...but the first stage's only BS holds it up to this while the worker holds
+    # forward states and its FS had no work for it: the data source feeds rows only as backward passes complete, so
+    # its next task is a backward one, which answers the hold at once (a loop of short polls cost ~20 calls a second)
     idle_poll_wait_s: float = 4.0  # how long the only FS of a stage holds a poll while nothing of the stage is out;
     # its news (rows, the rows all back, a closure) answer the poll at once, so this only spaces an idle swarm's polls
     # (at most half the FS's worker_lost_s: a worker in a held poll is heard only when it polls again)

@@ -159,6 +159,7 @@ class Worker:
         self.history: list[EpochRecord] = []
         self.silent_since: dict[str, float] = {}  # FS that have not answered this worker's polls since
         self._fs_quiet = False  # the stage's FS answered its last poll `quiet`
+        self._awaits_backward = False  # it holds forward states and every FS answered its last poll with no task
         self._epoch_started = time.monotonic()
 
     @property
@@ -257,8 +258,12 @@ class Worker:
                         idle_wait_s=idle_wait_s)
         # after a quiet FS's answer no backward task can be waiting: the next one follows the FS's next rows; and the
         # last stage's BS issues none (its workers take forward, loss and backward as one task from the FS)
+        bs_wait_s = self.settings.bs_poll_wait_s
+        if self._awaits_backward and self.is_first and len(bs_list) == 1:
+            bs_wait_s = self.settings.bs_poll_wait_backward_s
+        self._awaits_backward = False
         for bs in bs_list if not (self.holds_only or self._fs_quiet or self.is_last) else ():
-            reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=self.settings.bs_poll_wait_s))
+            reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=bs_wait_s))
             if reply is not None and reply.task is not None:
                 return reply, {}
         polls: dict[str, TaskReply | None] = {}
@@ -274,6 +279,7 @@ class Worker:
                 return reply, {}
             polls[fs] = reply
         self._fs_quiet = idle_wait_s > 0 and all(reply is not None and reply.quiet for reply in polls.values())
+        self._awaits_backward = bool(self.cache) and all(reply is not None for reply in polls.values())
         return None, polls
 
     async def _after_idle_poll(self, polls: dict[str, TaskReply | None]) -> None:
