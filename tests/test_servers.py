@@ -7,13 +7,17 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
+from unittest import mock
 
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.live.probe import LinkProbe
+from p2ptrain.models import build_stage
 from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.layout import Layout, StageServers
 from p2ptrain.protocol.messages import (
@@ -28,6 +32,7 @@ from p2ptrain.protocol.messages import (
     MessageError,
     MicrobatchRef,
     PushInputGrads,
+    PushOutputGrads,
     PushOutputs,
     PushRows,
     ReportTask,
@@ -41,6 +46,7 @@ from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.state import BackwardState, FrontalState
+from p2ptrain.traffic import METER
 from p2ptrain.transport import Caller, Envelope, Refused, pack, unpack
 
 SEQ, ROWS = 4, 4
@@ -699,6 +705,52 @@ def test_a_poll_whose_reply_tells_the_worker_to_deposit_or_to_step_is_answered_a
         start = loop.time()  # a worker of the next epoch, with no rows out yet, is held again
         assert (await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=1, wait_s=0.3), "w1")).task is None
         assert loop.time() - start >= 0.3
+
+    asyncio.run(scenario())
+
+
+def test_a_first_stage_worker_awaiting_its_backward_task_waits_for_it_at_the_bs_instead_of_polling_in_a_loop():
+    """Issue 21: a stage-0 worker that holds forward states and whose FS had no work for it holds its next poll at
+    the stage's only BS, which answers it as soon as the backward task is there: one call, where short polls of the
+    BS and the FS in turn would have come back empty first."""
+    async def scenario() -> None:
+        config = RunConfig(num_stages=2, rows_per_microbatch=ROWS, microbatches=1, seq_len=SEQ)
+        layout = Layout((StageServers(fs=("fs0",), bs=("bs0",)), StageServers(fs=("fs1",), bs=("bs1",))))
+        local: dict = {}
+        settings = RuntimeConfig()
+
+        def caller(peer: str) -> Caller:
+            return Caller(p2p=None, peer_id=peer, codec="none", timeout=10.0, local=local)
+
+        fs0 = FrontalServer(peer_id="fs0", stage=0, config=config, settings=settings, caller=caller("fs0"))
+        bs0 = BackwardServer(peer_id="bs0", stage=0, config=config, settings=settings, caller=caller("bs0"))
+        fs1 = FrontalServer(peer_id="fs1", stage=1, config=config, settings=settings, caller=caller("fs1"))
+        start, end = config.stage_layers(0)
+        worker = Worker(worker_id="w", stage=0, config=config, settings=settings, caller=caller("w"),
+                        model=build_stage(config.model_config, start=start, end=end, seed=config.seed),
+                        averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=0, timeout=1.0,
+                                                caller=caller("w")),
+                        servers=lambda: (["fs0"], ["bs0"]), compute=1.0)
+        tokens = torch.randint(0, 256, (ROWS, SEQ))
+        await fs0.push_rows(PushRows(epoch=0, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS, layout=layout,
+                                     inputs=tokens, labels=tokens), "fs0")
+        forward, _ = await worker._take(["fs0"], ["bs0"])
+        await worker._run_task(forward)
+        await bs0.drain()
+        assert worker.cache and fs1.state.microbatches  # its outputs went on to stage 1
+        assert await worker._take(["fs0"], ["bs0"]) == (None, {"fs0": mock.ANY})  # nothing anywhere for now
+
+        async def backward_comes() -> None:
+            await asyncio.sleep(0.03)
+            grad = torch.zeros(ROWS, *bs0.hidden_shape)
+            await bs0.push_output_grads(PushOutputGrads(epoch=0, microbatch=0, rows=Rows(0, ROWS), grad=grad), "fs1")
+
+        polls = METER.served_snapshot().get("rpc_take_task", 0)
+        (backward, _), _ = await asyncio.gather(worker._take(["fs0"], ["bs0"]), backward_comes())
+        assert backward is not None and backward.task.kind == Kind.BACKWARD
+        assert METER.served_snapshot()["rpc_take_task"] - polls == 1
+        for server in (fs0, bs0, fs1):
+            await server.shutdown()
 
     asyncio.run(scenario())
 
