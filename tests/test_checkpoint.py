@@ -180,7 +180,7 @@ class RestartableSwarm(Swarm):
                                             *(["--keep-state"] if role == "bs" else []),
                                             "--identity-path", str(self.workdir / f"{name}.key"),
                                             "--checkpoint-dir", str(self.workdir / "ckpt" / name),
-                                            "--checkpoint-every", "4" if name == "fs0" else "2"])
+                                            "--checkpoint-every", {"fs0": "4", "bs0": "2"}.get(name, "1")])
         for stage in ("0", "1"):
             self.commands.setdefault(f"client{stage}", [*common, "--role", "client", "--stage", stage])
         for name, command in self.commands.items():
@@ -238,15 +238,19 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         before = wait_for(swarm, lambda r: r["epoch"] >= 7, "the swarm did not train 8 epochs")
         swarm.kill_all()  # at once: the losses before the kill are those `before` saw
         # servers save when their own stage steps, so a swarm killed whole may leave its servers' newest checkpoints at
-        # different epochs, even two of one stage. Checkpoints are removed so that stage 0 stands further back than
-        # stage 1 (its epochs between are abandoned), and its FS (saving every 4 epochs) further back than its BS: the
-        # FS takes the BS's newer state, as the holders of one stage must agree
-        remove_newest(tmp_path / "ckpt" / "bs0")
-        if manifests(tmp_path / "ckpt" / "fs0")[0][0] >= manifests(tmp_path / "ckpt" / "bs0")[0][0]:
-            remove_newest(tmp_path / "ckpt" / "fs0")
-        saved = {name: json.loads(manifests(tmp_path / "ckpt" / name)[0][1].read_text())["epoch"]
-                 for name, _, _ in SERVERS}
-        assert all(epoch >= 4 and epoch % 2 == 0 for epoch in saved.values()), saved
+        # different epochs, even two of one stage (a save behind its mate's). Checkpoints are removed so that stage 0
+        # stands further back than stage 1 (its epochs between are abandoned), and its FS (saving every 4 epochs)
+        # further back than its BS (every 2): the FS takes the BS's newer state, as the holders of one stage must
+        # agree. Stage 1 saves every epoch, so its newest stand past the BS's older one however the kill falls
+        ckpt = tmp_path / "ckpt"
+        stage1 = min(manifests(ckpt / "fs1")[0][0], manifests(ckpt / "bs1")[0][0])
+        remove_newest(ckpt / "bs0")
+        for name, bound in (("bs0", lambda: stage1), ("fs0", lambda: manifests(ckpt / "bs0")[0][0])):
+            while manifests(ckpt / name)[0][0] >= bound():
+                assert len(manifests(ckpt / name)) > 1, f"every checkpoint of {name} stands at or past {bound()}"
+                remove_newest(ckpt / name)
+        saved = {name: json.loads(manifests(ckpt / name)[0][1].read_text())["epoch"] for name, _, _ in SERVERS}
+        assert all(epoch >= 4 for epoch in saved.values()) and saved["fs0"] % 2 == saved["bs0"] % 2 == 0, saved
         assert saved["fs0"] < saved["bs0"] < min(saved["fs1"], saved["bs1"]), saved
         losses = {e["epoch"]: e["loss"] for e in before["epochs"] if e["loss"] is not None}
 
