@@ -62,6 +62,15 @@ def _bnb() -> ModuleType:
     return functional
 
 
+def load(*codecs: str) -> None:
+    """Import now what `codecs` need: bitsandbytes (int8) takes seconds to import, which on a peer's first int8
+    message would stall its event loop, and every poll and round of that peer with it, as long."""
+    for codec in codecs:
+        _check_codec(codec)
+        if codec == "int8":
+            _bnb()
+
+
 @cache
 def _dynamic_map() -> torch.Tensor:
     return _bnb().create_dynamic_map(signed=True).to(torch.float32)

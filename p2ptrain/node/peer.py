@@ -19,7 +19,8 @@ from p2ptrain.client.averaging import GradientDeposits, StageAllReduce
 from p2ptrain.client.device import resolve_device
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
-from p2ptrain.config import ConfigError, RunConfig, RuntimeConfig
+from p2ptrain.compression import load as load_codecs
+from p2ptrain.config import AVERAGING_CODECS, ConfigError, RunConfig, RuntimeConfig
 from p2ptrain.data import Masking, TextSource
 from p2ptrain.dht import (
     Announcer,
@@ -313,6 +314,8 @@ class Peer:
     async def _start_parts(self) -> None:
         config, options, settings, placement = self.config, self.options, self.settings, self.placement
         stage, role = placement.stage, placement.server_role
+        # before any message: an import on the first one would stall this peer's event loop (int8: seconds)
+        await asyncio.to_thread(load_codecs, config.compression, AVERAGING_CODECS[config.averaging_codec])
         membership = MembershipCache(dht=self.dht, run_id=config.run_id, num_stages=config.num_stages,
                                      period_s=settings.membership_period_s, retry_s=settings.membership_retry_s,
                                      idle_period_s=settings.membership_idle_period_s,
