@@ -167,5 +167,7 @@ def test_the_data_source_killed_and_restarted_with_its_identity_resumes_where_th
 
     report = swarm.wait_finished(timeout=300)
     check_every_batch_trained_once(swarm, report, epochs=EPOCHS, dead="fs0")
-    assert "resuming at epoch" in (swarm.workdir / "fs0.log").read_text()
+    source = (swarm.workdir / "fs0.log").read_text()
+    assert "resuming at epoch" in source
+    assert "refused EndEpoch" not in source, source  # a restarted data source tells each server only what it lacks
     assert all(stage["state"] == "training" for stage in report["stages"]), report["stages"]

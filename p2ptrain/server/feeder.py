@@ -259,9 +259,12 @@ class DataFeeder:
             await self._end(closed, layout, abandoned=abandoned, batch=batch, stop=stop)
         for epoch in range(closed + 1, top + 1):
             await self._end(epoch, layout, abandoned=True, stop=stop)
-        for epoch in range(min(stands.values(), default=closed) + 1, closed + 1):
+        # a server standing at -1 restored nothing: like any joiner, it stands where its first rows or EndEpoch put it
+        # (abandoning every epoch before at it would be refused, and cost an RPC an epoch)
+        restored = {peer: stood for peer, stood in stands.items() if stood >= 0}
+        for epoch in range(min(restored.values(), default=closed) + 1, closed + 1):
             await self._end(epoch, layout, abandoned=True, stop=stop,
-                            only={peer for peer, stood in stands.items() if stood < epoch})
+                            only={peer for peer, stood in restored.items() if stood < epoch})
         return top + 1, batch + 1
 
     async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1,
