@@ -10,6 +10,13 @@ first-improvement local search (``Engine.improve``). Each round draws from a gen
 and the round's number and scores a fixed number of moves, so the result depends only on the seed and how many
 rounds completed; the clock only decides how many (a round the budget cuts short is dropped). The phase also ends
 once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the whole budget.
+On a large swarm, rounds of a second kind come first: descents, the local search alone. A walk pays only from near
+a local optimum, and a round's moves spread over a thousand devices are too few to find one: on a 1,024-device swarm
+(8 moves a device) the plan the earlier phases hand over is far from a local optimum, and in a round measured there
+the walk's 6,000 moves found no better plan than its start; all 98 gains came from the closing local search, which
+its budget cut short. On 256 devices (31 moves a device) walks gained. So where a walk moves a device fewer than
+``WALK_COVER`` times on average, descents run while they find better plans, and walks come once one does not (a
+walk's closing local search that improved on the walk's best sends the search back to descents).
 Moves are scored through ``Engine.score`` with row shares set by time, as the plan ends with (``Engine.levels``), so
 the search balances each stage's workers as it moves them; the engine caches every stage's statistics and levels,
 so a move recomputes only the stages it touches.
@@ -29,6 +36,7 @@ CHECK_EVERY = 64  # moves between looks at the clock
 # a round's starting temperatures, in turn, and its final one: the relative PT increase accepted with probability
 # 1/e. Hotter rounds leave the best plan's basin (they found the better plans of small swarms), cooler ones refine it
 HOTS, COLD = (0.02, 0.06), 0.0003
+WALK_COVER = 16  # moves a walk makes per device, below which descents come first (module doc)
 LOAD_WEIGHT = 0.3  # 0.1 / 0.3 / 1.0 measured on 256-device swarms: 0.3 and 1.0 alike and best
 
 
@@ -63,23 +71,37 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     rounds = improved = misses = 0
     moves = round_moves(engine.net.size)
     score = engine.score(groups, timed=True)
+    descents = moves < WALK_COVER * engine.net.size
+    descend = descents
     while misses < patience and (max_rounds is None or rounds < max_rounds):
-        result = _round(engine, groups, score, rng=np.random.default_rng([seed, rounds]), moves=moves,
-                        hot=HOTS[rounds % len(HOTS)], fixed_stages=fixed_stages, out_of_time=out_of_time)
+        rng = np.random.default_rng([seed, rounds])
+        if descend:
+            result = None if out_of_time() else (*_local_search(engine, groups, rng), True)
+        else:
+            result = _round(engine, groups, score, rng=rng, moves=moves, hot=HOTS[rounds % len(HOTS)],
+                            fixed_stages=fixed_stages, out_of_time=out_of_time)
         if result is None:
             break
         rounds += 1
-        if result[1].better_than(score):
-            groups, score = result
+        trial, trial_score, descended = result
+        better = trial_score.better_than(score)
+        descend = descents and descended and better
+        if better:
+            groups, score = trial, trial_score
             improved, misses = improved + 1, 0
         else:
             misses += 1
     return groups, score, SearchRecord(rounds=rounds, scored=engine.scored, improved=improved)
 
 
+def _local_search(engine: Engine, groups: list[Group], rng: np.random.Generator) -> tuple[list[Group], Score]:
+    return engine.improve(groups, rng=rng, rounds=200, budget=2000, swaps=True, timed=True)
+
+
 def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, moves: int, hot: float,
-           fixed_stages: bool, out_of_time: Callable[[], bool]) -> tuple[list[Group], Score] | None:
-    """One annealing round and its closing local search; None if the budget ended first."""
+           fixed_stages: bool, out_of_time: Callable[[], bool]) -> tuple[list[Group], Score, bool] | None:
+    """One annealing round and its closing local search, and whether that search improved on the walk's best plan;
+    None if the budget ended first."""
     current, current_energy = groups, _energy(score)
     best, best_score = groups, score
     for step in range(moves):
@@ -100,7 +122,8 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
                 best, best_score = trial, trial_score
     if out_of_time():
         return None
-    return engine.improve(best, rng=rng, rounds=200, budget=2000, swaps=True, timed=True)
+    searched, searched_score = _local_search(engine, best, rng)
+    return searched, searched_score, searched_score.better_than(best_score)
 
 
 def _energy(score: Score) -> float:

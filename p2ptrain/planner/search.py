@@ -287,6 +287,7 @@ class Engine:
         self._levels: dict[Group, np.ndarray] = {}
         self._rows: dict[tuple[Group | None, Group, Group | None], np.ndarray] = {}
         self._closest: dict[int, np.ndarray] = {}
+        self._near: dict[Group, np.ndarray] = {}
 
     def stats(self, group: Group) -> GroupStats:
         cached = self._stats.get(group)
@@ -430,9 +431,18 @@ class Engine:
 
     # --- local search -------------------------------------------------------------------------------------
 
+    def _nearness(self, group: Group) -> np.ndarray:
+        """Mean delay from every device to the stage's servers: cached, as a search asks it of the same stages over
+        and over."""
+        column = self._near.get(group)
+        if column is None:
+            _make_room(self._near)
+            column = self._near[group] = self.delay[:, list(group.servers)].mean(axis=1)
+        return column
+
     def nearness(self, groups: Sequence[Group]) -> np.ndarray:
         """Mean delay from every device to each stage's servers (devices x stages)."""
-        return np.stack([self.delay[:, list(g.servers)].mean(axis=1) for g in groups], axis=1)
+        return np.stack([self._nearness(g) for g in groups], axis=1)
 
     def closest(self, device: int) -> np.ndarray:
         """Every device by its delay from ``device``, nearest first (itself first)."""
@@ -443,8 +453,7 @@ class Engine:
 
     def near(self, groups: Sequence[Group], device: int) -> np.ndarray:
         """One device's row of ``nearness``: what a single move needs, at a stage count's cost, not a swarm's."""
-        delay = self.delay[device]
-        return np.array([delay[list(g.servers)].mean() for g in groups])
+        return np.array([self._nearness(g)[device] for g in groups])
 
     def targets(self, near: np.ndarray, exclude: int, count: int) -> list[int]:
         """Stages whose servers are closest to a device, given its ``near`` row (the paper's rule for placing
