@@ -25,10 +25,11 @@ from p2ptrain.planner.presets import ModelSpec
 
 FS, BS, CLIENT = 0, 1, 2
 CACHED = 100_000  # entries of a per-membership cache, cleared when full: a long search must not grow without bound
+CACHED_VALUES = 10_000_000  # floats a cache of per-device columns holds (80 MB), whatever the swarm's size
 
 
-def _make_room(cache: dict) -> None:
-    if len(cache) >= CACHED:
+def _make_room(cache: dict, limit: int = CACHED) -> None:
+    if len(cache) >= limit:
         cache.clear()
 
 
@@ -436,7 +437,7 @@ class Engine:
         and over."""
         column = self._near.get(group)
         if column is None:
-            _make_room(self._near)
+            _make_room(self._near, max(1, CACHED_VALUES // self.net.size))  # a column is a float per device
             column = self._near[group] = self.delay[:, list(group.servers)].mean(axis=1)
         return column
 
