@@ -12,7 +12,7 @@ from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
-from p2ptrain.planner.anytime import PATIENCE, WALK_COVER, anytime, random_move, round_moves
+from p2ptrain.planner.anytime import PATIENCE, WALK_COVER, anytime, descends_first, random_move, round_moves
 from p2ptrain.planner.baselines import random_layout, swarm_groups
 from p2ptrain.planner.cost import (
     Network,
@@ -24,7 +24,9 @@ from p2ptrain.planner.cost import (
     memory_lower_bound,
 )
 from p2ptrain.planner.generate import geo_swarm
+from p2ptrain.planner.paper import paper_plan
 from p2ptrain.planner.presets import ModelSpec, config_spec
+from p2ptrain.planner.refine import CORES, core, core_starts, race
 from p2ptrain.planner.search import Engine, Group, allocate
 from p2ptrain.planner.swarmfile import load_swarm
 from p2ptrain.protocol.messages import GroupMember, StageGroup
@@ -488,6 +490,53 @@ def test_on_a_large_swarm_the_anytime_search_descends_before_it_walks(devices: i
     assert large == (devices == 640)
     per_round = (record.scored - before) / record.rounds
     assert per_round <= 2002 if large else per_round > 4000
+
+
+def large_engine(devices: int, seed: int) -> Engine:
+    swarm = geo_swarm(devices, seed=seed)
+    return Engine(swarm.network(), cost.Workload(model=model_spec("llama-33b", precision="fp16", offload="optimizer"),
+                                                 batch_tokens=2048 * 512, microbatches=64), swarm.reliable)
+
+
+def test_a_core_is_the_members_nearest_the_clusters_medoid() -> None:
+    engine = large_engine(48, seed=312)
+    members = np.flatnonzero(engine.reliable)
+    inner = engine.delay[np.ix_(members, members)]
+    medoid = members[int(inner.mean(axis=1).argmin())]
+    kept = core(engine, members, 5)
+    assert len(kept) == 5 and medoid in kept and list(kept) == sorted(kept)
+    outside = np.setdiff1d(members, kept)
+    assert engine.delay[medoid, kept].max() <= engine.delay[medoid, outside].min()
+    assert core(engine, members, len(members)) is members
+
+
+def test_a_large_swarm_races_cores_of_its_clusters_and_keeps_the_best_searched() -> None:
+    """On a large swarm the starts are cores of levels of 2 to 5 layers a stage; successive halving searches them
+    all, then the better half with twice the budget, until one is left: better than every start, the same for
+    the same seed, and the best start untouched if the budget is spent before the first round."""
+    devices = 640
+    assert descends_first(devices)
+    engine = large_engine(devices, seed=313)
+    levels = paper_plan(engine, seed=0).levels
+    starts = core_starts(engine, levels, seed=0)
+    layers = engine.layers
+    assert {len(groups) for groups, _ in starts} <= set(range(int(layers / 5), int(np.ceil(layers / 2)) + 1))
+    assert len({len(groups) for groups, _ in starts}) >= 3
+    assert all(len(g.servers) <= max(CORES) for groups, _ in starts for g in groups)
+    best_start = min(score.pt for _, score in starts)
+    before = engine.scored
+    groups, score = race(engine, starts, seed=0, first=200)
+    # 200 plans for each start, 400 for the better half, ...: rounds until one is left (a local search whose last
+    # budgeted plan improved goes on while the next ones do: a few more)
+    field, budget, most = len(starts), 200, 0
+    while field > 1:
+        most, field, budget = most + field * (budget + 1), (field + 1) // 2, 2 * budget
+    assert most * 0.9 <= engine.scored - before <= most * 1.01
+    assert score.pt < best_start
+    again = race(large_engine(devices, seed=313), starts, seed=0, first=200)
+    assert again[0] == groups and again[1].pt == score.pt
+    untouched = race(engine, starts, seed=0, out_of_time=lambda: True)
+    assert untouched[1].pt == best_start
 
 
 @pytest.mark.parametrize("stages", [2, 3])

@@ -62,6 +62,11 @@ def round_moves(devices: int) -> int:
     return min(8000, 800 + 160 * devices)
 
 
+def descends_first(devices: int) -> bool:
+    """Whether a walk would move each device fewer than ``WALK_COVER`` times: a large swarm (module doc)."""
+    return round_moves(devices) < WALK_COVER * devices
+
+
 def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
             out_of_time: Callable[[], bool], patience: int = PATIENCE,
             max_rounds: int | None = None) -> tuple[list[Group], Score, SearchRecord]:
@@ -71,7 +76,7 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     rounds = improved = misses = 0
     moves = round_moves(engine.net.size)
     score = engine.score(groups, timed=True)
-    descents = moves < WALK_COVER * engine.net.size
+    descents = descends_first(engine.net.size)
     descend = descents
     while misses < patience and (max_rounds is None or rounds < max_rounds):
         rng = np.random.default_rng([seed, rounds])

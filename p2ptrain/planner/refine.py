@@ -15,6 +15,15 @@
    run of kicks finds nothing.
 4. Given a time budget, the anytime phase (``anytime``): rounds of simulated annealing from the best plan while the
    budget lasts.
+On a large swarm (where the anytime phase descends first, ``anytime.descends_first``) steps 1-3 give way to a race
+of small starts. The clustering's stages hold every reliable device, but the good plans found there use few: on
+1,024-device swarms about 300 devices in 12-24 stages. Local moves drop devices one at a time, each new stage costly
+to score while stages are large: on geo-1024-seed502, 12 s of local search from a level's full clusters (5 to 32
+stages) reached 169-402 s of PT, 4-6 s from the cores of 6, 12 or 24 servers of 12 clusters reached 118-138 s. And
+no early score told which start ends best (the 6-stage start screened first; 18 stages ended twice as fast). So the
+starts are each cluster's core (the ``CORES`` servers nearest its medoid; clients admitted as in step 1) at a few
+levels of 2 to 5 layers a stage, and successive halving picks one (``race``): every start gets a local search, the
+better half goes on with twice the budget, until one is left, which the anytime phase takes.
 5. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
@@ -26,12 +35,15 @@ from typing import Sequence
 
 import numpy as np
 
-from p2ptrain.planner.anytime import PATIENCE, SearchRecord, anytime
+from p2ptrain.planner.anytime import PATIENCE, SearchRecord, anytime, descends_first
 from p2ptrain.planner.baselines import swarm_groups
 from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
 from p2ptrain.planner.search import Engine, Group, Score
 from p2ptrain.planner.shares import timed_layouts
+
+CORES = (8, 16)  # servers a large swarm's start keeps of each cluster (module doc)
+RACE_FIRST = 1000  # plans the race's first local search of each start scores; every later round doubles it
 
 
 def complete(engine: Engine, groups: list[Group]) -> tuple[list[Group], Score]:
@@ -102,6 +114,47 @@ def perturb(engine: Engine, groups: list[Group], score: Score, *, rng: np.random
     return groups, score
 
 
+def core(engine: Engine, members: np.ndarray, size: int) -> np.ndarray:
+    """The ``size`` members nearest the cluster's medoid (the member with the least mean delay to the others)."""
+    if len(members) <= size:
+        return members
+    medoid = members[int(engine.delay[np.ix_(members, members)].mean(axis=1).argmin())]
+    return np.sort(members[np.argsort(engine.delay[medoid, members], kind="stable")[:size]])
+
+
+def core_starts(engine: Engine, levels: list[list[np.ndarray]], seed: int) -> list[tuple[list[Group], Score]]:
+    """A large swarm's starts (module doc), scored with time-set shares: the cores of levels of 2 to 5 layers a
+    stage, ordered and split into FS/BS by the paper's rules, with clients admitted."""
+    counts = {int(round(k)) for k in np.geomspace(engine.layers / 5, engine.layers / 2, 4)}
+    starts: dict[tuple[Group, ...], Score] = {}
+    for k in sorted(counts & set(range(1, len(levels) + 1))):
+        clusters = order_clusters(engine, levels[k - 1], seed)
+        for size in CORES:
+            groups, _ = complete(engine, split_roles(engine, [core(engine, c, size) for c in clusters]))
+            score = engine.score(groups, timed=True)
+            if np.isfinite(score.pt):
+                starts[tuple(groups)] = score
+    return [(list(groups), score) for groups, score in starts.items()]
+
+
+def race(engine: Engine, starts: list[tuple[list[Group], Score]], *, seed: int,
+         out_of_time: Callable[[], bool] = lambda: False, first: int = RACE_FIRST) -> tuple[list[Group], Score]:
+    """Successive halving: each start gets a local search (time-set shares) of ``first`` plans, the better half goes
+    on with twice the budget, until one is left; the best so far if ``out_of_time()`` before a round. Budgets are
+    counts, so the result depends only on the seed and the rounds run."""
+    runners = sorted(starts, key=lambda s: (s[1].pt, s[1].smooth))
+    budget, round_ = first, 0
+    while len(runners) > 1 and not out_of_time():
+        searched = []
+        for i, (groups, score) in enumerate(runners):
+            trial = engine.improve(groups, rng=np.random.default_rng([seed, round_, i]), rounds=budget // 5,
+                                   budget=budget, swaps=True, timed=True)
+            searched.append(trial if trial[1].better_than(score) else (groups, score))
+        runners = sorted(searched, key=lambda s: (s[1].pt, s[1].smooth))[:(len(searched) + 1) // 2]
+        budget, round_ = 2 * budget, round_ + 1
+    return runners[0]
+
+
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
                     out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
                     anytime_patience: int = PATIENCE,
@@ -117,6 +170,12 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
         levels, chosen = paper.levels, paper.chosen
     else:
         levels, chosen = divisive_levels(engine, reliable, stages or most, seed, reach=stages is not None), 1
+    if out_of_time is not None and stages is None and descends_first(engine.net.size):
+        starts = core_starts(engine, levels, seed)
+        if starts:
+            return _searched(engine, race(engine, starts, seed=seed, out_of_time=out_of_time), seed=seed,
+                             fixed_stages=False, out_of_time=out_of_time, max_rounds=max_rounds,
+                             patience=anytime_patience)
     if stages is not None:
         wanted = [stages] if stages <= len(levels) else []
     else:
@@ -147,11 +206,18 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     assert best is not None
     best = perturb(engine, *best, rng=rng, budget=kick_total, patience=patience, rounds=rounds,
                    kick_budget=kick_budget)
+    return _searched(engine, best, seed=seed, fixed_stages=stages is not None, out_of_time=out_of_time,
+                     max_rounds=max_rounds, patience=anytime_patience)
+
+
+def _searched(engine: Engine, best: tuple[list[Group], Score], *, seed: int, fixed_stages: bool,
+              out_of_time: Callable[[], bool] | None, max_rounds: int | None,
+              patience: int) -> tuple[list[StageLayout] | None, SearchRecord | None]:
+    """The anytime phase from ``best`` (given a budget), and the better layout of what it started and ended with."""
     finalists, record = [best], None
     if out_of_time is not None:
-        *searched, record = anytime(engine, best[0], seed=seed, fixed_stages=stages is not None,
-                                    out_of_time=out_of_time, max_rounds=max_rounds,
-                                    patience=anytime_patience)
+        *searched, record = anytime(engine, best[0], seed=seed, fixed_stages=fixed_stages, out_of_time=out_of_time,
+                                    max_rounds=max_rounds, patience=patience)
         finalists.append(searched)
     # the engine's score prices shares by compute and some shared tensors by a bound: the exact cost model decides
     options = [o for groups, score in finalists for o in (engine.layouts(groups, score), timed_layouts(engine, groups))]
