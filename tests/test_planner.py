@@ -12,7 +12,7 @@ from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
-from p2ptrain.planner.anytime import PATIENCE, WALK_COVER, anytime, descends_first, random_move, round_moves
+from p2ptrain.planner.anytime import PATIENCE, anytime, descends_first, random_move
 from p2ptrain.planner.baselines import random_layout, swarm_groups
 from p2ptrain.planner.cost import (
     Network,
@@ -472,30 +472,28 @@ def test_every_anytime_move_gives_a_plan_of_distinct_devices_in_roles_they_may_t
     assert changed > 2000 and reordered > 50
 
 
+def large_engine(devices: int, seed: int) -> Engine:
+    swarm = geo_swarm(devices, seed=seed)
+    return Engine(swarm.network(), cost.Workload(model=model_spec("llama-33b", precision="fp16", offload="optimizer"),
+                                                 batch_tokens=2048 * 512, microbatches=64), swarm.reliable)
+
+
 @pytest.mark.parametrize("devices", [96, 640])
 def test_on_a_large_swarm_the_anytime_search_descends_before_it_walks(devices: int) -> None:
     """Where a walk would move each device fewer than WALK_COVER times, rounds are local searches alone (each scores
     at most its budget of 2,000 plans) while they find better plans; on a small swarm a round walks (thousands of
     moves, then the local search)."""
-    swarm = geo_swarm(devices, seed=311)
-    engine = Engine(swarm.network(), cost.Workload(model=model_spec("llama-33b", precision="fp16", offload="optimizer"),
-                                                   batch_tokens=2048 * 512, microbatches=64), swarm.reliable)
+    engine = large_engine(devices, seed=311)
     groups = swarm_groups(engine)
     assert groups is not None
     start = engine.score(groups, timed=True)
     before = engine.scored
     _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=2)
     assert record.rounds == 2 and score.better_than(start)
-    large = round_moves(devices) < WALK_COVER * devices
+    large = descends_first(devices)
     assert large == (devices == 640)
     per_round = (record.scored - before) / record.rounds
     assert per_round <= 2002 if large else per_round > 4000
-
-
-def large_engine(devices: int, seed: int) -> Engine:
-    swarm = geo_swarm(devices, seed=seed)
-    return Engine(swarm.network(), cost.Workload(model=model_spec("llama-33b", precision="fp16", offload="optimizer"),
-                                                 batch_tokens=2048 * 512, microbatches=64), swarm.reliable)
 
 
 def test_a_core_is_the_members_nearest_the_clusters_medoid() -> None:

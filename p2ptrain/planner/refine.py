@@ -46,6 +46,11 @@ CORES = (8, 16)  # servers a large swarm's start keeps of each cluster (module d
 RACE_FIRST = 1000  # plans the race's first local search of each start scores; every later round doubles it
 
 
+def ranked(plan: tuple[list[Group], Score]) -> tuple[float, float]:
+    """Sort key of scored plans, best first: PT, ties broken as ``Score.better_than`` does."""
+    return plan[1].pt, plan[1].smooth
+
+
 def complete(engine: Engine, groups: list[Group]) -> tuple[list[Group], Score]:
     groups = engine.admit_clients(groups, np.flatnonzero(~engine.reliable))
     return groups, engine.score(groups)
@@ -142,15 +147,13 @@ def race(engine: Engine, starts: list[tuple[list[Group], Score]], *, seed: int,
     """Successive halving: each start gets a local search (time-set shares) of ``first`` plans, the better half goes
     on with twice the budget, until one is left; the best so far if ``out_of_time()`` before a round. Budgets are
     counts, so the result depends only on the seed and the rounds run."""
-    runners = sorted(starts, key=lambda s: (s[1].pt, s[1].smooth))
+    runners = sorted(starts, key=ranked)
     budget, round_ = first, 0
     while len(runners) > 1 and not out_of_time():
-        searched = []
-        for i, (groups, score) in enumerate(runners):
-            trial = engine.improve(groups, rng=np.random.default_rng([seed, round_, i]), rounds=budget // 5,
+        searched = [engine.improve(groups, rng=np.random.default_rng([seed, round_, i]), rounds=budget // 5,
                                    budget=budget, swaps=True, timed=True)
-            searched.append(trial if trial[1].better_than(score) else (groups, score))
-        runners = sorted(searched, key=lambda s: (s[1].pt, s[1].smooth))[:(len(searched) + 1) // 2]
+                    for i, (groups, _) in enumerate(runners)]
+        runners = sorted(searched, key=ranked)[:(len(searched) + 1) // 2]
         budget, round_ = 2 * budget, round_ + 1
     return runners[0]
 
@@ -196,7 +199,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     candidates = [c for c in candidates if np.isfinite(c[1].pt)]
     if not candidates:
         return None, None
-    candidates.sort(key=lambda c: (c[1].pt, c[1].smooth))
+    candidates.sort(key=ranked)
     best: tuple[list[Group], Score] | None = None
     for groups, score in candidates[:starts]:
         result = reshape(engine, groups, score, rng=rng, rounds=rounds, budget=budget, seed=seed,
