@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from p2ptrain.config import RuntimeConfig
+
 ROWS, MICROBATCHES, EPOCHS = 8, 2, 12
 RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(MICROBATCHES), "--seq-len", "64",
           "--lr", "3e-3", "--server-lost", "3"]
@@ -171,3 +173,42 @@ def test_the_data_source_killed_and_restarted_with_its_identity_resumes_where_th
     assert "resuming at epoch" in source
     assert "refused EndEpoch" not in source, source  # a restarted data source tells each server only what it lacks
     assert all(stage["state"] == "training" for stage in report["stages"]), report["stages"]
+
+
+@pytest.mark.timeout(480)
+def test_a_stage_trains_on_after_its_first_fs_froze_for_longer_than_a_worker_may_be_silent(make_swarm):
+    """The first FS of a two-FS stage (its workers deposit their gradients there) stops answering without closing its
+    connections (SIGSTOP; an overloaded machine alike) just after an epoch's commit, for longer than `worker_lost_s`:
+    the swarm waits for it and trains on, every row of every epoch averaged once. In CI such a stall once left the
+    swarm stuck: a worker held silent at the other FS by calls to the frozen one was counted gone there, its rows
+    redone, and that FS then waited for it for good when it polled again. Which calls hang when is timing: the two
+    causes are tested alone in tests/test_servers.py (a poll's timeout; a worker judged gone that polls again)."""
+    swarm = make_swarm("fsfreeze", RECIPE)
+    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
+    swarm.peer("fs1a", "--role", "server", "--stage", "1", "--server-role", "fs")
+    swarm.peer("fs1b", "--role", "server", "--stage", "1", "--server-role", "fs")
+    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+    start_clients(swarm)
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(2 * EPOCHS))
+    wait_epoch(swarm, 1, timeout=240)
+    # the data source lays an FS out once its membership read finds it: only then does it serve rows
+    for name in ("fs1a", "fs1b"):
+        wait_logged(swarm, name, r"stage 1 FS: epoch (\d+) closed", at_least=0, timeout=120)
+    ids = {name: re.search(r"server (\S+) up: stage 1", (swarm.workdir / f"{name}.log").read_text()).group(1)
+           for name in ("fs1a", "fs1b")}
+    first = min(ids, key=ids.get)  # a layout's FS come in peer id order (no owner)
+    committed = r"stage 1 FS: epoch (\d+) committed"
+    wait_logged(swarm, first, committed, at_least=last_logged(swarm, first, committed) + 1, timeout=120, poll_s=0.01)
+    frozen = swarm.processes[first].pid
+    os.killpg(frozen, signal.SIGSTOP)  # the peer and its p2p daemon
+    time.sleep(1.5 * RuntimeConfig().worker_lost_s)  # the swarm runs with the defaults
+    os.killpg(frozen, signal.SIGCONT)
+
+    report = swarm.wait_finished(timeout=240)
+    trained = [e for e in report["epochs"] if not e["abandoned"]]
+    assert len(trained) == 2 * EPOCHS, report["epochs"]
+    for epoch in trained:
+        for counts in epoch["stages"]:
+            assert counts["rows_in_batch"] == counts["rows_averaged"] or counts["rounds_failed"], epoch
+    losses = [e["loss"] for e in trained]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses

@@ -21,6 +21,7 @@ from p2ptrain.models import build_stage
 from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.layout import Layout, StageServers
 from p2ptrain.protocol.messages import (
+    FRONTAL_SERVER,
     GRADIENT_DEPOSITS,
     LINK_PROBE,
     Ack,
@@ -401,6 +402,38 @@ def test_a_worker_judged_gone_that_was_alive_after_all_stays_out_of_the_epoch_it
     asyncio.run(scenario())
 
 
+def test_at_the_second_fs_of_a_stage_a_worker_judged_gone_that_polls_again_does_not_hold_the_epoch_open():
+    """With two FS, an FS waits for every worker it knows to poll (any may hold rows of the other's segment); one it
+    judged gone, whose rows it had redone, is out of the epoch there even when it polls again (it was only silent:
+    a worker held in a poll at a frozen FS), or the epoch would never close."""
+    async def scenario() -> None:
+        clock = Clock()
+        layout = Layout((StageServers(fs=("fs", "fs2"), bs=("bs",)),))
+        fs2 = FrontalServer(peer_id="fs2", stage=0, config=CONFIG, settings=RuntimeConfig(), clock=clock,
+                            caller=Caller(p2p=None, peer_id="fs2", codec="none", timeout=10.0,
+                                          local={(w, LINK_PROBE): LinkProbe(peer_id=w) for w in ("w1", "w2")}))
+        (_, segment), = [(peer, rows) for peer, rows in layout.route(0, "fs", Rows(0, ROWS), ROWS) if peer == "fs2"]
+        assert await poll(fs2, "w1", 0) is None and await poll(fs2, "w2", 0) is None
+        tokens = torch.randint(0, 256, (len(segment), SEQ))
+        await fs2.push_rows(PushRows(epoch=0, microbatch=0, rows=segment, total_rows=ROWS, layout=layout,
+                                     inputs=tokens, labels=tokens), "fs")
+        await fs2.end_epoch(EndEpoch(epoch=0, abandoned=False, layout=layout), "fs")
+        first, second = await poll(fs2, "w1", 0), await poll(fs2, "w2", 0)
+        for task, worker in ((second, "w2"), (first, "w1")):  # w1's result, 0.5 s after w2's, completes the epoch
+            await handled(fs2, fs2.push_input_grads(dataclasses.replace(grads(task, worker), issuer="fs2"), worker))
+            clock.now += 0.5
+        clock.now += fs2.settings.worker_lost_s  # w2 silent: judged gone, its rows here go to a redo
+        redo = await poll(fs2, "w1", 0)
+        assert redo is not None and redo.kind == Kind.REDO and redo.rows == second.rows
+        assert await poll(fs2, "w2", 0) is None  # w2 polls again: alive after all, and out of the epoch here
+        await handled(fs2, fs2.push_input_grads(dataclasses.replace(grads(redo, "w1"), issuer="fs2"), "w1"))
+        await deposited(fs2, "w1", 0)
+        assert fs2.state.closed_epoch == 0
+        assert "w2" not in members(fs2.state.closures[0])
+
+    asyncio.run(scenario())
+
+
 def test_under_the_swarm_policy_a_vanished_workers_rows_are_dropped_and_named_for_the_data_source_to_feed_again():
     async def scenario() -> None:
         clock = Clock()
@@ -751,6 +784,41 @@ def test_a_first_stage_worker_awaiting_its_backward_task_waits_for_it_at_the_bs_
         assert METER.served_snapshot()["rpc_take_task"] - polls == 1
         for server in (fs0, bs0, fs1):
             await server.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_task_poll_to_a_frozen_fs_times_out_well_before_the_other_fs_would_count_the_worker_gone():
+    """Polls go to one FS after another: one to an FS that stopped answering without closing its connection (frozen,
+    overloaded) ends within the poll's hold plus a quarter of `worker_lost_s`, so the worker stays heard at the other
+    (it waited out the whole RPC timeout before, and was counted gone there while it lived on)."""
+    class Frozen:
+        async def rpc_take_task(self, requests, context):
+            await asyncio.Event().wait()
+            yield
+
+    async def scenario() -> None:
+        config = RunConfig(num_stages=1, rows_per_microbatch=ROWS, microbatches=1, seq_len=SEQ)
+        settings = dataclasses.replace(RuntimeConfig(), worker_lost_s=2.0)
+        local: dict = {("frozen", FRONTAL_SERVER): Frozen()}
+
+        def caller(peer: str) -> Caller:
+            return Caller(p2p=None, peer_id=peer, codec="none", timeout=60.0, local=local)
+
+        fs = FrontalServer(peer_id="fs", stage=0, config=config, settings=settings, caller=caller("fs"))
+        worker = Worker(worker_id="w", stage=0, config=config, settings=settings, caller=caller("w"),
+                        model=build_stage(config.model_config, start=0, end=config.model_config.num_layers,
+                                          seed=config.seed),
+                        averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=0, timeout=1.0,
+                                                caller=caller("w")),
+                        servers=lambda: (["frozen", "fs"], ["bs"]), compute=1.0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        task, polls = await worker._take(["frozen", "fs"], [])
+        assert task is None and polls["frozen"] is None and polls["fs"] is not None
+        assert loop.time() - start < settings.worker_lost_s / 2
+        assert "w" in fs.state.workers
+        await fs.shutdown()
 
     asyncio.run(scenario())
 

@@ -385,6 +385,9 @@ class FrontalServer(StageServer[FrontalState]):
             # DiLoCo: a worker with rows earlier in the interval holds its steps' sum even if it took none of this
             # epoch's; left out of the closure, its part of the round would be lost while it lives
             watched |= set(state.interval_rows)
+            # one judged gone in this epoch had its rows here redone by others and takes no further part in it here;
+            # should it poll again (it was only silent), waiting for it would hold the epoch open for good
+            watched -= judged_gone
             if any(not self.excluded(state.workers[w]) and not self.gone(w) for w in watched - fresh):
                 return  # a worker that has not polled since: the next polls here tell whether it is gone
             # a worker one epoch behind steps that one when this poll's reply tells it closed, then this one; one
