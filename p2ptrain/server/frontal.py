@@ -164,8 +164,14 @@ class FrontalServer(StageServer[FrontalState]):
         record = self.state.workers.get(worker)
         if record is None or self._depository(epoch) is None:
             return False
-        held = sum(len(result.rows) for result in self.state.results.get(epoch, ()) if result.worker == worker)
-        return record.deposited < held
+        return record.deposited < self._rows_held(epoch).get(worker, 0)
+
+    def _rows_held(self, epoch: int) -> dict[str, int]:
+        """How many of this FS's rows of `epoch` each worker holds the parameter gradients of (its accepted results)."""
+        rows: dict[str, int] = {}
+        for result in self.state.results.get(epoch, ()):
+            rows[result.worker] = rows.get(result.worker, 0) + len(result.rows)
+        return rows
 
     def _depository(self, epoch: int) -> str | None:
         """Once every row of the open `epoch` is back here, the server its workers deposit their gradients with
@@ -394,9 +400,7 @@ class FrontalServer(StageServer[FrontalState]):
             # further behind (it joined, or restarted and lost what it held) catches up by loading a mate's state and
             # would never take part in this round: in the group it would hold every member until the timeout
             ready = {w for w in fresh if state.workers[w].epoch >= epoch - 1}
-            rows: dict[str, int] = {}
-            for result in state.results.get(epoch, ()):
-                rows[result.worker] = rows.get(result.worker, 0) + len(result.rows)
+            rows = self._rows_held(epoch)
             lost = contributors - ready
             if not lost and self.config.average_every == 1:
                 # a contributor is ready only once its gradients are deposited (`_depository`): a worker that then
