@@ -163,5 +163,6 @@ async def load_state_from_peers(worker: StateTarget, *, caller: Caller, candidat
         logger.info(f"worker {worker.worker_id}: loaded the state of epoch {reply.epoch} from {peer} "
                     f"({reply.blob.numel() / 2**20:.1f} MiB in {time.monotonic() - started:.1f} s)")
         return reply.epoch
-    logger.info(f"worker {worker.worker_id}: no stage mate served its state; starting from the seed's weights")
+    kept = "starting from the seed's weights" if worker.master.holds_seed else "keeping its own parameters"
+    logger.info(f"worker {worker.worker_id}: no stage mate served its state; {kept}")
     return None
