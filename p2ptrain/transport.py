@@ -325,15 +325,15 @@ class Caller:
 
     async def call_retrying(self, peer: str, service: str, request: Request, *, attempts: int | None,
                             backoff_s: float, backoff_max_s: float, what: str,
-                            moot: Callable[[], bool] | None = None, timeout: float | None = None) -> Any:
+                            moot: Callable[[], bool] | None = None) -> Any:
         """`call`, made again after each transport failure (backing off exponentially from `backoff_s` up to
         `backoff_max_s`) up to `attempts` times in all, or until it lands if None, or until `moot()` says the call
         no longer matters; the last failure is raised, and Refused at once. Only for idempotent requests: a retry
-        may repeat one whose reply alone was lost. `timeout`: each call's, as `call` takes it."""
+        may repeat one whose reply alone was lost."""
         attempt = 1
         while True:
             try:
-                return await self.call(peer, service, request, timeout=timeout)
+                return await self.call(peer, service, request)
             except Refused:
                 raise
             except Exception as e:

@@ -180,9 +180,9 @@ def test_a_stage_trains_on_after_its_first_fs_froze_for_longer_than_a_worker_may
     """The first FS of a two-FS stage (its workers deposit their gradients there) stops answering without closing its
     connections (SIGSTOP; an overloaded machine alike) just after an epoch's commit, for longer than `worker_lost_s`:
     the swarm waits for it and trains on, every row of every epoch averaged once. In CI such a stall once left the
-    swarm stuck: a worker held silent at the other FS by calls to the frozen one was counted gone there, its rows
-    redone, and that FS then waited for it for good when it polled again. Which calls hang when is timing: the two
-    causes are tested alone in tests/test_servers.py (a poll's timeout; a worker judged gone that polls again)."""
+    swarm stuck: a worker held silent at the other FS by a call to the frozen one was counted gone there, its rows
+    redone, and that FS then waited for it for good when it polled again. Which calls hang when is timing: that
+    cause is tested alone in tests/test_servers.py (a worker judged gone that polls again)."""
     swarm = make_swarm("fsfreeze", RECIPE)
     swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
     swarm.peer("fs1a", "--role", "server", "--stage", "1", "--server-role", "fs")

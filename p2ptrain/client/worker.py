@@ -263,16 +263,14 @@ class Worker:
             bs_wait_s = self.settings.bs_poll_wait_backward_s
         self._awaits_backward = False
         for bs in bs_list if not (self.holds_only or self._fs_quiet or self.is_last) else ():
-            reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=bs_wait_s),
-                                    hold_s=bs_wait_s)
+            reply = await self._ask(bs, BACKWARD_SERVER, dataclasses.replace(poll, wait_s=bs_wait_s))
             if reply is not None and reply.task is not None:
                 return reply, {}
         polls: dict[str, TaskReply | None] = {}
         self._fs_quiet = False
         wait_s = self.settings.fs_poll_wait_backward_s if self.cache else self.settings.fs_poll_wait_s
         for fs in fs_list:
-            reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(poll, wait_s=wait_s),
-                                    hold_s=max(wait_s, idle_wait_s))
+            reply = await self._ask(fs, FRONTAL_SERVER, dataclasses.replace(poll, wait_s=wait_s))
             if reply is None:
                 self.silent_since.setdefault(fs, time.monotonic())
             else:
@@ -321,12 +319,8 @@ class Worker:
         else:  # the FS answers the next poll at once while the deposit is due: do not ask again at once
             await asyncio.sleep(self.settings.unreachable_backoff_s)
 
-    async def _ask(self, server: str, service: str, request: TakeTask, *, hold_s: float) -> TaskReply | None:
-        """One task poll, which the server may hold up to `hold_s`. Its floor of a timeout stays well under the
-        servers' `worker_lost_s`: polls go to one server after another, and a server that stopped answering without
-        closing its connections (frozen, overloaded) must not hold this worker silent at the others until they count
-        it gone: with two FS in a stage, the other FS then redid its rows while it lived on."""
-        reply = await self._call(server, service, request, timeout=hold_s + self.settings.worker_lost_s / 4)
+    async def _ask(self, server: str, service: str, request: TakeTask) -> TaskReply | None:
+        reply = await self._call(server, service, request)
         if reply is None:  # unreachable, or it refused the poll: ask the others before this one again
             self.suspect()  # and whether the stage's servers changed
             await asyncio.sleep(self.settings.unreachable_backoff_s)
@@ -471,14 +465,13 @@ class Worker:
             return torch.full_like(tensor, float("nan"))
         return tensor
 
-    async def _call(self, server: str, service: str, request: Request, *, attempts: int = 1,
-                    timeout: float | None = None) -> Message | None:
+    async def _call(self, server: str, service: str, request: Request, *, attempts: int = 1) -> Message | None:
         """The server's reply; None if it refused the request or every attempt failed in transport."""
         try:
             return await self.caller.call_retrying(server, service, request, attempts=attempts,
                                                    backoff_s=self.settings.push_backoff_s,
                                                    backoff_max_s=self.settings.delivery_backoff_max_s,
-                                                   what=request.method, timeout=timeout)
+                                                   what=request.method)
         except Refused as e:
             logger.info(f"worker {self.worker_id}: {server} refused {type(request).__name__}: {e}")
         except Exception as e:
