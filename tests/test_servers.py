@@ -71,13 +71,14 @@ def members(closure: Closure) -> list[str]:
 
 def servers(*, fs_state: FrontalState | None = None, bs_state: BackwardState | None = None,
             clock: Callable[[], float] = time.monotonic, config: RunConfig = CONFIG,
-            workers: tuple[str, ...] = ("w1", "w2")) -> tuple[FrontalServer, BackwardServer]:
-    """The FS and BS of a one-stage run, two peers whose calls reach each other in this process, and the link probes
-    of live `workers` (a server probes a silent worker; one without a probe here cannot be reached, as if killed)."""
+            workers: tuple[str, ...] = ("w1", "w2"), fs_id: str = "fs") -> tuple[FrontalServer, BackwardServer]:
+    """The FS (`fs_id`) and BS of a one-stage run, two peers whose calls reach each other in this process, and the
+    link probes of live `workers` (a server probes a silent worker; one without a probe here cannot be reached, as if
+    killed)."""
     local = {(worker, LINK_PROBE): LinkProbe(peer_id=worker) for worker in workers}
     settings = RuntimeConfig()
-    fs = FrontalServer(peer_id="fs", stage=0, config=config, settings=settings, state=fs_state, clock=clock,
-                       caller=Caller(p2p=None, peer_id="fs", codec="none", timeout=10.0, local=local))
+    fs = FrontalServer(peer_id=fs_id, stage=0, config=config, settings=settings, state=fs_state, clock=clock,
+                       caller=Caller(p2p=None, peer_id=fs_id, codec="none", timeout=10.0, local=local))
     bs = BackwardServer(peer_id="bs", stage=0, config=config, settings=settings, state=bs_state, clock=clock,
                         caller=Caller(p2p=None, peer_id="bs", codec="none", timeout=10.0, local=local))
     return fs, bs
@@ -408,9 +409,7 @@ def test_at_the_second_fs_of_a_stage_a_worker_judged_gone_that_polls_again_does_
     async def scenario() -> None:
         clock = Clock()
         layout = Layout((StageServers(fs=("fs", "fs2"), bs=("bs",)),))
-        fs2 = FrontalServer(peer_id="fs2", stage=0, config=CONFIG, settings=RuntimeConfig(), clock=clock,
-                            caller=Caller(p2p=None, peer_id="fs2", codec="none", timeout=10.0,
-                                          local={(w, LINK_PROBE): LinkProbe(peer_id=w) for w in ("w1", "w2")}))
+        fs2, _ = servers(clock=clock, fs_id="fs2")  # the stage's second FS
         (_, segment), = [(peer, rows) for peer, rows in layout.route(0, "fs", Rows(0, ROWS), ROWS) if peer == "fs2"]
         assert await poll(fs2, "w1", 0) is None and await poll(fs2, "w2", 0) is None
         tokens = torch.randint(0, 256, (len(segment), SEQ))
