@@ -48,8 +48,8 @@ class TestSwarm(Swarm):
     def start_two_stages(self, clients: dict[str, str], *, epochs: int,
                          client_args: dict[str, list[str]] | None = None, bs_args: tuple[str, ...] = ()) -> None:
         """FS and BS of 2 stages (the BS with `bs_args`) and `clients` (name: stage, each with its `client_args`); the
-        data source (stage 0's FS) starts once every client is up, so that all are in the first epoch's averaging
-        group."""
+        data source (stage 0's FS) starts once every client is up. Stage 0's clients find it only then: one may still
+        be looking when the first epoch closes, and miss its averaging group."""
         self.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs", *bs_args)
         self.peer("fs1", "--role", "server", "--stage", "1", "--server-role", "fs")
         self.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs", *bs_args)

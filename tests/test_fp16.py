@@ -86,8 +86,12 @@ def test_an_fp16_overflow_is_skipped_by_every_worker_of_every_stage_alike(make_s
     assert OVERFLOW_EPOCH in skipped, skipped
     for epoch in trained:
         for stage in epoch["stages"]:
-            assert stage["digests"] >= 3 and stage["digests_agree"], epoch  # 2 clients and the FS's replica
+            # the FS's replica and the clients in the epoch's group: a stage-0 client finds the data source (its
+            # stage's FS) only once that is up and feeding, and may miss the first epoch's group, as in the int8 test
+            assert stage["digests"] >= 2 and stage["digests_agree"], epoch
             assert stage["steps_skipped"] == (stage["digests"] if epoch["epoch"] in skipped else 0), epoch
+        if epoch["epoch"] == OVERFLOW_EPOCH:  # every holder, 2 clients and the FS's replica, skipped it
+            assert [stage["digests"] for stage in epoch["stages"]] == [3, 3], epoch
     scales = [e["loss_scale"] for e in trained]
     expected = [START_SCALE]
     for epoch in range(epochs - 1):
