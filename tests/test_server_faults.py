@@ -123,6 +123,34 @@ def test_a_lone_bs_killed_pauses_the_swarm_and_restarted_with_its_identity_takes
 
 
 @pytest.mark.timeout(480)
+def test_a_lone_fs_killed_and_restarted_with_its_identity_tells_its_workers_that_the_open_epoch_was_abandoned(
+        make_swarm):
+    """Stage 1's only FS is SIGKILLed mid-epoch and restarted with its identity once the data source abandoned the
+    open epoch, which it could not tell the dead FS: it tells the restarted one before the next epoch's rows, and
+    stage 1's workers, polling it, drop the abandoned epoch at once. Otherwise its fresh start would stand past that
+    epoch with no closure of it, which the workers take for their stage having stepped without them: they wait for a
+    mate's newer state, which nobody has, for 30 s (`client.state_sync.BEHIND_WAIT_S`), then keep their own."""
+    swarm = make_swarm("lonefs", RECIPE)
+    fs1 = ["--role", "server", "--stage", "1", "--server-role", "fs", "--identity-path", str(swarm.workdir / "fs1.key")]
+    swarm.peer("bs0", "--role", "server", "--stage", "0", "--server-role", "bs")
+    swarm.peer("fs1", *fs1)
+    swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
+    start_clients(swarm)
+    swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(EPOCHS))
+    kill_mid_epoch(swarm, "fs1", after=2)
+    wait_logged(swarm, "fs0", r"epoch (\d+) is abandoned", at_least=0, timeout=60)
+    swarm.peer("fs1", *fs1)  # the same command: the same identity, an empty state
+
+    report = swarm.wait_finished(timeout=300)
+    check_every_batch_trained_once(swarm, report, epochs=EPOCHS, dead="fs1")
+    abandoned = [e["epoch"] for e in report["epochs"] if e["abandoned"]]
+    for name in ("c1a", "c1b"):
+        log = (swarm.workdir / f"{name}.log").read_text()
+        assert any(f"epoch {epoch} was abandoned" in log for epoch in abandoned), (abandoned, log[-3000:])
+        assert "keeping its own parameters" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(480)
 def test_a_stage_with_two_fs_trains_on_when_one_is_lost_for_good_and_a_restarted_fs_resumes(make_swarm):
     swarm = make_swarm("fsfault", RECIPE)
     fs1b = ["--role", "server", "--stage", "1", "--server-role", "fs",

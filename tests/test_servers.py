@@ -622,6 +622,42 @@ def test_an_abandoned_epoch_is_dropped_by_every_server_and_its_workers_drop_it_a
     asyncio.run(scenario())
 
 
+def test_a_server_laid_out_after_an_abandoned_epoch_closes_it_as_abandoned_for_the_workers_that_held_rows_of_it():
+    """Epoch 0's only FS of the stage died before it closed 0, and the data source abandoned it; fs2, which the DHT
+    showed only later, is the stage's FS from epoch 1 on. Told of the abandon, it tells epoch 0's workers to drop its
+    rows; without that, its start at epoch 1 would stand past epoch 0 with no closure of it, which a worker of epoch 0
+    takes for its stage having stepped without it (it would wait for a mate's newer state that nobody has)."""
+    async def scenario() -> None:
+        fs2, _ = servers(fs_id="fs2")
+        with pytest.raises(Refused, match="no FS of stage 0 in epoch 0's layout"):  # only an abandon is news to it
+            await fs2.end_epoch(end(0, abandoned=False), "fs")
+        with pytest.raises(Refused, match="not the data source"):
+            await fs2.end_epoch(end(0, abandoned=True), "w1")
+        assert await fs2.end_epoch(end(0, abandoned=True), "fs") == Ack()
+        assert await fs2.end_epoch(end(0, abandoned=True), "fs") == Ack(again=True)  # a repeat after a lost reply
+        assert fs2.state.closed_epoch == 0
+        assert fs2.state.closures[0] == Closure(epoch=0, fs=("fs",), group=(), abandoned=True)
+        reply = await fs2.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
+        assert judge(0, {"fs2": reply}, epoch_fs=("fs",), gone={"fs"}) == Verdict(epoch_fs=(), abandoned=True)
+
+        later = Layout((StageServers(fs=("fs2",), bs=("bs",)),))
+        tokens = torch.randint(0, 256, (ROWS, SEQ))
+        assert await fs2.push_rows(PushRows(epoch=1, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS, layout=later,
+                                            inputs=tokens, labels=tokens), "fs2") == Ack()
+        task = await fs2.take_task(TakeTask(worker="w1", compute=1.0, epoch=1), "w1")
+        assert task.task is not None and task.task.epoch == 1  # the batch comes again as epoch 1
+
+        # a server that holds rows of its own epochs took part in the swarm: it cannot skip to an abandoned one
+        fs3, _ = servers(fs_id="fs3")
+        assert await fs3.push_rows(PushRows(epoch=1, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS,
+                                            layout=Layout((StageServers(fs=("fs3",), bs=("bs",)),)), inputs=tokens,
+                                            labels=tokens), "fs3") == Ack()
+        with pytest.raises(Refused, match="holds rows of others"):
+            await fs3.end_epoch(end(2, abandoned=True), "fs")
+
+    asyncio.run(scenario())
+
+
 def test_a_restarted_server_takes_the_swarms_epoch_and_an_abandon_waits_for_the_epoch_closing_before_it():
     async def scenario() -> None:
         fs, _ = servers()  # a server restarted empty: the swarm is at epoch 5, which it never saw

@@ -9,7 +9,8 @@ through every stage, and it commits the epoch: only then may an FS close it and 
 epoch's layout restarts (it lost what it held) or falls silent for good before that (`ServerWatch`), it abandons
 the epoch instead: every server drops it, every worker drops its gradients of it, and the same global batch of data
 is fed again as the next epoch, under a layout without the lost server. No stage can have stepped on an abandoned
-epoch, so no row is lost or counted twice.
+epoch, so no row is lost or counted twice. A server that did not hear of the abandon (the DHT showed it only later,
+or it restarted after the fault) hears of it before the next epoch's rows, since the epoch's workers may poll it next.
 
 A stage-0 FS that refuses a push, or to say whether its rows are back, is a fault of the epoch too (a peer may have
 sent it a forged end of that epoch): the epoch is abandoned and its batch fed again, after a pause that doubles while
@@ -116,11 +117,17 @@ class DataFeeder:
         self.plan.fresh = batch * self.microbatches  # policy swarm: a restarted data source lost its retrain queue
         slots: list[Slot] | None = None  # set: an abandoned epoch's data, fed again
         refusals = 0  # epochs refused in a row
+        # the epochs abandoned since the last commit, with their layout and the servers that heard of it
+        abandoned: dict[int, tuple[Layout, set[str]]] = {}
         while batch < self.epochs:
             layout = await self._wait_for_layout(stop)
             if layout is None:
                 return
             self.watch.watch(peer for peer, _ in layout.servers())
+            for ended, (ended_layout, heard) in abandoned.items():
+                unheard = [(peer, role) for peer, role in layout.servers() if peer not in heard]
+                if unheard:
+                    heard |= await self._end(ended, ended_layout, abandoned=True, stop=stop, to=unheard)
             started = time.monotonic()
             if slots is None:
                 if self.plan.swarm:
@@ -135,11 +142,11 @@ class DataFeeder:
             if not complete.done():
                 complete.cancel()
                 await asyncio.gather(complete, return_exceptions=True)
-                await self._end(epoch, layout, abandoned=True, stop=stop)
+                abandoned[epoch] = (layout, await self._end(epoch, layout, abandoned=True, stop=stop))
                 logger.warning(f"data source: {self.watch.reason} before epoch {epoch} was complete; epoch "
                                f"{epoch} is abandoned, and its batch is fed again as epoch {epoch + 1}")
             elif isinstance(complete.exception(), FeedRefused):
-                await self._end(epoch, layout, abandoned=True, stop=stop)
+                abandoned[epoch] = (layout, await self._end(epoch, layout, abandoned=True, stop=stop))
                 pause = min(REFEED_PAUSE_S[0] * 2 ** refusals, REFEED_PAUSE_S[1])
                 refusals += 1
                 logger.error(f"data source: {complete.exception()}; epoch {epoch} is abandoned, and its batch is fed "
@@ -147,6 +154,7 @@ class DataFeeder:
                 await asyncio.sleep(pause)
             elif complete.result():
                 refusals = 0
+                abandoned.clear()  # this epoch's workers hear of its end from its FS: nobody polls past it
                 await self._end(epoch, layout, abandoned=False, batch=batch, stop=stop)
                 while self.server.state.closed_epoch < epoch:
                     if stop.is_set():
@@ -268,16 +276,20 @@ class DataFeeder:
         return top + 1, batch + 1
 
     async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1,
-                   only: set[str] | None = None, caught_up: bool = False) -> None:
+                   only: set[str] | None = None, caught_up: bool = False,
+                   to: list[tuple[str, ServerRole]] | None = None) -> set[str]:
         """Tell the servers of the epoch's layout (those in `only`, if given) that it is committed (every FS; `batch`:
         its global batch of data), abandoned (every server), or that their stage mates' state stands past it
-        (`caught_up`: every server); a server lost for good is skipped."""
+        (`caught_up`: every server); a server lost for good is skipped. `to`: the servers told instead, of an
+        abandon: those that did not hear of it (laid out later, or back from the fault), whose start would otherwise
+        stand past it (`StageServer.hear_abandoned`). The servers that answered."""
         request = EndEpoch(epoch=epoch, abandoned=abandoned, caught_up=caught_up, layout=layout, batch=batch)
         verb = "abandon" if abandoned else "catch up through" if caught_up else "commit"
-        targets = [(peer, role) for peer, role in (layout.servers() if abandoned or caught_up else layout.servers("fs"))
-                   if only is None or peer in only]
+        targets = to if to is not None else [
+            (peer, role) for peer, role in (layout.servers() if abandoned or caught_up else layout.servers("fs"))
+            if only is None or peer in only]
 
-        async def end(peer: str, role: ServerRole) -> None:
+        async def end(peer: str, role: ServerRole) -> str | None:
             try:
                 await self.server.retrying(peer, SERVICE[role], request, attempts=None, what=f"{verb} epoch {epoch}",
                                            moot=lambda: peer in self.watch.lost or stop.is_set())
@@ -285,8 +297,10 @@ class DataFeeder:
                 logger.error(f"data source: {peer} refused to {verb} epoch {epoch}: {e}")
             except Exception as e:
                 logger.warning(f"data source: could not {verb} epoch {epoch} at {peer}, lost or stopping: {e!r}")
+                return None
+            return peer
 
-        await asyncio.gather(*(end(peer, role) for peer, role in targets))
+        return {peer for peer in await asyncio.gather(*(end(peer, role) for peer, role in targets)) if peer}
 
     async def _wait_for_layout(self, stop: asyncio.Event) -> Layout | None:
         waited = 0.0
