@@ -91,15 +91,17 @@ async def handled(server: StageServer, reply: Awaitable[Ack]) -> Ack:
     return ack
 
 
-async def feed(fs: FrontalServer, epoch: int, *, commit: bool = True) -> None:
-    """The data source's rows of an epoch; it also commits the epoch at once unless told not to (the FS closes it
-    only once committed and complete: the tests that do not test committing need not wait for it)."""
+async def feed(fs: FrontalServer, epoch: int, *, commit: bool = True, layout: Layout = LAYOUT) -> None:
+    """The data source's rows of an epoch (under `layout`, from its data source); it also commits the epoch at once
+    unless told not to (the FS closes it only once committed and complete: the tests that do not test committing
+    need not wait for it)."""
     tokens = torch.randint(0, 256, (ROWS, SEQ))
-    ack = await fs.push_rows(PushRows(epoch=epoch, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS, layout=LAYOUT,
-                                      inputs=tokens, labels=tokens), "fs")
+    source = layout.stages[0].fs[0]
+    ack = await fs.push_rows(PushRows(epoch=epoch, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS, layout=layout,
+                                      inputs=tokens, labels=tokens), source)
     assert ack == Ack()
     if commit:
-        assert await fs.end_epoch(EndEpoch(epoch=epoch, abandoned=False, layout=LAYOUT), "fs") == Ack()
+        assert await fs.end_epoch(EndEpoch(epoch=epoch, abandoned=False, layout=layout), source) == Ack()
 
 
 async def take(fs: FrontalServer, worker: str, epoch: int) -> TaskOffer:
@@ -640,18 +642,12 @@ def test_a_server_laid_out_after_an_abandoned_epoch_closes_it_as_abandoned_for_t
         reply = await fs2.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
         assert judge(0, {"fs2": reply}, epoch_fs=("fs",), gone={"fs"}) == Verdict(epoch_fs=(), abandoned=True)
 
-        later = Layout((StageServers(fs=("fs2",), bs=("bs",)),))
-        tokens = torch.randint(0, 256, (ROWS, SEQ))
-        assert await fs2.push_rows(PushRows(epoch=1, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS, layout=later,
-                                            inputs=tokens, labels=tokens), "fs2") == Ack()
-        task = await fs2.take_task(TakeTask(worker="w1", compute=1.0, epoch=1), "w1")
-        assert task.task is not None and task.task.epoch == 1  # the batch comes again as epoch 1
+        await feed(fs2, 1, commit=False, layout=Layout((StageServers(fs=("fs2",), bs=("bs",)),)))
+        assert (await take(fs2, "w1", 1)).epoch == 1  # the batch comes again as epoch 1
 
         # a server that holds rows of its own epochs took part in the swarm: it cannot skip to an abandoned one
         fs3, _ = servers(fs_id="fs3")
-        assert await fs3.push_rows(PushRows(epoch=1, microbatch=0, rows=Rows(0, ROWS), total_rows=ROWS,
-                                            layout=Layout((StageServers(fs=("fs3",), bs=("bs",)),)), inputs=tokens,
-                                            labels=tokens), "fs3") == Ack()
+        await feed(fs3, 1, commit=False, layout=Layout((StageServers(fs=("fs3",), bs=("bs",)),)))
         with pytest.raises(Refused, match="holds rows of others"):
             await fs3.end_epoch(end(2, abandoned=True), "fs")
 

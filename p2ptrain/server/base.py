@@ -422,10 +422,13 @@ class StageServer(Service, Generic[S]):
         if len(layout.stages) != self.config.num_stages:
             raise Refused(f"epoch {epoch}'s layout has {len(layout.stages)} stages; this run has "
                           f"{self.config.num_stages}")
-        if self.peer_id not in layout.stages[self.stage].of(self.role):
-            if not request.abandoned:
-                raise Refused(f"this server is no {self.role.upper()} of stage {self.stage} in epoch {epoch}'s layout")
-            return self.hear_abandoned(epoch, layout)
+        # an abandon reaches servers laid out after the epoch too (`DataFeeder`): one took no part in it, but the
+        # workers that held rows of it may poll it next and must hear that it was abandoned; otherwise its start at
+        # the next epoch would stand past it with no closure of it, which they take for their stage having stepped
+        # it without them (`protocol.closure.judge`)
+        member = self.peer_id in layout.stages[self.stage].of(self.role)
+        if not member and not request.abandoned:
+            raise Refused(f"this server is no {self.role.upper()} of stage {self.stage} in epoch {epoch}'s layout")
         if {mb.layout for key, mb in self.state.microbatches.items() if key[0] == epoch} - {layout}:
             raise Refused(f"epoch {epoch} came here with another layout")
         if request.caught_up:
@@ -433,6 +436,8 @@ class StageServer(Service, Generic[S]):
         if not request.abandoned:
             return self.commit(epoch, batch=request.batch)
         if self.ended(epoch):
+            if not member:
+                return Ack(again=True)
             stats = self.state.epochs.get(epoch)
             if self.closes_by_commit and self.state.closed_epoch >= epoch and not (stats and stats.abandoned):
                 raise Refused(f"epoch {epoch} was committed and closed here; it cannot be abandoned")
@@ -440,6 +445,8 @@ class StageServer(Service, Generic[S]):
                 stats.abandoned = True
             return Ack(again=True)
         state = self.state
+        if not member and state.microbatches:
+            raise Refused(f"this server took no part in epoch {epoch} but holds rows of others; it cannot close it")
         if state.closed_epoch < epoch - 1 and not any(key[0] < epoch for key in state.microbatches):
             state.closed_epoch = epoch - 1  # a server that took no part in the epochs before (it restarted)
         self.drop_epoch(epoch)
@@ -449,24 +456,6 @@ class StageServer(Service, Generic[S]):
         logger.warning(f"{self.name}: epoch {epoch} abandoned by the data source; what was held of it is dropped")
         self.close_ready()  # at once, unless an earlier epoch is still closing here
         self.news.set()  # long polls waiting on the epoch answer now
-        return Ack()
-
-    def hear_abandoned(self, epoch: int, layout: Layout) -> Ack:
-        """The data source laid this server out after abandoning `epoch` (`DataFeeder`): it took no part in the epoch,
-        but the workers that held rows of it may poll here next. Closed as abandoned here, it tells them to drop those
-        rows; otherwise this server's start at the next epoch would stand past `epoch` with no closure of it, which
-        its workers take for their stage having stepped it without them (`protocol.closure.judge`)."""
-        state = self.state
-        if state.closed_epoch >= epoch or epoch in state.abandoned:
-            return Ack(again=True)
-        if state.microbatches:
-            raise Refused(f"this server took no part in epoch {epoch} but holds rows of others; it cannot close it")
-        state.closed_epoch = epoch - 1
-        self.epoch_stats(epoch).abandoned = True
-        state.abandoned[epoch] = layout.stages[self.stage].fs
-        logger.info(f"{self.name}: laid out after the data source abandoned epoch {epoch}; closing it as abandoned")
-        self.close_ready()
-        self.news.set()
         return Ack()
 
     def catch_up(self, epoch: int) -> Ack:

@@ -282,7 +282,7 @@ class DataFeeder:
         its global batch of data), abandoned (every server), or that their stage mates' state stands past it
         (`caught_up`: every server); a server lost for good is skipped. `to`: the servers told instead, of an
         abandon: those that did not hear of it (laid out later, or back from the fault), whose start would otherwise
-        stand past it (`StageServer.hear_abandoned`). The servers that answered."""
+        stand past it (`StageServer.end_epoch`). The servers that answered."""
         request = EndEpoch(epoch=epoch, abandoned=abandoned, caught_up=caught_up, layout=layout, batch=batch)
         verb = "abandon" if abandoned else "catch up through" if caught_up else "commit"
         targets = to if to is not None else [
