@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from p2ptrain.cli import (
     DEADLINE_FLAGS,
     RECIPE_FLAGS,
+    SWITCH,
     add_compute_flags,
     add_deadline_flags,
     add_recipe_flags,
@@ -33,6 +34,7 @@ from p2ptrain.cli import (
     deadlines_from,
     existing_file,
     fail,
+    flag_value,
     given_recipe,
     non_negative,
     positive,
@@ -56,7 +58,7 @@ SERVED_LINE = "calls served (SIGUSR1): "  # then a JSON object {method: requests
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
               "device": "--device", "recompute": "--recompute",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
-              "recipe_timeout_s": "--recipe-timeout",
+              "recipe_timeout_s": "--recipe-timeout", "keep_streams": "--keep-streams",
               **DEADLINE_FLAGS,
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
               "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay", "checkpoint_dir": "--checkpoint-dir",
@@ -146,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=count, default=10, metavar="N", help="with --eval-data: every N epochs")
     run.add_argument("--eval-rows", type=count, default=64, help="with --eval-data: windows of --seq-len tokens")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
+    run.add_argument("--keep-streams", choices=tuple(SWITCH), default=flag_value(RuntimeConfig.keep_streams),
+                     help="call other peers over streams kept open between calls, rather than a new stream per call")
     add_compute_flags(run, whose="this peer")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
@@ -233,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
             recipe=None if args.role == "bootstrap" else RecipeOptions(given=given,
                                                                        layers_given=args.layers is not None))
         settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, recipe_timeout_s=args.recipe_timeout,
-                                 **deadlines_from(args))
+                                 keep_streams=SWITCH[args.keep_streams], **deadlines_from(args))
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
 

@@ -39,7 +39,9 @@ def test_a_cancelled_call_is_cancelled_even_when_its_reply_lands_at_that_moment(
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_then_refused_unread(monkeypatch):
+@pytest.mark.parametrize("keep_streams", [False, True], ids=["new-streams", "kept-streams"])
+def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_then_refused_unread(monkeypatch,
+                                                                                                keep_streams):
     decoded = 0
     real_from_header = Probe.from_header
 
@@ -58,8 +60,8 @@ def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_the
             server_id = server.peer_id.to_base58()
             probe = LinkProbe(peer_id=server_id)
             await probe.add_p2p_handlers(server)
-            callers = {name: Caller(p2p=p2p, peer_id=p2p.peer_id.to_base58(), codec="none", timeout=10.0)
-                       for name, p2p in (("attacker", attacker), ("honest", honest))}
+            callers = {name: Caller(p2p=p2p, peer_id=p2p.peer_id.to_base58(), codec="none", timeout=10.0,
+                                    keep_streams=keep_streams) for name, p2p in (("attacker", attacker), ("honest", honest))}
             reasons = []
             for i in range(200):
                 malformed = Envelope({"payload": "not a tensor", "junk": i})  # decodes as no Probe
@@ -156,5 +158,72 @@ def test_a_refusal_that_says_when_to_ask_again_reaches_the_caller_with_that_dela
         assert refused.value.retry_after_s == 1.5
         refusal = Busy(peer_id="x").refusal("no")
         assert set(transport.msgpack.unpackb(refusal[0].metadata)["header"]) == {transport.REFUSED}
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_calls_over_kept_streams_reuse_one_stream_each_run_alone_and_a_peer_gone_fails_the_next_call_at_once(
+        tmp_path):
+    from p2ptrain.protocol.messages import Echo
+
+    identity = tmp_path / "server.key"
+
+    async def main() -> None:
+        server = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK], identity_path=str(identity)), 30)
+        client = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK],
+                                                   initial_peers=await server.get_visible_maddrs()), 30)
+        opened: list[str] = []
+        open_stream = client.iterate_protobuf_handler
+
+        async def counted(peer, name, *args):
+            opened.append(name)
+            return await open_stream(peer, name, *args)
+
+        client.iterate_protobuf_handler = counted
+        try:
+            server_id = server.peer_id.to_base58()
+            await LinkProbe(peer_id=server_id).add_p2p_handlers(server)
+            caller = Caller(p2p=client, peer_id=client.peer_id.to_base58(), codec="none", timeout=10.0,
+                            keep_streams=True)
+            sizes = [0, 10, 3_000_000, 0, 1_500_000, 7]  # 3 MB travels as 3 chunks: a call's end is found exactly
+            for size in sizes:
+                request = Probe(payload=torch.ones(size, dtype=torch.uint8) if size else None)
+                reply = await caller.call(server_id, LINK_PROBE, request)
+                assert isinstance(reply, Echo) and reply.received == size
+            assert opened == [f"{LINK_PROBE}.{transport.CALLS}"]  # every call on the stream the first one opened
+
+            replies = await asyncio.gather(*(caller.call(server_id, LINK_PROBE, Probe(payload=torch.ones(
+                100 * i + 1, dtype=torch.uint8))) for i in range(5)))  # at once: each on a stream of its own
+            assert [reply.received for reply in replies] == [100 * i + 1 for i in range(5)]
+            assert len(opened) == 5 and len(caller._kept[(server_id, LINK_PROBE)]) == 5
+
+            unknown = Envelope(Probe().to_header())
+            reply = await caller.exchange(server_id, LINK_PROBE, "rpc_no_such_handler", unknown)
+            assert "no handler 'rpc_no_such_handler'" in reply.header[transport.REFUSED]
+            await caller.call(server_id, LINK_PROBE, Probe())  # the refused call's stream was closed, others serve
+
+            port = next(m for m in await server.get_visible_maddrs()).value_for_protocol("tcp")
+            await server.shutdown()  # the same peer comes back on its address: a kept stream's end went meanwhile
+            server = await asyncio.wait_for(P2P.create(host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"],
+                                                       identity_path=str(identity)), 30)
+            await LinkProbe(peer_id=server_id).add_p2p_handlers(server)
+            reply = await caller.call(server_id, LINK_PROBE, Probe(payload=torch.ones(3, dtype=torch.uint8)))
+            assert reply.received == 3  # the broken kept stream cost nothing: the call went on a new one
+
+            await server.shutdown()  # gone for good
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(Exception) as kept_failed:
+                await caller.call(server_id, LINK_PROBE, Probe())
+            assert asyncio.get_running_loop().time() - started < 5.0  # not the 10 s timeout
+            fresh = Caller(p2p=client, peer_id=client.peer_id.to_base58(), codec="none", timeout=10.0)
+            with pytest.raises(Exception) as fresh_failed:
+                await fresh.call(server_id, LINK_PROBE, Probe())
+            assert type(kept_failed.value) is type(fresh_failed.value)  # the dial's failure, as without kept streams
+            await caller.close()
+            assert caller._kept == {}
+        finally:
+            await client.shutdown()
+            await server.shutdown()
 
     asyncio.run(main())

@@ -279,7 +279,7 @@ class StageAllReduce(ServicerBase):
         self.deposits = deposits  # a server's: it brings the deposits of groupmates that died (module doc)
         # deposits travel in the averaging codec, not the activations'
         self._depositor = Caller(p2p=p2p, peer_id=caller.peer_id, codec=codec, timeout=timeout, slack=caller.slack,
-                                 assumed_rate=caller.assumed_rate, rates=caller.rates)
+                                 assumed_rate=caller.assumed_rate, rates=caller.rates, keep_streams=caller.keep_streams)
         self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
         # the stage's own rounds, or (`namespace`) another kind of round its members take part in
         self.stage, self.prefix = stage, f"{run_id}_{namespace or f'stage{stage}'}_allreduce"

@@ -322,7 +322,8 @@ class Peer:
                                      owner=options.owner)
         self._spawn(membership.run(self._stopping))
         caller = Caller(p2p=self._p2p, peer_id=self.peer_id, codec=config.compression, timeout=settings.rpc_timeout_s,
-                        slack=settings.deadline_slack, assumed_rate=settings.slowest_uplink)
+                        slack=settings.deadline_slack, assumed_rate=settings.slowest_uplink,
+                        keep_streams=settings.keep_streams)
         if role is not None:
             kind = FrontalServer if role == "fs" else BackwardServer
             self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller,
