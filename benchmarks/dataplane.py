@@ -2,12 +2,13 @@
 the RPC round trip and throughput of one hop, and the activation codecs, all in one run on the same cores.
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
-                                   [--seq-len 64] [--epochs 6] [--warmup 2]
+                                   [--seq-len 64] [--epochs 6] [--warmup 2] [--keep-streams off,on] [--dpu off,on]
 
 1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
    all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
-   per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`.
+   per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`. The swarm
+   runs once for each pair of `--keep-streams` and `--dpu` settings, one after the other.
    The reference is a plain loop in this process (torch.set_num_threads(1)): the whole model (`build_stage` of
    all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
    same `TextSource` microbatches, summed loss / tokens, one step per global batch. Half of its
@@ -190,10 +191,10 @@ def call_rates(first: tuple[float, dict[str, dict[str, int]]], last: tuple[float
     return {kind: dict(methods) for kind, methods in rates.items()}
 
 
-def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path) -> dict:
+def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str) -> dict:
     """Train the swarm for `args.epochs` epochs, reading every process's CPU time meanwhile, then the idle swarm's.
     A failure is reported (`error`) with what the logs show, not raised."""
-    swarm = LocalSwarm(workdir, config, epochs=args.epochs)
+    swarm = LocalSwarm(workdir, config, epochs=args.epochs, node_flags=["--keep-streams", keep_streams])
     result: dict[str, Any] = {"workdir": str(workdir), "timed_out": False, "recipe_flags": swarm.flags,
                               "roles": swarm.roles}
     try:
@@ -541,7 +542,7 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
 
 def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConfig, timings: dict,
              single: list[dict], swarm: dict, analysis: dict, rpc: dict | None, codecs: list[dict],
-             control: dict | None, dpu_runs: dict[str, dict]) -> str:
+             control: dict | None, swarm_runs: dict[str, dict]) -> str:
     model = config.model_config
     a = analysis
     out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
@@ -580,19 +581,18 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
             f"| ideal 2-stage pipeline on 2 free cores (compute only: d x max stage + min stage) | "
             f"{fmt(a['ideal_pipeline_s'])} | {fmt(a['tokens_per_epoch'] / a['ideal_pipeline_s'], '.0f')} | "
             f"ratio {fmt(a['ideal_ratio'], '.2f')} vs the same compute on one core |", ""]
-    if len(dpu_runs) > 1:
-        out += ["The swarm without and with delayed parameter updates (`--dpu`), one after the other in this run "
-                "(the tables below are the last one's; control plane: the FS/BS, bootstrap, DHT, p2pd and averager "
-                "processes):", "",
-                "| --dpu | s / epoch | tokens/s | ratio to one process | control plane cores (training) | "
-                "control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
-                "|---|---|---|---|---|---|---|---|"]
-        for dpu, run in dpu_runs.items():
-            last = run["last_loss"]
-            out.append(f"| {dpu} | {fmt(run['swarm_s_per_epoch'])} | {fmt(run['swarm_tokens_per_s'], '.0f')} | "
-                       f"{fmt(run['ratio'], '.3f')} | {fmt(run.get('control_cores'))} | "
-                       f"{fmt(run.get('control_cores_idle'), '.3f')} | "
-                       f"{' / '.join(fmt(v) for v in run['step_stall_s'].values())} | {fmt(last, '.4f')} |")
+    if len(swarm_runs) > 1:
+        out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
+                "call) and of delayed parameter updates (`--dpu`), one after the other in this run (the tables below "
+                "are the last one's; control plane: the FS/BS, bootstrap, DHT, p2pd and averager processes):", "",
+                "| --keep-streams | --dpu | s / epoch | tokens/s | ratio to one process | control plane cores (training) "
+                "| control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for run in swarm_runs.values():
+            out.append(f"| {run['keep_streams']} | {run['dpu']} | {fmt(run['swarm_s_per_epoch'])} | "
+                       f"{fmt(run['swarm_tokens_per_s'], '.0f')} | {fmt(run['ratio'], '.3f')} | "
+                       f"{fmt(run.get('control_cores'))} | {fmt(run.get('control_cores_idle'), '.3f')} | "
+                       f"{' / '.join(fmt(v) for v in run['step_stall_s'].values())} | {fmt(run['last_loss'], '.4f')} |")
         out.append("")
     if swarm.get("error"):
         out += [f"**The swarm failed: {swarm['error']}** (logs: `{swarm.get('workdir')}`).", ""]
@@ -743,7 +743,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "dht (CPU of 7 bare idle hivemind DHTs, a control for the swarm's DHT processes)")
     parser.add_argument("--dpu", default="off,on", type=lambda text: text.split(","),
                         help="the swarm's --dpu settings, run one after the other (default off,on; the detailed "
-                             "tables are the last one's)")
+                             "tables are the last swarm's)")
+    parser.add_argument("--keep-streams", default="off,on", type=lambda text: text.split(","),
+                        help="the swarm's --keep-streams settings, each run with every --dpu setting (default off,on)")
     parser.add_argument("--out", default=str(RESULTS), help="directory for dataplane.md and dataplane.json")
     parser.add_argument("--rpc-server", help=argparse.SUPPRESS)  # internal: the RPC benchmark's second process
     return parser
@@ -762,8 +764,9 @@ def main(argv: list[str] | None = None) -> None:
     args.swarm_timeout = args.swarm_timeout or (150.0 if args.quick else 210.0)
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
-    if not args.dpu or not set(args.dpu) <= {"off", "on"} or len(set(args.dpu)) != len(args.dpu):
-        parser.error(f"--dpu takes off, on or both (comma-separated, each once), not {','.join(args.dpu)}")
+    for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams)):
+        if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):
+            parser.error(f"{flag} takes off, on or both (comma-separated, each once), not {','.join(values)}")
     config = RunConfig(run_id=RUN_ID, model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
                        microbatches=args.microbatches, seq_len=args.seq_len)
     command = command_line(__file__, argv)
@@ -802,15 +805,19 @@ def main(argv: list[str] | None = None) -> None:
     single: list[dict] = []
     swarm: dict = {"error": "not run (--parts)", "workdir": str(workdir), "report": None,
                    "boundaries": {"closed": {}, "stepped": {}}}
-    swarms: dict[str, dict] = {}  # --dpu setting -> its swarm, run one after the other
+    swarms: dict[str, dict] = {}  # "keep-KEEP-dpu-DPU" -> its swarm, run one after the other
     if "swarm" in parts:
         log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
         single, state = single_process(config, range(0, half), None)
-        for dpu in args.dpu:
-            log(f"[5/5] swarm with --dpu {dpu}: {args.epochs} epochs")
-            (workdir / f"dpu-{dpu}").mkdir()
-            swarms[dpu] = run_swarm(args, dataclasses.replace(config, dpu=dpu == "on"), workdir / f"dpu-{dpu}")
-        swarm = swarms[args.dpu[-1]]
+        for keep in args.keep_streams:
+            for dpu in args.dpu:
+                log(f"[5/5] swarm with --keep-streams {keep} --dpu {dpu}: {args.epochs} epochs")
+                name = f"keep-{keep}-dpu-{dpu}"
+                (workdir / name).mkdir()
+                swarms[name] = run_swarm(args, dataclasses.replace(config, dpu=dpu == "on"), workdir / name,
+                                         keep_streams=keep)
+                swarms[name].update(keep_streams=keep, dpu=dpu)
+        swarm = swarms[f"keep-{args.keep_streams[-1]}-dpu-{args.dpu[-1]}"]
         log(f"  one process, epochs {half}..{args.epochs - 1} (after the swarm)")
         more, state = single_process(config, range(half, args.epochs), state)
         single += more
@@ -822,9 +829,10 @@ def main(argv: list[str] | None = None) -> None:
     info["load_end"] = load()
     info["runtime_s"] = time.monotonic() - began
     analysis = analyse(args, config, timings, single, swarm)
-    dpu_runs = {dpu: analyse(args, config, timings, single, run) for dpu, run in swarms.items()}
+    swarm_runs = {name: {**analyse(args, config, timings, single, run), "keep_streams": run["keep_streams"],
+                         "dpu": run["dpu"]} for name, run in swarms.items()}
     shown = dataclasses.replace(config, dpu=args.dpu[-1] == "on")  # the swarm whose tables are shown
-    text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, dpu_runs)
+    text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataplane.md").write_text(text)
@@ -836,9 +844,9 @@ def main(argv: list[str] | None = None) -> None:
         "batch_rows": config.rows_per_microbatch, "microbatches": config.microbatches, "seq_len": config.seq_len,
         "epochs": args.epochs, "warmup": args.warmup, "lr": config.lr, "weight_decay": config.weight_decay},
         "stage_timings": timings, "single_process": single, "swarm": swarm_json, "analysis": analysis,
-        "dpu_runs": {dpu: {"analysis": dpu_runs[dpu], "report": run.get("report"), "error": run.get("error"),
-                           "calls_training": run.get("calls_training"), "calls_idle": run.get("calls_idle")}
-                     for dpu, run in swarms.items()},
+        "swarm_runs": {name: {"analysis": swarm_runs[name], "report": run.get("report"), "error": run.get("error"),
+                              "calls_training": run.get("calls_training"), "calls_idle": run.get("calls_idle")}
+                       for name, run in swarms.items()},
         "rpc": rpc, "codecs": codecs, "dht_control": control,
     }, indent=2, default=str))
     print(text)

@@ -295,9 +295,10 @@ class LocalSwarm:
     client that reads the swarm's status. Leaving its `with` block stops the client and every peer process.
 
     `flags` are the flags every peer gets: `--run-id` first, then the rest of `config`'s recipe, `--epochs`,
-    `--threads` and `--host-maddrs` (loopback). The data source feeds `epochs` epochs."""
+    `--threads`, `--host-maddrs` (loopback) and `node_flags`. The data source feeds `epochs` epochs."""
 
-    def __init__(self, workdir: Path, config: RunConfig, *, epochs: int, threads: int = 1):
+    def __init__(self, workdir: Path, config: RunConfig, *, epochs: int, threads: int = 1,
+                 node_flags: Iterable[str] = ()):
         self.workdir, self.config, self.epochs = workdir, config, epochs
         self.flags = ["--run-id", config.run_id]
         config_fields = {f.name for f in fields(config)} - {"run_id"}
@@ -305,7 +306,7 @@ class LocalSwarm:
             value = getattr(config, name) if name in config_fields else None
             if value is not None:
                 self.flags += [flag, flag_value(value)]
-        self.flags += ["--epochs", str(epochs), "--threads", str(threads), "--host-maddrs", LOOPBACK]
+        self.flags += ["--epochs", str(epochs), "--threads", str(threads), "--host-maddrs", LOOPBACK, *node_flags]
         self.roles: dict[str, str] = {}  # peer name -> its --role
         self.started = time.monotonic()  # what `follow`'s progress lines count from
         self._swarm = Swarm(workdir=workdir)

@@ -11,9 +11,10 @@ side each chunk that arrives tells the node's `Hearing` that its sender is alive
 A caller may keep its streams (`Caller(keep_streams=True)`): a call then goes over a stream left open by an earlier
 call to the same service of the same peer (`Service.rpc_calls`, which serves calls on one stream one after another,
 its first part naming the handler), and a new one is opened only when none is free. Opening a stream costs more than
-a small call itself: a Unix socket to the daemon and a libp2p stream negotiated on the link, about 2.2 ms of CPU
-across both processes and their daemons on this machine against 0.5 ms for the call on an open stream (and a round
-trip more on a WAN link); a swarm makes some 75 calls a second per stage pair.
+a small call itself: a Unix socket to the daemon and a libp2p stream negotiated on the link, about 2.7 ms of CPU
+across both processes and their daemons on this machine for a header-only call against 0.5 ms on an open stream (and
+a round trip more on a WAN link); a 2-stage swarm makes some 75 calls a second. Peers keep streams by default
+(`--keep-streams off` opens one per call).
 
 The caller, not the server, ends every stream. A message's header announces how many tensor chunks follow, so the
 caller knows when it holds the whole reply and closes the stream then; the server keeps its end open until that
@@ -386,7 +387,7 @@ class Caller:
     def __init__(self, *, p2p: P2P | None, peer_id: str, codec: str, timeout: float,
                  local: dict[tuple[str, str], Service] | None = None, slack: float = RuntimeConfig.deadline_slack,
                  assumed_rate: float = RuntimeConfig().slowest_uplink, rates: dict[str, Throughput] | None = None,
-                 keep_streams: bool = False):
+                 keep_streams: bool = RuntimeConfig.keep_streams):
         self.p2p, self.peer_id, self.codec, self.timeout = p2p, peer_id, codec, timeout
         self.keep_streams = keep_streams
         self._kept: dict[tuple[str, str], list[KeptStream]] = {}  # idle kept streams, the most recent last
