@@ -17,9 +17,10 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
    cores went (the clients' compute, the servers, hivemind's DHT and averager processes, the p2pd daemons,
    and processes that are not part of this benchmark) and how long each stage waited at the epoch boundary
    (from the peers' logs: "stage K FS: epoch E closed" -> "stage K stepped epoch E").
-2. RPC: a second process hosts a hivemind P2P with a tiny ServicerBase (sink and echo) that reads and answers
+2. RPC: a second process hosts a hivemind P2P with a tiny servicer (sink and echo) that reads and answers
    with `p2ptrain.transport` packing; this process calls it with `p2ptrain.transport.Caller.exchange`, the
-   runtime's own client path. Reported: the round trip of a header-only message, and the time and MB/s of one
+   runtime's own client path. Reported: the round trip of a header-only message and its CPU (both processes and
+   their daemons), on a new stream per call and on kept streams, and the time and MB/s of one
    hop (push: the tensor goes one way, a small reply comes back) and of an echo (the tensor both ways) per codec
    and size.
 3. Codecs none/fp16/int8 on a real activation and a real output gradient of the benchmark model's boundary
@@ -65,9 +66,10 @@ from harness import (
     machine_info,
     mean,
     peer_name,
+    proc_table,
     snapshot,
 )
-from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.cli import LOOPBACK
@@ -76,7 +78,7 @@ from p2ptrain.config import CODECS, RunConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import make_validators
 from p2ptrain.models import TRAINABLE, build_stage
-from p2ptrain.transport import LINGER_S, Caller, Envelope, pack, unpack
+from p2ptrain.transport import LINGER_S, Caller, Envelope, KeptCall, Service, pack, unpack
 
 RESULTS = ROOT / "benchmarks" / "results"
 MIB = 2**20
@@ -257,11 +259,14 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
 # RPC: a sink/echo servicer in a second process, called with the runtime's Caller
 
 
-class DataplaneBench(ServicerBase):
-    """Registered as "DataplaneBench.rpc_sink" and "DataplaneBench.rpc_echo", the names `Caller.exchange` calls.
-    Like the runtime's servicers (`transport.Service.serve`), a handler keeps the stream open after its reply until
-    the caller closes it: a handler that returns at once may close the stream before its reply leaves (calls failed
-    with "the peer sent an empty stream" or a broken pipe)."""
+class DataplaneBench(Service):
+    """Registered as "DataplaneBench.rpc_sink" and "DataplaneBench.rpc_echo", the names `Caller.exchange` calls, and
+    "DataplaneBench.rpc_calls" for calls over kept streams. Like the runtime's servicers (`transport.Service.serve`),
+    a handler keeps a stream of its own open after its reply until the caller closes it: a handler that returns at
+    once may close the stream before its reply leaves (calls failed with "the peer sent an empty stream" or a broken
+    pipe)."""
+
+    service = "DataplaneBench"
 
     async def rpc_sink(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -270,7 +275,7 @@ class DataplaneBench(ServicerBase):
         reply = Envelope({"ok": True, "tensors": len(envelope.tensors)})
         for response in pack(reply, codec="none", proto=runtime_pb2.ExpertResponse):
             yield response
-        await asyncio.sleep(LINGER_S)
+        await self._linger(context)
 
     async def rpc_echo(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -278,20 +283,28 @@ class DataplaneBench(ServicerBase):
         envelope = await unpack(requests)
         for response in pack(envelope, codec=envelope.header.get("codec", "none"), proto=runtime_pb2.ExpertResponse):
             yield response
-        await asyncio.sleep(LINGER_S)
+        await self._linger(context)
+
+    @staticmethod
+    async def _linger(context: P2PContext | KeptCall) -> None:
+        if isinstance(context, KeptCall):  # its request was read whole; the stream carries the next call
+            context.whole = True
+        else:
+            await asyncio.sleep(LINGER_S)
 
 
-SERVICE = DataplaneBench.__name__
+SERVICE = DataplaneBench.service
 
 
 async def _serve(address_file: Path, max_lifetime_s: float) -> None:
     parent = os.getppid()
     p2p = await P2P.create(host_maddrs=[LOOPBACK])
     try:
-        await DataplaneBench().add_p2p_handlers(p2p)
+        await DataplaneBench(peer_id=p2p.peer_id.to_base58(), name="dataplane bench", codec="none"
+                             ).add_p2p_handlers(p2p)
         maddrs = [str(m) for m in await p2p.get_visible_maddrs()]
         tmp = address_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"peer_id": p2p.peer_id.to_base58(), "maddrs": maddrs}))
+        tmp.write_text(json.dumps({"peer_id": p2p.peer_id.to_base58(), "maddrs": maddrs, "pid": os.getpid()}))
         tmp.rename(address_file)
         deadline = time.monotonic() + max_lifetime_s
         while os.getppid() == parent and time.monotonic() < deadline:
@@ -317,6 +330,12 @@ def rpc_server_main(address_file: str) -> None:
     asyncio.run(main())
 
 
+def _cpu_s(roots: list[int]) -> float:
+    """CPU seconds of the processes `roots` and their children (their p2p daemons)."""
+    table = proc_table()
+    return sum(cpu for pid, (_, ppid, cpu) in table.items() if pid in roots or ppid in roots)
+
+
 async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[str, int], small_reps: int) -> dict:
     p2p = await P2P.create(initial_peers=[f"{m}" for m in address["maddrs"]], host_maddrs=[LOOPBACK])
     peer = address["peer_id"]
@@ -325,16 +344,24 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
         callers = {codec: Caller(p2p=p2p, peer_id=p2p.peer_id.to_base58(), codec=codec, timeout=120.0)
                    for codec in CODECS}
         small = Envelope({"worker": "12D3KooW" + "x" * 44, "compute": 1.0e9, "epoch": 3, "wait_s": 0.0})
-        for _ in range(10):
-            await callers["none"].exchange(peer, SERVICE, "rpc_sink", small)
-        times = []
-        for _ in range(small_reps):
-            begin = time.perf_counter()
-            await callers["none"].exchange(peer, SERVICE, "rpc_sink", small)
-            times.append(time.perf_counter() - begin)
-        out["small"] = {"reps": small_reps, "median_ms": 1e3 * statistics.median(times),
-                        "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))], "min_ms": 1e3 * min(times)}
-        log(f"  rpc: small message round trip median {out['small']['median_ms']:.2f} ms")
+        roots = [os.getpid(), address["pid"]]
+        for streams, keep in (("new", False), ("kept", True)):  # a stream per call, or kept open between calls
+            caller = Caller(p2p=p2p, peer_id=p2p.peer_id.to_base58(), codec="none", timeout=120.0, keep_streams=keep)
+            for _ in range(10):
+                await caller.exchange(peer, SERVICE, "rpc_sink", small)
+            times, cpu = [], _cpu_s(roots)
+            for _ in range(small_reps):
+                begin = time.perf_counter()
+                await caller.exchange(peer, SERVICE, "rpc_sink", small)
+                times.append(time.perf_counter() - begin)
+            cpu = _cpu_s(roots) - cpu
+            caller.close()
+            out["small" if keep else "small_new_streams"] = {
+                "streams": streams, "reps": small_reps, "median_ms": 1e3 * statistics.median(times),
+                "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))], "min_ms": 1e3 * min(times),
+                "cpu_ms_per_call": 1e3 * cpu / small_reps}
+            log(f"  rpc: small message round trip, {streams} streams: median {1e3 * statistics.median(times):.2f} ms, "
+                f"{1e3 * cpu / small_reps:.2f} ms CPU a call (both processes and their daemons)")
         for label, nbytes in sizes:
             tensor = torch.randn(nbytes // 4)
             for codec in CODECS:
@@ -689,10 +716,16 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
     if rpc is None:
         out += ["## 2. RPC: not run (--parts)", ""]
     else:
-        small = rpc["small"]
         out += ["## 2. RPC over hivemind P2P (two processes on 127.0.0.1, `p2ptrain.transport` packing, streaming)",
-                "", f"Small message (header only, like `rpc_take_task`) round trip: median {small['median_ms']:.2f} "
-                f"ms, p90 {small['p90_ms']:.2f} ms, min {small['min_ms']:.2f} ms over {small['reps']} calls.",
+                ""]
+        for key in ("small_new_streams", "small"):
+            small = rpc[key]
+            out.append(f"Small message (header only, like `rpc_take_task`) round trip, {small['streams']} streams "
+                       f"({'a stream opened for each call' if key != 'small' else 'kept open between calls'}): median "
+                       f"{small['median_ms']:.2f} ms, p90 {small['p90_ms']:.2f} ms, min {small['min_ms']:.2f} ms over "
+                       f"{small['reps']} calls; {small['cpu_ms_per_call']:.2f} ms of CPU a call (both processes and "
+                       "their p2p daemons).")
+        out += ["", "The transfers below go over kept streams (the runtime's default).",
                 "", "push = one hop: the tensor goes to the peer, which decodes it and answers with a small reply; "
                 "echo = the peer decodes and sends it back encoded with the same codec. Times include encode and "
                 "decode; MB/s counts fp32 megabytes moved (10^6 bytes) and, for wire MB/s, the encoded bytes.", "",

@@ -45,7 +45,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.compression import deserialize, serialize
@@ -362,22 +362,33 @@ async def _parts_of_one(first: Proto, rest: AsyncIterator[Proto]) -> AsyncIterat
         yield part
 
 
-async def _queued(queue: asyncio.Queue[Proto | None]) -> AsyncIterator[Proto]:
-    while (item := await queue.get()) is not None:
-        yield item
-
-
 @dataclass
 class KeptStream:
-    """A stream to `Service.rpc_calls` that a caller keeps open between calls."""
+    """A stream to `Service.rpc_calls` that a caller keeps open between calls, read and written directly (hivemind's
+    `iterate_protobuf_handler` ends its reader only after its writer: with a writer kept waiting for the next call,
+    a stream broken mid-call would hang the call until its deadline)."""
 
-    requests: asyncio.Queue[runtime_pb2.ExpertRequest | None]
-    responses: AsyncIterator[runtime_pb2.ExpertResponse]
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
     idle_since: float = 0.0
 
-    async def close(self) -> None:
-        self.requests.put_nowait(None)
-        await self.responses.aclose()
+    async def send(self, requests: list[runtime_pb2.ExpertRequest]) -> None:
+        for request in requests:
+            await P2P.send_protobuf(request, self.writer)
+
+    async def replies(self) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The parts that arrive, until the stream ends."""
+        while True:
+            try:
+                response, error = await P2P.receive_protobuf(runtime_pb2.ExpertResponse, self.reader)
+            except asyncio.IncompleteReadError:
+                return
+            if error is not None:
+                raise P2PHandlerError(f"the peer's handler failed: {error.message}")
+            yield response
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class Caller:
@@ -484,9 +495,10 @@ class Caller:
                                 requests: list[runtime_pb2.ExpertRequest],
                                 arrived: Callable[[runtime_pb2.ExpertResponse], None]) -> Envelope:
         """The call over a kept stream (module doc): kept again once its reply is whole, closed on any failure (its
-        next part would not start a reply) and after a refusal (the server may have ended it). A kept stream whose
-        other end went while it idled (the peer restarted, or ended it) breaks at once with nothing of the reply:
-        the call is made once more on a new stream, as it would have been made without kept streams."""
+        next part would not start a reply) and after a refusal (the server may have ended it). A kept stream that
+        breaks with nothing of the reply (its other end went: the peer restarted, or died during the call) has the
+        call made once more on a new stream, as it would have been made without kept streams: it reaches a restarted
+        peer, and to a peer gone it fails as a call to one does."""
         requests[0].uid = method
         stream, reused = await self._kept_stream(peer, service)
         answered = False
@@ -496,23 +508,22 @@ class Caller:
             answered = True
             arrived(response)
 
-        for request in requests:
-            stream.requests.put_nowait(request)
         try:
-            reply = await unpack(_moving(stream.responses, moved))
+            await stream.send(requests)
+            reply = await unpack(_moving(stream.replies(), moved))
         except ConnectionError:
-            await stream.close()
+            stream.close()
             if not reused or answered:
                 raise
             for stale in self._kept.pop((peer, service), []):  # kept on the same end that went
-                await stale.close()
+                stale.close()
             return await self._over_kept_stream(peer, service, method, requests, arrived)
         except BaseException:
-            await stream.close()
+            stream.close()
             raise
         idle = self._kept.setdefault((peer, service), [])
         if REFUSED in reply.header or len(idle) >= KEPT_PER_SERVICE:
-            await stream.close()
+            stream.close()
         else:
             stream.idle_since = time.monotonic()
             idle.append(stream)
@@ -528,15 +539,14 @@ class Caller:
                 self._kept[(peer, service)] = idle
             return stream, True
         for stale in idle:
-            await stale.close()
-        queue: asyncio.Queue[runtime_pb2.ExpertRequest | None] = asyncio.Queue()
-        responses = await self.p2p.iterate_protobuf_handler(
-            PeerID.from_base58(peer), handle_name(service, CALLS), _queued(queue), runtime_pb2.ExpertResponse)
-        return KeptStream(requests=queue, responses=responses), False
+            stale.close()
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer),
+                                                                     handle_name(service, CALLS))
+        return KeptStream(reader=reader, writer=writer), False
 
-    async def close(self) -> None:
+    def close(self) -> None:
         """Close the streams it keeps."""
         kept, self._kept = self._kept, {}
         for streams in kept.values():
             for stream in streams:
-                await stream.close()
+                stream.close()

@@ -174,13 +174,13 @@ def test_calls_over_kept_streams_reuse_one_stream_each_run_alone_and_a_peer_gone
         client = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK],
                                                    initial_peers=await server.get_visible_maddrs()), 30)
         opened: list[str] = []
-        open_stream = client.iterate_protobuf_handler
+        open_stream = client.call_binary_stream_handler
 
-        async def counted(peer, name, *args):
+        async def counted(peer, name):
             opened.append(name)
-            return await open_stream(peer, name, *args)
+            return await open_stream(peer, name)
 
-        client.iterate_protobuf_handler = counted
+        client.call_binary_stream_handler = counted
         try:
             server_id = server.peer_id.to_base58()
             await LinkProbe(peer_id=server_id).add_p2p_handlers(server)
@@ -220,10 +220,66 @@ def test_calls_over_kept_streams_reuse_one_stream_each_run_alone_and_a_peer_gone
             with pytest.raises(Exception) as fresh_failed:
                 await fresh.call(server_id, LINK_PROBE, Probe())
             assert type(kept_failed.value) is type(fresh_failed.value)  # the dial's failure, as without kept streams
-            await caller.close()
+            caller.close()
             assert caller._kept == {}
         finally:
             await client.shutdown()
             await server.shutdown()
+
+    asyncio.run(main())
+
+
+SLOW_PROBE = """
+import asyncio, json, sys
+from hivemind.p2p import P2P
+from p2ptrain.live.probe import LinkProbe
+
+async def main():
+    p2p = await P2P.create(host_maddrs=[sys.argv[1]])
+    await LinkProbe(peer_id=p2p.peer_id.to_base58(), delay_s=5.0).add_p2p_handlers(p2p)
+    print(json.dumps([p2p.peer_id.to_base58(), [str(m) for m in await p2p.get_visible_maddrs()]]), flush=True)
+    await asyncio.sleep(120)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("keep_streams", [False, True], ids=["new-streams", "kept-streams"])
+def test_a_call_in_flight_when_its_peer_is_killed_fails_at_once_not_at_its_deadline(keep_streams):
+    """The peer (a process and its p2p daemon) is SIGKILLed while it holds a call over a stream an earlier call
+    opened. hivemind's own stream reader waits for its writer to end before it ends, and a kept stream's writer waits
+    for the next call: read that way, the call hung until its deadline (60 s in a swarm, where the worker making it
+    was then counted gone)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    async def main() -> None:
+        server = subprocess.Popen([sys.executable, "-c", SLOW_PROBE, LOOPBACK], stdout=subprocess.PIPE,
+                                  start_new_session=True)
+        try:
+            server_id, maddrs = json.loads(await asyncio.wait_for(asyncio.to_thread(server.stdout.readline), 60))
+            client = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs), 30)
+            try:
+                caller = Caller(p2p=client, peer_id=client.peer_id.to_base58(), codec="none", timeout=30.0,
+                                keep_streams=keep_streams)
+                await caller.call(server_id, LINK_PROBE, Probe())  # opens the stream the next call goes over
+                call = asyncio.create_task(caller.call(server_id, LINK_PROBE, Probe()))
+                await asyncio.sleep(1.0)  # the server holds it (5 s)
+                os.killpg(server.pid, signal.SIGKILL)
+                started = asyncio.get_running_loop().time()
+                with pytest.raises(Exception) as failed:
+                    await call
+                assert not isinstance(failed.value, TimeoutError)
+                assert asyncio.get_running_loop().time() - started < 5.0
+            finally:
+                await client.shutdown()
+        finally:
+            if server.poll() is None:
+                os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
     asyncio.run(main())
