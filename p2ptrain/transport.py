@@ -47,6 +47,7 @@ import msgpack
 import torch
 from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import achain, as_aiter
 
 from p2ptrain.compression import deserialize, serialize
 from p2ptrain.config import RuntimeConfig
@@ -314,7 +315,8 @@ class Service(ServicerBase):
                 self._offence(sender)
                 responses = self.refusal(f"{type(self).__name__} has no handler {first.uid!r}")
             else:
-                responses = [response async for response in handler(self, _parts_of_one(first, requests), call)]
+                # `achain` leaves `requests` open for the next call: `unpack` asks for one message's parts only
+                responses = [response async for response in handler(self, achain(as_aiter(first), requests), call)]
             for response in responses:
                 yield response
             if not call.whole:
@@ -348,18 +350,6 @@ class Service(ServicerBase):
 async def _aiter(items: list[Proto]) -> AsyncIterator[Proto]:
     for item in items:
         yield item
-
-
-async def _parts_of_one(first: Proto, rest: AsyncIterator[Proto]) -> AsyncIterator[Proto]:
-    """`first`, then parts of `rest` as long as they are asked for (`unpack` asks for one message's), leaving `rest`
-    open for the next call on a kept stream."""
-    yield first
-    while True:
-        try:
-            part = await anext(rest)
-        except StopAsyncIteration:
-            return
-        yield part
 
 
 @dataclass
