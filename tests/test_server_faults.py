@@ -20,6 +20,7 @@ RECIPE = ["--num-stages", "2", "--batch-rows", str(ROWS), "--microbatches", str(
 
 
 CLOSED_AT_STAGE_0 = r"stage 0 FS: epoch (\d+) closed"
+STEPPED = r"stage \d stepped epoch (\d+)"
 
 
 def last_logged(swarm, name: str, pattern: str) -> int:
@@ -34,10 +35,14 @@ def wait_logged(swarm, name: str, pattern: str, *, at_least: int, timeout: float
         time.sleep(poll_s)
 
 
-def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240, into_s: float = 0.3) -> None:
+def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240, into_s: float = 0.3,
+                   stepped: tuple[str, ...] = ()) -> None:
     """SIGKILL a peer and its p2p daemon, without notice, `into_s` after the data source's FS closed an epoch (from
-    `after` on), so that the next epoch has just been fed; its log is kept under another name."""
+    `after` on), so that the next epoch has just been fed, and after the workers `stepped` logged their step of it;
+    its log is kept under another name."""
     wait_logged(swarm, "fs0", CLOSED_AT_STAGE_0, at_least=after, timeout=timeout, poll_s=0.02)
+    for worker in stepped:
+        wait_logged(swarm, worker, STEPPED, at_least=after, timeout=timeout, poll_s=0.02)
     time.sleep(into_s)
     process = swarm.processes.pop(name)
     os.killpg(process.pid, signal.SIGKILL)
@@ -137,9 +142,11 @@ def test_a_lone_fs_killed_and_restarted_with_its_identity_tells_its_workers_that
     swarm.peer("bs1", "--role", "server", "--stage", "1", "--server-role", "bs")
     start_clients(swarm)
     swarm.peer("fs0", "--role", "server", "--stage", "0", "--server-role", "fs", "--epochs", str(EPOCHS))
-    # at once: an epoch of this recipe takes about 0.4 s, and one whose rows were all back at stage 0 before the
-    # kill is committed, not abandoned (the known gap of `check_every_batch_trained_once`)
-    kill_mid_epoch(swarm, "fs1", after=2, into_s=0.0)
+    # at once once stage 1's workers stepped the epoch before: an epoch of this recipe takes about 0.4 s, and one
+    # whose rows were all back at stage 0 before the kill is committed, not abandoned; and a worker that had not
+    # heard of the earlier epoch's closure from the dead FS never hears it (both the known gap of
+    # `check_every_batch_trained_once`)
+    kill_mid_epoch(swarm, "fs1", after=2, into_s=0.0, stepped=("c1a", "c1b"))
     wait_logged(swarm, "fs0", r"epoch (\d+) is abandoned", at_least=0, timeout=60)
     swarm.peer("fs1", *fs1)  # the same command: the same identity, an empty state
 
