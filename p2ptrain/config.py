@@ -290,7 +290,7 @@ class RuntimeConfig:
     slowest_uplink_mbit: float = 1.0
     # transport
     rpc_timeout_s: float = 60.0  # longest one RPC may go with nothing of it moving (no chunk sent or received)
-    keep_streams: bool = False  # calls reuse streams kept open by earlier calls to the same peer (`transport`)
+    keep_streams: bool = True  # calls reuse streams kept open by earlier calls to the same peer (`transport`)
     push_attempts: int = 3  # a worker pushes a result this many times when its reply is lost in transport
     push_backoff_s: float = 0.2  # every retried call backs off exponentially from this...
     delivery_backoff_max_s: float = 5.0  # ...up to this; a server retries a push to another server until it lands

@@ -13,8 +13,8 @@ call to the same service of the same peer (`Service.rpc_calls`, which serves cal
 its first part naming the handler), and a new one is opened only when none is free. Opening a stream costs more than
 a small call itself: a Unix socket to the daemon and a libp2p stream negotiated on the link, about 2.7 ms of CPU
 across both processes and their daemons on this machine for a header-only call against 0.5 ms on an open stream (and
-a round trip more on a WAN link); a 2-stage swarm makes some 75 calls a second. Off by default until the whole
-suite's server-fault tests pass with it on (`--keep-streams on`).
+a round trip more on a WAN link); a 2-stage swarm makes some 75 calls a second. Peers keep streams by default
+(`--keep-streams off` opens one per call).
 
 The caller, not the server, ends every stream. A message's header announces how many tensor chunks follow, so the
 caller knows when it holds the whole reply and closes the stream then; the server keeps its end open until that

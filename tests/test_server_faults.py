@@ -5,6 +5,7 @@ once: every epoch that closed has all its rows averaged at every stage, and no s
 """
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -35,15 +36,22 @@ def wait_logged(swarm, name: str, pattern: str, *, at_least: int, timeout: float
         time.sleep(poll_s)
 
 
+def last_epoch_s(swarm) -> float:
+    """Seconds between the data source's FS's last two closes, by its log's timestamps."""
+    closes = re.findall(r"^(\S+ \S+) .*" + CLOSED_AT_STAGE_0, (swarm.workdir / "fs0.log").read_text(), re.MULTILINE)
+    first, last = (datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f") for stamp, _ in closes[-2:])
+    return (last - first).total_seconds()
+
+
 def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240, into_s: float = 0.3,
-                   stepped: tuple[str, ...] = ()) -> None:
-    """SIGKILL a peer and its p2p daemon, without notice, `into_s` after the data source's FS closed an epoch (from
-    `after` on), so that the next epoch has just been fed, and after the workers `stepped` logged their step of it;
-    its log is kept under another name."""
+                   into_epoch: float = 0.0, stepped: tuple[str, ...] = ()) -> None:
+    """SIGKILL a peer and its p2p daemon, without notice, `into_s` plus `into_epoch` of the last epoch's time after
+    the data source's FS closed an epoch (from `after` on), so that the next epoch has just been fed, and after the
+    workers `stepped` logged their step of it; its log is kept under another name."""
     wait_logged(swarm, "fs0", CLOSED_AT_STAGE_0, at_least=after, timeout=timeout, poll_s=0.02)
     for worker in stepped:
         wait_logged(swarm, worker, STEPPED, at_least=after, timeout=timeout, poll_s=0.02)
-    time.sleep(into_s)
+    time.sleep(into_s + into_epoch * last_epoch_s(swarm))
     process = swarm.processes.pop(name)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
@@ -200,7 +208,9 @@ def test_the_data_source_killed_and_restarted_with_its_identity_resumes_where_th
            "--identity-path", str(swarm.workdir / "fs0.key")]
     swarm.peer("fs0", *fs0)
 
-    kill_mid_epoch(swarm, "fs0", after=3)
+    # half an epoch in: epochs took 0.27 s here (kept streams), so a kill 0.3 s in found none open, and one 50 ms in
+    # came before any row of the next one was out
+    kill_mid_epoch(swarm, "fs0", after=3, into_s=0.0, into_epoch=0.5)
     time.sleep(3.0)
     swarm.peer("fs0", *fs0)  # the same command: it asks the servers where the swarm stands, and goes on from there
 
