@@ -45,7 +45,7 @@ from p2ptrain.protocol.taskpool import Kind
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.frontal import FrontalServer
-from p2ptrain.server.state import BackwardState, FrontalState
+from p2ptrain.server.state import BackwardState, FrontalState, KeptGrads, Result
 from p2ptrain.traffic import METER
 from p2ptrain.transport import Caller, Envelope, Refused, pack, unpack
 
@@ -331,6 +331,29 @@ def test_rows_of_a_worker_that_vanished_before_its_stage_averaged_are_redone_by_
         stats = fs.epoch_stats(0)
         assert (stats.rows_grouped, stats.rows_recomputed, stats.workers_lost) == (ROWS, ROWS // 2, 1)
         assert fs.state.pool.redone[0] == 1
+
+    asyncio.run(scenario())
+
+
+def test_rows_redone_and_lost_again_in_a_first_stage_fetch_their_output_gradients_from_the_bs_again():
+    """A worker that took a redo and vanished before its stage averaged: its result's issuer is the FS itself (it
+    issued the redo), yet the output gradients for redoing those rows once more are the BS's. Fetched from the
+    issuer, the FS dialled itself for good and the epoch never closed (a chaos run in CI, with DPU on)."""
+    async def scenario() -> None:
+        config = dataclasses.replace(CONFIG, num_stages=2)
+        layout = Layout((StageServers(fs=("fs",), bs=("bs",)), StageServers(fs=("fs1",), bs=("bs1",))))
+        fs, bs = servers(config=config)
+        await feed(fs, 0, layout=layout)
+        assert (await poll(fs, "w1", 0)).kind == Kind.FORWARD  # out: only the redo is left to hand out
+        kept = torch.randn(ROWS, *bs.hidden_shape)
+        bs.state.kept_grads[(0, 0)] = KeptGrads(segment=Rows(0, ROWS), grad=kept, fs=("fs",))
+        lost = Rows(ROWS // 2, ROWS)
+        fs.state.results[0] = [Result(task="redone", worker="w2", microbatch=0, rows=lost, issuer="fs")]
+        fs._redo(0, {"w2"})
+        await asyncio.wait_for(fs.drain(), timeout=5.0)
+        reply = await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
+        assert reply.task is not None and reply.task.kind == Kind.REDO and reply.task.rows == lost
+        assert torch.equal(reply.grad, kept[ROWS // 2:])
 
     asyncio.run(scenario())
 

@@ -520,8 +520,10 @@ class FrontalServer(StageServer[FrontalState]):
             if self.is_last:
                 self.state.pool.add(task, again=True)
                 self.news.set()
-            else:
-                self.spawn(self._fetch_output_grads(task, bs=result.issuer), what=f"redo {task.task_id}")
+            else:  # not the result's issuer: this FS issued a redo, whose worker may be the one gone now
+                mb = state.microbatches[(epoch, result.microbatch)]
+                (bs, _), = mb.layout.route(self.stage, "bs", result.rows, mb.total_rows)
+                self.spawn(self._fetch_output_grads(task, bs=bs), what=f"redo {task.task_id}")
 
     async def _fetch_output_grads(self, task: Task, *, bs: str) -> None:
         """Fetch a redo's output gradients from the BS that keeps them, then hand the task out."""

@@ -83,7 +83,7 @@ class MicrobatchInputs:
 @dataclass(frozen=True, kw_only=True)
 class Result:
     """A result an FS accepted: `worker` now holds the parameter gradients of these rows until its stage averages.
-    `issuer`: the server that issued the task (a BS, or this FS in the last stage)."""
+    `issuer`: the server that issued the task (a BS, or this FS: in the last stage, and for a redo)."""
 
     task: str
     worker: str
