@@ -268,6 +268,11 @@ def test_a_state_saved_mid_epoch_restores_into_a_new_server_that_finishes_the_ep
         assert torch.equal(held.inputs, fs.state.microbatches[(0, 0)].inputs) and held.layout == LAYOUT
         assert restored_fs.state.pool.get(task.task) == fs.state.pool.get(task.task)  # still leased to w1
         assert await handled(restored_fs, restored_fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        holding, held_tensors = restored_fs.state.snapshot()
+        assert holding["results"], "the accepted result is kept until its stage averaged"
+        # a state saved by an earlier version: its result rows carry a sixth field, the task's issuer
+        older = {**holding, "results": [[epoch, [[*row, "fs"] for row in rows]] for epoch, rows in holding["results"]]}
+        assert FrontalState.restore(older, held_tensors).snapshot()[0] == holding
         assert await handled(restored_bs, restored_bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
         await deposited(restored_fs, "w1", 0)
         assert restored_fs.state.closed_epoch == restored_bs.state.closed_epoch == 0
@@ -348,7 +353,7 @@ def test_rows_redone_and_lost_again_in_a_first_stage_fetch_their_output_gradient
         kept = torch.randn(ROWS, *bs.hidden_shape)
         bs.state.kept_grads[(0, 0)] = KeptGrads(segment=Rows(0, ROWS), grad=kept, fs=("fs",))
         lost = Rows(ROWS // 2, ROWS)
-        fs.state.results[0] = [Result(task="redone", worker="w2", microbatch=0, rows=lost, issuer="fs")]
+        fs.state.results[0] = [Result(task="redone", worker="w2", microbatch=0, rows=lost)]
         fs._redo(0, {"w2"})
         await asyncio.wait_for(fs.drain(), timeout=5.0)
         reply = await fs.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")

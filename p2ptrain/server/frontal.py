@@ -129,12 +129,17 @@ class FrontalServer(StageServer[FrontalState]):
     def offer(self, task: Task) -> TaskReply:
         mb = self.state.microbatches[(task.epoch, task.microbatch)]
         window = task.rows.relative_to(mb.segment)
-        (bs, _), = mb.layout.route(self.stage, "bs", task.rows, mb.total_rows)
         offer = TaskOffer(task=task.task_id, kind=task.kind, epoch=task.epoch, microbatch=task.microbatch,
-                          rows=task.rows, total_rows=mb.total_rows, fs=self.peer_id, bs=bs, layout=mb.layout)
+                          rows=task.rows, total_rows=mb.total_rows, fs=self.peer_id, bs=self._bs_of(mb, task.rows),
+                          layout=mb.layout)
         redo = self.state.redo.get(task.task_id)
         return TaskReply(task=offer, closed_epoch=self.state.closed_epoch, inputs=mb.inputs[window],
                          labels=mb.labels[window], grad=None if redo is None else redo.grad)
+
+    def _bs_of(self, mb: MicrobatchInputs, rows: Rows) -> str:
+        """The BS that the microbatch's layout routes these rows to: it keeps their output gradients."""
+        (bs, _), = mb.layout.route(self.stage, "bs", rows, mb.total_rows)
+        return bs
 
     def gradient_holders(self) -> set[str]:
         return {result.worker for results in self.state.results.values() for result in results} | set(
@@ -301,8 +306,7 @@ class FrontalServer(StageServer[FrontalState]):
         self.see_result(request.worker, epoch=request.epoch, client_mode=request.client_mode)
         self.state.accepted.setdefault(request.epoch, set()).add((request.task, request.worker))
         self.state.results.setdefault(request.epoch, []).append(Result(
-            task=request.task, worker=request.worker, microbatch=request.microbatch, rows=request.rows,
-            issuer=request.issuer))
+            task=request.task, worker=request.worker, microbatch=request.microbatch, rows=request.rows))
 
     async def _accept_redo(self, request: PushInputGrads, redo: RedoWork) -> Ack:
         """A redo's result: its input gradients went on the first time, so only who holds the rows changes."""
@@ -503,10 +507,9 @@ class FrontalServer(StageServer[FrontalState]):
             return
         for result in gone:  # the BS waits for every row's loss, and a gone worker may not have sent it
             mb = self.state.microbatches[(epoch, result.microbatch)]
-            (bs, _), = mb.layout.route(self.stage, "bs", result.rows, mb.total_rows)
             request = DropResult(task=result.task, worker=result.worker, epoch=epoch, microbatch=result.microbatch,
                                  rows=result.rows, total_rows=mb.total_rows, layout=mb.layout)
-            self.spawn(self.retrying(bs, BACKWARD_SERVER, request, attempts=None,
+            self.spawn(self.retrying(self._bs_of(mb, result.rows), BACKWARD_SERVER, request, attempts=None,
                                      what=f"dropping {result.task} at its BS"), what=f"drop {result.task}")
 
     def _redo(self, epoch: int, lost: set[str]) -> None:
@@ -521,8 +524,7 @@ class FrontalServer(StageServer[FrontalState]):
                 self.state.pool.add(task, again=True)
                 self.news.set()
             else:  # not the result's issuer: this FS issued a redo, whose worker may be the one gone now
-                mb = state.microbatches[(epoch, result.microbatch)]
-                (bs, _), = mb.layout.route(self.stage, "bs", result.rows, mb.total_rows)
+                bs = self._bs_of(state.microbatches[(epoch, result.microbatch)], result.rows)
                 self.spawn(self._fetch_output_grads(task, bs=bs), what=f"redo {task.task_id}")
 
     async def _fetch_output_grads(self, task: Task, *, bs: str) -> None:

@@ -82,14 +82,12 @@ class MicrobatchInputs:
 
 @dataclass(frozen=True, kw_only=True)
 class Result:
-    """A result an FS accepted: `worker` now holds the parameter gradients of these rows until its stage averages.
-    `issuer`: the server that issued the task (a BS, or this FS: in the last stage, and for a redo)."""
+    """A result an FS accepted: `worker` now holds the parameter gradients of these rows until its stage averages."""
 
     task: str
     worker: str
     microbatch: int
     rows: Rows
-    issuer: str
 
 
 @dataclass(kw_only=True)
@@ -245,7 +243,7 @@ class FrontalState(ServerState):
             "completed": [[epoch, sorted(indices)] for epoch, indices in self.completed.items()],
             "closures": [closure.to_header() for closure in self.closures.values()],
             "accepted": [[epoch, sorted(pairs)] for epoch, pairs in self.accepted.items()],
-            "results": [[epoch, [[r.task, r.worker, r.microbatch, r.rows.start, r.rows.end, r.issuer] for r in results]]
+            "results": [[epoch, [[r.task, r.worker, r.microbatch, r.rows.start, r.rows.end] for r in results]]
                         for epoch, results in self.results.items()],
             "redo": [{"task": work.task.to_dict(), "has_grad": _keep(tensors, f"redo/{task_id}/grad", work.grad)}
                      for task_id, work in self.redo.items()],
@@ -271,8 +269,9 @@ class FrontalState(ServerState):
             "completed": {epoch: set(indices) for epoch, indices in meta["completed"]},
             "closures": {closure.epoch: closure for closure in closures},
             "accepted": {epoch: {(task, worker) for task, worker in pairs} for epoch, pairs in meta["accepted"]},
-            "results": {epoch: [Result(task=task, worker=worker, microbatch=index, rows=Rows(start, end), issuer=issuer)
-                                for task, worker, index, start, end, issuer in results]
+            # states saved by earlier versions carry a sixth field (the task's issuer), which nothing reads now
+            "results": {epoch: [Result(task=task, worker=worker, microbatch=index, rows=Rows(start, end))
+                                for task, worker, index, start, end, *_ in results]
                         for epoch, results in meta["results"]},
             "redo": {work["task"]["task_id"]: RedoWork(
                 task=Task.from_dict(work["task"]),
