@@ -18,6 +18,8 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
 - dpu (on request): the same swarm with delayed parameter updates;
+- dpu-lookahead (on request): the same, each worker computing the next epoch where a step on its own gradients takes
+  the stage (`--dpu-lookahead on`);
 - one-late, one-late-from-N, one-predict-A (on request): one process that computes each epoch's gradient on the
   parameters from before the last step, as a worker with delayed updates does: from the start, from epoch N on, or
   with those parameters extrapolated by A times the last update (weight prediction); what staleness alone costs;
@@ -55,7 +57,7 @@ from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-RUNS = ("one", "swarm", "int8", "churn", "dpu", "int8-averaging", "fp16-averaging", "average-every-8")
+RUNS = ("one", "swarm", "int8", "churn", "dpu", "dpu-lookahead", "int8-averaging", "fp16-averaging", "average-every-8")
 DEFAULT_RUNS = ("one", "swarm", "int8", "churn")
 STALE_RUNS = ("one-late", "one-late-from-N", "one-predict-A")
 
@@ -263,7 +265,8 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                  "one-late-from-N = the same from epoch N on; one-predict-A = one-late whose parameters are "
                  "extrapolated by A times the last update (weight prediction); swarm = the swarm (averaging in fp32); int8 = "
                  "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
-                 "restarted; dpu = the swarm with delayed parameter updates; int8-averaging, fp16-averaging = the "
+                 "restarted; dpu = the swarm with delayed parameter updates; dpu-lookahead = the same, each worker "
+                 "computing the next epoch where a step on its own gradients takes the stage; int8-averaging, fp16-averaging = the "
                  "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "
                  f"epochs (DiLoCo, outer lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}), "
                  "unclipped.")
@@ -334,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
             if name == "one" or staleness(name) is not None:
                 results[name] = one_process(base, args.epochs, args.eval_every, windows, **(staleness(name) or {}))
                 continue
-            config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}", "dpu": name == "dpu",
+            config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}",
+                                  "dpu": name.startswith("dpu"), "dpu_lookahead": name == "dpu-lookahead",
                                   "compression": "int8" if name == "int8" else "none",
                                   "averaging_codec": name.removesuffix("-averaging") if name.endswith("-averaging")
                                   else "fp32",

@@ -87,7 +87,8 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "rows_per_microbatch": "--batch-rows", "microbatches": "--microbatches", "seq_len": "--seq-len",
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
-                "clip_norm": "--clip-norm", "dpu": "--dpu", "precision": "--precision",
+                "clip_norm": "--clip-norm", "dpu": "--dpu", "dpu_lookahead": "--dpu-lookahead",
+                "precision": "--precision",
                 "loss_scale": "--loss-scale", "loss_scale_growth": "--loss-scale-growth",
                 "offload_optimizer": "--offload-optimizer",
                 "averaging_codec": "--averaging-codec",
@@ -96,7 +97,7 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "tokenizer": "--tokenizer", "init_from": "--init-from",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
-                       "precision", "loss_scale", "loss_scale_growth", "offload_optimizer", "averaging_codec",
+                       "dpu_lookahead", "precision", "loss_scale", "loss_scale_growth", "offload_optimizer", "averaging_codec",
                        "average_every", "outer_lr", "outer_momentum")
 SWITCH = {"on": True, "off": False}
 
@@ -129,6 +130,10 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
     group.add_argument("--dpu", choices=tuple(SWITCH), default=flag_value(defaults.dpu),
                        help="delayed parameter updates: average and step in the background while the next epoch "
                             "computes on the previous parameters")
+    group.add_argument("--dpu-lookahead", choices=tuple(SWITCH), default=flag_value(defaults.dpu_lookahead),
+                       help="with --dpu on: each worker computes the next epoch where a step on its own gradients "
+                            "would take the stage, instead of on the parameters before the step in flight; the "
+                            "stage still steps on its averaged gradients")
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="what the stages compute in: fp32, or bf16 or fp16 under autocast (fp16 with a dynamic "
                             "loss scale); master weights, optimizer state and the wire stay fp32 either way")
@@ -173,7 +178,7 @@ def compute_args(args: argparse.Namespace) -> list[str]:
 
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:
     """The RunConfig fields of `add_optimization_flags`."""
-    return {name: SWITCH[getattr(args, name)] if name in ("dpu", "offload_optimizer") else getattr(args, name)
+    return {name: SWITCH[getattr(args, name)] if name in ("dpu", "dpu_lookahead", "offload_optimizer") else getattr(args, name)
             for name in OPTIMIZATION_FIELDS}
 
 

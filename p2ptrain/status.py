@@ -34,13 +34,16 @@ JSON fields (stable; later tools and outside checks read them):
                            if none yet
   epochs                 [{epoch, loss, tokens_per_s, seconds, abandoned, microbatches_retrained, lr, eval_loss,
                            loss_scale,
-                           stages: [{stage, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
+                           stages: [{stage, reported, rows_in_batch, rows_averaged, tasks_redone, rows_recomputed,
                                      rows_dropped, workers_lost, workers_joined, rounds_failed, steps_unclipped,
                                      steps_skipped, digests, digests_agree, averaging_bytes}]}] oldest first (lr: the
                            learning rate of its step; loss_scale: with --precision fp16, the loss scale its
                            gradients were computed at, else null),
                            of the epochs the peers' records carry: each keeps its newest epochs that fit in a small
                            DHT value (20 or more; a reader that polls keeps the rest, `History`):
+                           reported: whether the stage's FS has published its counts of the epoch yet (records
+                             are refreshed every few seconds, and a stage may close an epoch after the last stage
+                             did): until then the stage's counts below are 0, and the table shows "-";
                            rows_in_batch: rows of the global batch that entered the stage;
                            rows_averaged: rows whose gradients reached the stage's averaged optimizer step: the
                              rows the FS handed to the epoch's averaging group, less those of any worker that
@@ -267,7 +270,7 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             "abandoned": epoch in abandoned, "microbatches_retrained": retrained.get(epoch, 0), "lr": rates.get(epoch),
             "eval_loss": evals.get(epoch), "loss_scale": scales.get(epoch),
             "closed": len(closed_at[epoch]) == num_stages and epoch in loss and epoch not in abandoned,
-            "stages": [{"stage": stage, "rows_in_batch": rows_in[(epoch, stage)],
+            "stages": [{"stage": stage, "reported": stage in closed_at[epoch], "rows_in_batch": rows_in[(epoch, stage)],
                         # a round's rows lost are of its interval with --average-every: never below 0
                         "rows_averaged": max(averaged[(epoch, stage)] - died[(epoch, stage)], 0),
                         "tasks_redone": redone[(epoch, stage)],
@@ -309,8 +312,8 @@ def render(report: dict) -> str:
                         if stage.get("unauthorized") else ""))
     lines.append("  epoch    loss  tokens/s  " + "  ".join(f"s{s['stage']} rows/avg/redo" for s in report["stages"]))
     for epoch in report["epochs"][-10:]:
-        cells = "  ".join(f"{s['rows_in_batch']:>6}/{s['rows_averaged']:<4}/{s['tasks_redone']:<3}"
-                          for s in epoch["stages"])
+        cells = "  ".join(f"{s['rows_in_batch']:>6}/{s['rows_averaged']:<4}/{s['tasks_redone']:<3}" if s["reported"]
+                          else f"{'-':>6} {'':<4} {'':<3}" for s in epoch["stages"])
         loss = f"{epoch['loss']:.4f}" if epoch["loss"] is not None else "-"
         speed = f"{epoch['tokens_per_s']:.0f}" if epoch["tokens_per_s"] else "-"
         lines.append(f"  {epoch['epoch']:>5}  {loss:>6}  {speed:>8}  {cells}"

@@ -7,11 +7,18 @@ slowdown is a second per epoch against epochs of about as much compute, far abov
 DPU saves on an ordinary swarm is benchmarks/dataplane.py's to say)."""
 from __future__ import annotations
 
+import asyncio
 import statistics
 
 import pytest
+import torch
 
-from p2ptrain.client.worker import SLOW_AVERAGING_S
+from p2ptrain.client.averaging import StageAllReduce
+from p2ptrain.client.worker import SLOW_AVERAGING_S, Worker
+from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.models import build_stage
+from p2ptrain.protocol.messages import GroupMember
+from p2ptrain.transport import Caller
 
 EPOCHS = 7
 RECIPE = ["--model", "llama-tiny", "--num-stages", "2", "--batch-rows", "8", "--microbatches", "4",
@@ -52,3 +59,35 @@ def test_delayed_updates_hide_slow_averaging_average_every_row_keep_replicas_equ
     print(f"seconds per epoch (median after the first), slow averaging +{SLOW_AVERAGING_S} s per round: "
           f"dpu off {off:.2f}, dpu on {on:.2f}")
     assert on < off, (on, off, [e["seconds"] for e in report["epochs"]], [e["seconds"] for e in without["epochs"]])
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_worker_computes_the_epoch_after_a_delayed_step_before_it_or_looking_ahead_where_it_lands(lookahead: bool):
+    """A worker alone in its stage: its gradient is the stage's, so its look-ahead lands exactly where the step in
+    flight does, while plain DPU computes the next epoch on the parameters from before the step."""
+    config = RunConfig(num_stages=2, rows_per_microbatch=2, microbatches=1, seq_len=8, dpu=True,
+                       dpu_lookahead=lookahead)
+    start, end = config.stage_layers(0)
+    caller = Caller(p2p=None, peer_id="w", codec="none", timeout=1.0)
+    worker = Worker(worker_id="w", stage=0, config=config, settings=RuntimeConfig(), caller=caller,
+                    model=build_stage(config.model_config, start=start, end=end, seed=config.seed),
+                    averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=0, timeout=1.0, caller=caller),
+                    servers=lambda: ([], []), compute=1.0)
+    generator = torch.Generator().manual_seed(3)
+    for accumulated in worker.accumulated:
+        accumulated.copy_(torch.randn(accumulated.shape, generator=generator))
+    worker.rows_accumulated = config.rows_per_microbatch
+    before = [param.detach().clone() for param in worker.model.parameters()]
+
+    async def step() -> list[torch.Tensor]:
+        await worker._step((GroupMember(peer_id="w", client_mode=False),))
+        computes_on = [param.detach().clone() for param in worker.model.parameters()]
+        assert worker.master.epoch == 0  # the step is still in flight
+        await worker.settle()
+        return computes_on
+
+    computes_on = asyncio.run(step())
+    assert worker.master.epoch == 1
+    stepped = list(worker.master.module.parameters())
+    assert all(torch.equal(mine, param) for mine, param in zip(computes_on, stepped if lookahead else before))
+    assert not any(torch.equal(old, new) for old, new in zip(before, stepped))

@@ -7,7 +7,7 @@ import pickle
 
 from p2ptrain.dht.records import EpochMetrics, Metrics
 from p2ptrain.node.metrics import HISTORY, MAX_RECORD_BYTES, fit
-from p2ptrain.status import History, _epochs
+from p2ptrain.status import History, _epochs, render
 from p2ptrain.traffic import KINDS
 
 PEER = "12D3KooW" + "x" * 44
@@ -67,3 +67,15 @@ def test_an_epoch_counts_as_abandoned_only_if_no_stage_stepped_on_it():
     epochs = _epochs([fs0, fs1], 2)
     assert [(e["epoch"], e["abandoned"], e["closed"]) for e in epochs] == [(0, False, True), (1, True, False),
                                                                          (2, False, True)]
+
+
+def test_a_stage_whose_fs_has_not_published_an_epoch_yet_is_shown_as_not_reported_not_as_rows_lost():
+    # the last stage closed epoch 2 and published it; stage 0's FS has not refreshed its record since epoch 1
+    fs0 = Metrics(peer_id="fs0", stage=0, role="fs", epoch=1, updated=1.0, per_epoch=[entry(0), entry(1)])
+    fs1 = Metrics(peer_id="fs1", stage=1, role="fs", epoch=2, updated=1.0, per_epoch=[entry(0), entry(1), entry(2)])
+    epochs = _epochs([fs0, fs1], 2)
+    assert [[s["reported"] for s in e["stages"]] for e in epochs] == [[True, True], [True, True], [False, True]]
+    report = {"run_id": "run", "epoch": 1, "epochs_planned": 3, "loss": 2.5, "tokens_per_s": None, "finished": False,
+              "stages": [], "epochs": epochs}
+    *_, shown = render(report).splitlines()
+    assert shown.split()[:5] == ["2", "2.5000", "-", "-", "16/16"], shown

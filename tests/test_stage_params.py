@@ -141,3 +141,33 @@ def test_a_holder_with_no_rows_holds_its_epoch_without_a_step():
     assert a.epoch == 1 and all(torch.equal(x, y) for x, y in zip(before, a.trainable)) and not a.optimizer.state
     a.skip(0)  # once only
     assert a.epoch == 1
+
+
+def same(a: object, b: object) -> bool:
+    """Whether two optimizer states hold equal values (bitsandbytes nests its tensors in dicts)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "lamb"])
+def test_a_look_ahead_gives_the_model_the_step_and_leaves_the_master_and_its_optimizer_as_they_were(optimizer: str):
+    config = dataclasses.replace(CONFIG, optimizer=optimizer)
+    for first in (True, False):  # before the optimizer has any state, and after
+        a, b = holder(config), holder(config)
+        if not first:
+            a.step(grads(a, 0), epoch=0)
+            b.step(grads(b, 0), epoch=0)
+        epoch, model_state, optimizer_state = a.snapshot()
+        into = build_stage(config.model_config, start=0, end=config.stage_layers(0)[1], seed=99)
+        a.look_ahead(grads(a, 1), epoch=epoch, into=into)
+        assert a.epoch == epoch and a.digest() == b.digest()
+        assert same(a.snapshot()[2], optimizer_state)
+        b.step(grads(b, 1), epoch=epoch)  # what the look-ahead gave `into`: the step itself
+        assert all(torch.equal(mine, stepped) for mine, stepped in zip(into.parameters(), b.module.parameters()))
+        a.step(grads(a, 1), epoch=epoch)  # and the master steps on from where it stood
+        assert a.digest() == b.digest()

@@ -10,6 +10,11 @@ stages, at the learning rate of the epoch); the model takes the master's paramet
 delayed parameter updates (`RunConfig.dpu`, the paper's §3.2.1) the averaging and the step run in the background
 while the next epoch computes on the parameters from before them, and the model takes them at the end of that next
 epoch: one epoch of staleness, and no stall at the boundary. Without, the worker waits for them before it goes on.
+With `RunConfig.dpu_lookahead` the next epoch computes instead where a step on the worker's own mean gradient would
+take the master copy (`StageParams.look_ahead`, from the same optimizer state), close to where the stage's step in
+flight takes it with the averaged gradient: only the gap between this worker's gradient and the stage's is late.
+Why it matters: in a linear model, Adam's momentum (β1 0.9) is stable up to a curvature of 38/lr with fresh
+gradients and only about 1/lr with gradients one step late, and Adam trains near that edge.
 With `RunConfig.average_every` H > 1 (DiLoCo) a worker steps the master copy on its own gradients at every epoch, and
 the stage averages only at the last epoch of every H: how far each holder moved since the last round, weighted by
 the rows it computed meanwhile, on which the outer optimizer steps (`StageParams.outer_step`).
@@ -130,6 +135,7 @@ class Worker:
         # running stage's are downloaded only if it finds the stage further on (catch-up)
         self.master.loaded = pretrained
         self._update: asyncio.Task | None = None  # the averaging and step of the last closed epoch, with DPU
+        self._clip_scale = 1.0  # the factor the last step's global norm clipped the stage's gradients by
         self._averaging_with: frozenset[str] = frozenset()  # the group of the all-reduce under way
         self._stale = False  # a round failed and this worker did not step: it reloads the stage's state
         self.servers, self.compute, self.client_mode, self.fault = servers, compute, client_mode, fault
@@ -504,6 +510,9 @@ class Worker:
         update = self._average_and_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
                                         overflow=overflow, deposited=True)
         if self.config.dpu:
+            if self.config.dpu_lookahead and rows:
+                # this worker's mean gradient estimates the stage's, and the last step's clipping the global norm's
+                self.master.look_ahead([grad * self._clip_scale for grad in grads], epoch=epoch, into=self.model)
             self._update = asyncio.create_task(update)
         else:
             await update
@@ -619,6 +628,7 @@ class Worker:
         """Step the master copy on the stage's averaged gradients, clipped by the global norm; with an outer
         optimizer, the outer step on the averaged pseudo-gradients (its inner step on `epoch` was taken already)."""
         scale = clip_coefficient(norm, self.config.clip_norm) if norm is not None else 1.0
+        self._clip_scale = scale
         grads = [grad * scale for grad in averaged] if scale < 1.0 else averaged
         if self.master.outer is not None:
             self.master.outer_step(grads)

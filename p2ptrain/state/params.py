@@ -117,6 +117,30 @@ class StageParams:
     def step(self, grads: list[torch.Tensor], *, epoch: int) -> float:
         """Step on the stage's gradients of `epoch` (averaged, and scaled by any clipping), at the schedule's
         learning rate of that epoch, which it returns; the state is then current for `epoch + 1`."""
+        lr = self._optimizer_step(grads, epoch=epoch)
+        self._set_epoch(epoch + 1)
+        return lr
+
+    def look_ahead(self, grads: list[torch.Tensor], *, epoch: int, into: torch.nn.Module) -> None:
+        """Give `into` the parameters a step on `grads` of `epoch` would reach, and leave the master copy and its
+        optimizer state as they were: whatever the optimizer, it steps, and its parameters and state are put back.
+        Costs a copy of the parameters and of the optimizer state while it runs."""
+        with torch.no_grad():
+            params = [param.clone() for param in self.trainable]
+            state = {param: {key: value.clone() if torch.is_tensor(value) else copy.copy(value)
+                             for key, value in entries.items()}
+                     for param, entries in self.optimizer.state.items()}
+            self._optimizer_step(grads, epoch=epoch)
+            self.copy_to(into)
+            for param, kept in zip(self.trainable, params):
+                param.copy_(kept)
+            for param in list(self.optimizer.state):
+                if param in state:
+                    self.optimizer.state[param] = state[param]
+                else:  # the step made the state of a parameter that had none
+                    del self.optimizer.state[param]
+
+    def _optimizer_step(self, grads: list[torch.Tensor], *, epoch: int) -> float:
         lr = self.schedule.at(epoch)
         for param, grad in zip(self.trainable, grads):
             param.grad = grad.to(param.device)
@@ -124,7 +148,6 @@ class StageParams:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._set_epoch(epoch + 1)
         return lr
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
