@@ -178,7 +178,8 @@ def compute_args(args: argparse.Namespace) -> list[str]:
 
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:
     """The RunConfig fields of `add_optimization_flags`."""
-    return {name: SWITCH[getattr(args, name)] if name in ("dpu", "dpu_lookahead", "offload_optimizer") else getattr(args, name)
+    # a switch is a field whose default is a bool, as `flag_value` writes it
+    return {name: SWITCH[getattr(args, name)] if isinstance(getattr(RunConfig, name), bool) else getattr(args, name)
             for name in OPTIMIZATION_FIELDS}
 
 

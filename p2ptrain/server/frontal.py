@@ -523,7 +523,7 @@ class FrontalServer(StageServer[FrontalState]):
             if self.is_last:
                 self.state.pool.add(task, again=True)
                 self.news.set()
-            else:  # not the result's issuer: this FS issued a redo, whose worker may be the one gone now
+            else:  # from the BS that keeps the rows' output gradients (a redo's result came from this FS's own task)
                 bs = self._bs_of(state.microbatches[(epoch, result.microbatch)], result.rows)
                 self.spawn(self._fetch_output_grads(task, bs=bs), what=f"redo {task.task_id}")
 
