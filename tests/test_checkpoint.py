@@ -3,7 +3,6 @@ corrupt or mismatched one is refused with a message naming the file and what dif
 and a swarm whose peers are all SIGKILLed and started again with the same commands resumes at the saved epoch."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -18,39 +17,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2ptrain.client.averaging import StageAllReduce
 from p2ptrain.client.worker import Worker
-from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.config import RunConfig
 from p2ptrain.launch import Swarm
-from p2ptrain.models import build_stage
-from p2ptrain.protocol.messages import GroupMember
 from p2ptrain.state.checkpoint import CheckpointError, load_checkpoint, manifests, save_checkpoint
-from p2ptrain.transport import Caller
+from tests.lone import give_gradients, lone_worker, stepped_alone
 
 CONFIG = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
 
 
 def make_worker(config: RunConfig = CONFIG, stage: int = 0) -> Worker:
-    start, end = config.stage_layers(stage)
-    model = build_stage(config.model_config, start=start, end=end, seed=config.seed)
-    caller = Caller(p2p=None, peer_id="w", codec="none", timeout=10.0)
-    return Worker(worker_id="w", stage=stage, config=config, settings=RuntimeConfig(), model=model,
-                  averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=stage, timeout=1.0, caller=caller),
-                  caller=caller, servers=lambda: ([], []), compute=1e9)
+    return lone_worker(config, stage=stage)
 
 
 def stepped_worker() -> Worker:
     worker = make_worker()
-    for accumulated in worker.accumulated:
-        accumulated.normal_()
-    worker.rows_accumulated = CONFIG.rows_per_microbatch
-
-    async def step() -> None:
-        await worker._step((GroupMember(peer_id="w", client_mode=False),))
-        await worker.settle()
-
-    asyncio.run(step())
-    return worker
+    give_gradients(worker, seed=0)
+    return stepped_alone(worker)
 
 
 def save(worker: Worker, folder: Path, *, config: RunConfig = CONFIG, epoch: int | None = None) -> Path:

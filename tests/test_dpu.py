@@ -13,12 +13,9 @@ import statistics
 import pytest
 import torch
 
-from p2ptrain.client.averaging import StageAllReduce
-from p2ptrain.client.worker import SLOW_AVERAGING_S, Worker
-from p2ptrain.config import RunConfig, RuntimeConfig
-from p2ptrain.models import build_stage
-from p2ptrain.protocol.messages import GroupMember
-from p2ptrain.transport import Caller
+from p2ptrain.client.worker import SLOW_AVERAGING_S
+from p2ptrain.config import RunConfig
+from tests.lone import give_gradients, lone_worker, step_alone
 
 EPOCHS = 7
 RECIPE = ["--model", "llama-tiny", "--num-stages", "2", "--batch-rows", "8", "--microbatches", "4",
@@ -67,20 +64,12 @@ def test_a_worker_computes_the_epoch_after_a_delayed_step_before_it_or_looking_a
     flight does, while plain DPU computes the next epoch on the parameters from before the step."""
     config = RunConfig(num_stages=2, rows_per_microbatch=2, microbatches=1, seq_len=8, dpu=True,
                        dpu_lookahead=lookahead)
-    start, end = config.stage_layers(0)
-    caller = Caller(p2p=None, peer_id="w", codec="none", timeout=1.0)
-    worker = Worker(worker_id="w", stage=0, config=config, settings=RuntimeConfig(), caller=caller,
-                    model=build_stage(config.model_config, start=start, end=end, seed=config.seed),
-                    averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=0, timeout=1.0, caller=caller),
-                    servers=lambda: ([], []), compute=1.0)
-    generator = torch.Generator().manual_seed(3)
-    for accumulated in worker.accumulated:
-        accumulated.copy_(torch.randn(accumulated.shape, generator=generator))
-    worker.rows_accumulated = config.rows_per_microbatch
+    worker = lone_worker(config)
+    give_gradients(worker, seed=3)
     before = [param.detach().clone() for param in worker.model.parameters()]
 
     async def step() -> list[torch.Tensor]:
-        await worker._step((GroupMember(peer_id="w", client_mode=False),))
+        await step_alone(worker)
         computes_on = [param.detach().clone() for param in worker.model.parameters()]
         assert worker.master.epoch == 0  # the step is still in flight
         await worker.settle()

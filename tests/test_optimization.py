@@ -114,35 +114,17 @@ def test_lamb_steps_and_its_state_travels_to_a_stage_mate():
 def test_a_worker_that_hears_no_global_norm_in_time_steps_unclipped_and_says_so(caplog):
     """With --clip-norm, a stage whose data source never answers with the global norm waits the averaging timeout,
     then steps on its averaged gradients as they are (not clipped by its own norm, which no other stage shares)."""
-    import asyncio
     import dataclasses
 
-    from p2ptrain.client.averaging import StageAllReduce
     from p2ptrain.client.worker import Worker
     from p2ptrain.config import RuntimeConfig
-    from p2ptrain.models import build_stage
-    from p2ptrain.protocol.messages import GroupMember
-    from p2ptrain.transport import Caller
+    from tests.lone import give_gradients, lone_worker, stepped_alone
 
     def stepped(config: RunConfig) -> Worker:
-        start, end = config.stage_layers(0)
-        caller = Caller(p2p=None, peer_id="w", codec="none", timeout=1.0)
         settings = dataclasses.replace(RuntimeConfig(), averaging_timeout_s=0.3, norm_poll_s=0.05)
-        worker = Worker(worker_id="w", stage=0, config=config, settings=settings, caller=caller,
-                        model=build_stage(config.model_config, start=start, end=end, seed=config.seed),
-                        averager=StageAllReduce(p2p=None, run_id=config.run_id, stage=0, timeout=1.0, caller=caller),
-                        servers=lambda: ([], []), compute=1.0, norm_keeper=lambda: None)
-        generator = torch.Generator().manual_seed(1)
-        for accumulated in worker.accumulated:
-            accumulated.copy_(100.0 * torch.randn(accumulated.shape, generator=generator))  # far above the clip norm
-        worker.rows_accumulated = config.rows_per_microbatch
-
-        async def step() -> None:
-            await worker._step((GroupMember(peer_id="w", client_mode=False),))
-            await worker.settle()
-
-        asyncio.run(step())
-        return worker
+        worker = lone_worker(config, settings=settings, norm_keeper=lambda: None)
+        give_gradients(worker, seed=1, scale=100.0)  # far above the clip norm
+        return stepped_alone(worker)
 
     recipe = {"num_stages": 2, "rows_per_microbatch": 2, "microbatches": 1, "seq_len": 8}
     with caplog.at_level("WARNING"):
