@@ -55,13 +55,15 @@ def kill_mid_epoch(swarm, name: str, *, after: int, timeout: float = 240, into_s
     process = swarm.processes.pop(name)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    kept = len(killed_logs(swarm, name))
+    kept = len(list(swarm.workdir.glob(f"{name}.killed*.log")))
     os.rename(swarm.workdir / f"{name}.log", swarm.workdir / f"{name}.killed{f'.{kept + 1}' if kept else ''}.log")
 
 
 def killed_logs(swarm, name: str) -> list[str]:
     """The logs of a peer's killed runs, oldest first."""
-    return [path.read_text() for path in sorted(swarm.workdir.glob(f"{name}.killed*.log"), key=lambda p: len(p.name))]
+    # by length first: NAME.killed.log, then .killed.2.log ... .killed.9.log, then .killed.10.log
+    paths = sorted(swarm.workdir.glob(f"{name}.killed*.log"), key=lambda p: (len(p.name), p.name))
+    return [path.read_text() for path in paths]
 
 
 def open_at_death(killed: str) -> set[int]:
