@@ -18,8 +18,8 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
 - dpu (on request): the same swarm with delayed parameter updates;
-- dpu-lookahead (on request): the same, each worker computing the next epoch where a step on its own gradients takes
-  the stage (`--dpu-lookahead on`);
+- dpu-lookahead (on request): the same, each worker computing the next epoch where a step on the mean of its stage's
+  deposited gradients takes the stage (`--dpu-lookahead on`);
 - one-late, one-late-from-N, one-predict-A (on request): one process that computes each epoch's gradient on the
   parameters from before the last step, as a worker with delayed updates does: from the start, from epoch N on, or
   with those parameters extrapolated by A times the last update (weight prediction); what staleness alone costs;
@@ -266,7 +266,8 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                  "extrapolated by A times the last update (weight prediction); swarm = the swarm (averaging in fp32); int8 = "
                  "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
                  "restarted; dpu = the swarm with delayed parameter updates; dpu-lookahead = the same, each worker "
-                 "computing the next epoch where a step on its own gradients takes the stage; int8-averaging, fp16-averaging = the "
+                 "computing the next epoch where a step on the mean of its stage's deposited gradients takes the stage; "
+                 "int8-averaging, fp16-averaging = the "
                  "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "
                  f"epochs (DiLoCo, outer lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}), "
                  "unclipped.")

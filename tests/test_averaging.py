@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 
 import pytest
@@ -188,6 +189,54 @@ def test_a_worker_alone_with_the_server_holding_its_deposit_steps_on_the_deposit
                 assert all(result.ok and result.group_size == 2 for _, result in rounds)
                 first = rounds[0][0]
                 assert all(torch.equal(tensor, same) for averaged, _ in rounds for tensor, same in zip(averaged, first))
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_the_server_holding_a_stages_deposits_hands_its_depositors_their_mean(codec: str):
+    """What a worker looks ahead to under DPU (`client.worker`): the server that holds the stage's deposits of an
+    epoch hands each depositor the mean of the group's, weighted by their rows, the same bytes to each, in int8,
+    within its error of the round's average; a server that computes takes it without a call. A peer that deposited
+    nothing of the epoch gets none, and neither does an epoch nobody deposited."""
+    async def scenario() -> None:
+        async with members(3, codec, server=True) as (server, first, second):
+            grads, rows = draws(3), [4, 2, 6]
+            group = tuple(GroupMember(peer_id=a.caller.peer_id, client_mode=False, rows=r)
+                          for a, r in zip((server, first, second), rows))
+            for member, own, r in zip((server, first, second), grads, rows):
+                assert await member.deposit(server.caller.peer_id, own, epoch=7, rows=r)
+            means = [await member.stage_mean(grads[0], epoch=7, group=group) for member in (server, first, second)]
+            travelled = [[decode(encode(g, codec)) for g in own] for own in grads]
+            expected = torch.cat([t.reshape(-1) for t in weighted_mean(travelled, rows)])
+            # the deposits travel in the run's codec, the mean in int8 (the server's own, computed here, does not)
+            tolerance = int8_error_bound() * float(expected.abs().max()) + 1e-6
+            largest = max(float(t.abs().max()) for own in grads for t in own)
+            in_round = 1e-5 if codec == "none" else 2 * int8_error_bound() * largest  # its parts and shares in int8
+            for mean, covered in means:
+                assert covered == sum(rows)
+                assert [t.shape for t in mean] == [t.shape for t in grads[0]]
+                flat = torch.cat([t.reshape(-1) for t in mean])
+                assert torch.allclose(flat, expected, atol=tolerance, rtol=0)
+            assert all(torch.equal(a, b) for mean, _ in means[1:] for a, b in zip(mean, means[1][0]))
+            averaged = await asyncio.wait_for(asyncio.gather(*(
+                member.average(own, epoch=7, rows=r, group=group)
+                for member, own, r in zip((server, first, second), grads, rows))), 60)
+            assert all(result.ok for _, result in averaged)
+            for tensor, own in zip(averaged[1][0], means[1][0]):
+                assert torch.allclose(tensor, own, atol=tolerance + in_round, rtol=0)
+
+        async with members(2, codec, server=True) as (server, worker):
+            own = draws(1)[0]
+            group = tuple(GroupMember(peer_id=a.caller.peer_id, client_mode=False, rows=r)
+                          for a, r in ((server, 2), (worker, 3)))
+            assert await worker.stage_mean(own, epoch=2, group=group) is None  # it deposited nothing
+            worker._deposited[2] = (3, server.caller.peer_id)  # as if it had: the server still holds nothing
+            assert await worker.stage_mean(own, epoch=2, group=group) is None
+            alone = (dataclasses.replace(group[0], rows=0), group[1])  # its rows are the stage's: no call
+            mean, covered = await worker.stage_mean(own, epoch=2, group=alone)
+            assert mean is own and covered == 3
 
     asyncio.run(scenario())
 

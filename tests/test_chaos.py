@@ -62,10 +62,12 @@ def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("dpu", ["off", "on"])
 def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm, dpu: str):
-    """With delayed parameter updates too (issue 21): a worker killed while its step runs in the background loses
-    nothing either, and its restart loads the stage's state from a mate whose update in flight settled first."""
+    """With delayed parameter updates too (issue 21), and their look-ahead on the stage's deposited gradients: a
+    worker killed while its step runs in the background loses nothing either, and its restart loads the stage's
+    state from a mate whose update in flight settled first."""
     rng = random.Random(7)
-    swarm = start_swarm(make_swarm, f"chaos-dpu-{dpu}", [*RECIPE, "--dpu", dpu], epochs=EPOCHS)
+    lookahead = ["--dpu-lookahead", "on"] if dpu == "on" else []
+    swarm = start_swarm(make_swarm, f"chaos-dpu-{dpu}", [*RECIPE, "--dpu", dpu, *lookahead], epochs=EPOCHS)
 
     kills: list[tuple[str, int]] = []  # (client, epoch closed when it died)
     joined, restarts = set(), 0
@@ -122,6 +124,9 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm, dpu: st
     assert all(stage["state"] == "training" for stage in report["stages"]), report["stages"]
     losses = [e["loss"] for e in report["epochs"]]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    if lookahead:
+        worker_logs = "".join(log.read_text() for log in swarm.workdir.glob("c*.log"))
+        assert "looking ahead from epoch" in worker_logs and "on the stage's mean gradient" in worker_logs
 
 
 @pytest.mark.timeout(420)

@@ -10,9 +10,12 @@ stages, at the learning rate of the epoch); the model takes the master's paramet
 delayed parameter updates (`RunConfig.dpu`, the paper's §3.2.1) the averaging and the step run in the background
 while the next epoch computes on the parameters from before them, and the model takes them at the end of that next
 epoch: one epoch of staleness, and no stall at the boundary. Without, the worker waits for them before it goes on.
-With `RunConfig.dpu_lookahead` the next epoch computes instead where a step on the worker's own mean gradient would
-take the master copy (`StageParams.look_ahead`, from the same optimizer state), close to where the stage's step in
-flight takes it with the averaged gradient: only the gap between this worker's gradient and the stage's is late.
+With `RunConfig.dpu_lookahead` the next epoch computes instead where a step on the stage's mean gradient would take
+the master copy (`StageParams.look_ahead`, from the same optimizer state), close to where the stage's step in flight
+takes it: the mean of the stage's deposits (`GradientDeposits`, one more transfer of the gradients, from the server
+that holds them, before the next epoch), or the worker's own gradient where no mean comes. Only the clipping, taken
+from the last step's global norm, and what the deposits miss (a codec's error, a mate that died) are late; on its own
+gradient, the gap between it and the stage's is late too, which at 2 workers a stage cost 3.7% of held-out loss.
 Why it matters: in a linear model, Adam's momentum (β1 0.9) is stable up to a curvature of 38/lr with fresh
 gradients and only about 1/lr with gradients one step late, and Adam trains near that edge.
 With `RunConfig.average_every` H > 1 (DiLoCo) a worker steps the master copy on its own gradients at every epoch, and
@@ -511,8 +514,16 @@ class Worker:
                                         overflow=overflow, deposited=True)
         if self.config.dpu:
             if self.config.dpu_lookahead and rows:
-                # this worker's mean gradient estimates the stage's, and the last step's clipping the global norm's
-                self.master.look_ahead([grad * self._clip_scale for grad in grads], epoch=epoch, into=self.model)
+                # the stage's mean gradient, from its deposits, or else this worker's own estimates what the round
+                # averages; the last step's clipping estimates the global norm's
+                asked = time.monotonic()
+                stage_mean = await self.averager.stage_mean(grads, epoch=epoch, group=group)
+                ahead = stage_mean[0] if stage_mean is not None else grads
+                logger.info(f"worker {self.worker_id}: looking ahead from epoch {epoch} on "
+                            + (f"the stage's mean gradient over {stage_mean[1]} rows" if stage_mean is not None
+                               else f"its own gradient over {rows} rows")
+                            + f" (asked for in {time.monotonic() - asked:.3f} s)")
+                self.master.look_ahead([grad * self._clip_scale for grad in ahead], epoch=epoch, into=self.model)
             self._update = asyncio.create_task(update)
         else:
             await update

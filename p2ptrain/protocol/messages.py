@@ -590,6 +590,33 @@ class DepositGrads(Request):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StageMean(Message):
+    """The mean of a stage's deposited gradients of an epoch (`TakeStageMean`): over `rows`, in the deposits' flat
+    float32 layout."""
+
+    rows: RowCount
+    grads: Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class TakeStageMean(Request):
+    """A worker asks the server it deposited its gradients of `epoch` with for the mean of `peers`' deposits there,
+    weighted by their rows: where it looks ahead to while its stage's round and step run (DPU with a look-ahead,
+    `client.worker`)."""
+
+    method: ClassVar[str] = "rpc_stage_mean"
+    traffic: ClassVar[str] = "averaging"
+    reply: ClassVar[type[Message]] = StageMean
+
+    epoch: Epoch
+    peers: tuple[PeerId, ...]
+
+    def check(self, path: str) -> None:
+        if not 1 <= len(self.peers) <= MAX_GROUP:
+            raise MessageError(f"{path}.peers: expected 1 to {MAX_GROUP} workers, got {len(self.peers)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvalLoss(Message):
     """The summed token loss of held-out rows and how many tokens it sums over."""
 
