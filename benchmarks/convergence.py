@@ -17,9 +17,11 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
   (`--averaging-codec`; the other swarms average in fp32);
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
-- dpu (on request): the same swarm with delayed parameter updates;
-- dpu-lookahead (on request): the same, each worker computing the next epoch where a step on the mean of its stage's
-  deposited gradients takes the stage (`--dpu-lookahead on`);
+- dpu (on request): the same swarm with delayed parameter updates (`--dpu on`), each worker computing the next epoch
+  where a step on the mean of its stage's deposited gradients takes the stage (`--dpu-lookahead on`, DPU's default);
+  dpu-lookahead is the same run under its earlier name;
+- dpu-plain (on request): the same without the look-ahead (`--dpu-lookahead off`): the next epoch computes on the
+  parameters before the step in flight;
 - one-late, one-late-from-N, one-predict-A (on request): one process that computes each epoch's gradient on the
   parameters from before the last step, as a worker with delayed updates does: from the start, from epoch N on, or
   with those parameters extrapolated by A times the last update (weight prediction); what staleness alone costs;
@@ -57,7 +59,8 @@ from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-RUNS = ("one", "swarm", "int8", "churn", "dpu", "dpu-lookahead", "int8-averaging", "fp16-averaging", "average-every-8")
+RUNS = ("one", "swarm", "int8", "churn", "dpu", "dpu-lookahead", "dpu-plain", "int8-averaging", "fp16-averaging",
+        "average-every-8")
 DEFAULT_RUNS = ("one", "swarm", "int8", "churn")
 STALE_RUNS = ("one-late", "one-late-from-N", "one-predict-A")
 
@@ -265,9 +268,9 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                  "one-late-from-N = the same from epoch N on; one-predict-A = one-late whose parameters are "
                  "extrapolated by A times the last update (weight prediction); swarm = the swarm (averaging in fp32); int8 = "
                  "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
-                 "restarted; dpu = the swarm with delayed parameter updates; dpu-lookahead = the same, each worker "
-                 "computing the next epoch where a step on the mean of its stage's deposited gradients takes the stage; "
-                 "int8-averaging, fp16-averaging = the "
+                 "restarted; dpu, dpu-lookahead = the swarm with delayed parameter updates, each worker computing the "
+                 "next epoch where a step on the mean of its stage's deposited gradients takes the stage; dpu-plain = "
+                 "the same without that look-ahead, on the parameters before the step in flight; int8-averaging, fp16-averaging = the "
                  "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "
                  f"epochs (DiLoCo, outer lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}), "
                  "unclipped.")
@@ -339,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
                 results[name] = one_process(base, args.epochs, args.eval_every, windows, **(staleness(name) or {}))
                 continue
             config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}",
-                                  "dpu": name.startswith("dpu"), "dpu_lookahead": name == "dpu-lookahead",
+                                  "dpu": name.startswith("dpu"), "dpu_lookahead": name != "dpu-plain",
                                   "compression": "int8" if name == "int8" else "none",
                                   "averaging_codec": name.removesuffix("-averaging") if name.endswith("-averaging")
                                   else "fp32",

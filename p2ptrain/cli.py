@@ -131,9 +131,10 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
                        help="delayed parameter updates: average and step in the background while the next epoch "
                             "computes on the previous parameters")
     group.add_argument("--dpu-lookahead", choices=tuple(SWITCH), default=flag_value(defaults.dpu_lookahead),
-                       help="with --dpu on: each worker computes the next epoch where a step on its own gradients "
-                            "would take the stage, instead of on the parameters before the step in flight; the "
-                            "stage still steps on its averaged gradients")
+                       help="with --dpu on: each worker computes the next epoch where a step on its stage's mean "
+                            "gradient (from the server holding the stage's deposits) would take the stage, instead "
+                            "of on the parameters before the step in flight; the stage still steps on the round's "
+                            "average")
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="what the stages compute in: fp32, or bf16 or fp16 under autocast (fp16 with a dynamic "
                             "loss scale); master weights, optimizer state and the wire stay fp32 either way")

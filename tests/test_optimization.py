@@ -80,7 +80,6 @@ def test_the_loss_scale_halves_after_an_overflow_and_doubles_after_a_run_of_clea
     ({"outer_momentum": 1.0}, "outer_momentum", r"\[0, 1\)"),
     ({"average_every": 4, "clip_norm": 1.0}, "clip_norm", "cannot clip with average_every > 1"),
     ({"average_every": 4, "dpu": True}, "dpu", "for average_every = 1"),
-    ({"dpu_lookahead": True}, "dpu_lookahead", "turn dpu on"),
 ])
 def test_the_recipe_refuses_optimization_settings_that_cannot_work(fields, field, problem):
     with pytest.raises(ConfigError, match=problem) as error:
