@@ -160,3 +160,14 @@ def test_check_tensor() -> None:
     with pytest.raises(BadTensorError, match=r"outputs.*1 NaN/Inf"):
         check_tensor(x, shape=(2, 3), dtype=torch.float32, what="outputs")
     assert issubclass(BadTensorError, ValueError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_check_tensor_finds_every_nan_and_inf_and_passes_finite_values_whose_sum_overflows(dtype: torch.dtype) -> None:
+    biggest = torch.finfo(dtype).max
+    huge = torch.full((1000,), biggest, dtype=dtype)  # finite, though their sum is not in any float type
+    check_tensor(huge, shape=(1000,), dtype=dtype, what="huge")
+    for bad, count in (([float("inf"), -float("inf")], 2), ([1.0, float("nan")], 1), ([-float("inf"), 0.0], 1)):
+        values = torch.cat([huge, torch.tensor(bad, dtype=dtype)])
+        with pytest.raises(BadTensorError, match=rf"grads: expected finite values, got {count} NaN/Inf of 1002"):
+            check_tensor(values, shape=(1002,), dtype=dtype, what="grads")
