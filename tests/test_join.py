@@ -155,8 +155,15 @@ def test_clients_without_stage_avoid_the_slow_stage_take_its_state_and_join_its_
         log = (swarm.workdir / f"client-{rule}.log").read_text()
         assert f"joining stage 1 of 2 by the {rule} rule" in log, log[-3000:]
         assert "stage 0: mean bandwidth" in log and "stage 1: mean bandwidth" in log, log[-3000:]
-        # before its first task it took a stage mate's trained state, and its rows enter the stage's average
-        assert "loaded the state of epoch" in log, log[-3000:]
+    deadline = time.monotonic() + 60
+    for rule in ("paper", "cost"):
+        # before its first task it took a stage mate's trained state (it is a worker of the stage once announced,
+        # which is before it asks), and its rows enter the stage's average
+        while "loaded the state of epoch" not in (log := (swarm.workdir / f"client-{rule}.log").read_text()):
+            assert time.monotonic() < deadline and not swarm.failed(), log[-3000:]
+            time.sleep(0.5)
+        first_deposit = log.find("deposited its gradients")
+        assert first_deposit == -1 or log.index("loaded the state of epoch") < first_deposit, log[-3000:]
     deadline = time.monotonic() + 180
     for rule in ("paper", "cost"):
         while not re.search(r"stepped epoch \d+ \([1-9]\d* rows, averaged in a group of [2-9]",

@@ -852,7 +852,7 @@ def test_a_diloco_round_waits_for_a_worker_with_rows_earlier_in_the_interval_tha
     is gone does the round go on without it."""
     async def scenario() -> None:
         clock = Clock()
-        config = dataclasses.replace(CONFIG, average_every=2)
+        config = dataclasses.replace(CONFIG, average_every=2, dpu=False)
         fs, _ = servers(clock=clock, config=config)
         assert await poll(fs, "w1", 0) is None and await poll(fs, "w2", 0) is None
         await feed(fs, 0)

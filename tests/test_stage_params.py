@@ -84,7 +84,7 @@ def test_reached_waits_for_a_step_in_flight_and_no_longer_than_told():
     asyncio.run(main())
 
 
-DILOCO = dataclasses.replace(CONFIG, average_every=4, outer_lr=0.7, outer_momentum=0.9)
+DILOCO = dataclasses.replace(CONFIG, average_every=4, dpu=False, outer_lr=0.7, outer_momentum=0.9)
 
 
 def test_an_outer_step_moves_every_holders_anchor_alike_as_torchs_nesterov_sgd_and_puts_the_parameters_there():
