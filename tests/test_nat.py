@@ -52,7 +52,7 @@ def test_a_swarm_whose_clients_all_dial_out_only_trains_as_one_process(make_swar
 @pytest.mark.timeout(420)
 def test_a_restarted_client_mode_worker_loads_from_the_servers_and_a_failed_round_ends_no_process(make_swarm):
     epochs = 10
-    swarm = make_swarm("natfaults", [*RECIPE, "--averaging-timeout", "5"])
+    swarm = make_swarm("natfaults", [*RECIPE, "--averaging-timeout", "5", "--dpu", "on"])
     client_args = {name: BEHIND_NAT for name in CLIENTS} | {"c1a": [*BEHIND_NAT, "--fault", "failed-averaging"]}
     swarm.start_two_stages(CLIENTS, epochs=epochs, client_args=client_args)
     closed = r"stage 0 FS: epoch (\d+) closed"
@@ -74,7 +74,10 @@ def test_a_restarted_client_mode_worker_loads_from_the_servers_and_a_failed_roun
     log = (swarm.workdir / "c1a.log").read_text()
     assert f"averaging of epoch {FAILED_AVERAGING_EPOCH} failed (RuntimeError('fault failed-averaging" in log, log[-3000:]
     assert swarm.failed() == [] and swarm.processes["c1a"].poll() is None  # it went on taking tasks
-    assert re.search(rf"stage 1 stepped epoch {FAILED_AVERAGING_EPOCH + 2} ", log), log[-3000:]
+    # it steps again once it took a mate's state (which, with DPU, may already hold the step of the epoch after)
+    assert max(int(n) for n in re.findall(r"stage 1 stepped epoch (\d+) ", log)) > FAILED_AVERAGING_EPOCH + 1, log[-3000:]
     assert report["epochs"][FAILED_AVERAGING_EPOCH]["stages"][1]["rounds_failed"] >= 1, report["epochs"]
     assert [e["epoch"] for e in report["epochs"] if not e["abandoned"]] == list(range(epochs))
     exact(report, except_={(FAILED_AVERAGING_EPOCH, 1)})
+    # whoever reloaded whose state, the stage's holders end on the same parameters
+    assert all(stage["digests_agree"] for stage in report["epochs"][-1]["stages"]), report["epochs"][-1]

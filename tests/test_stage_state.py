@@ -148,8 +148,8 @@ def test_a_worker_killed_while_its_stage_averages_loses_no_rows(make_swarm):
     it deposited its gradients before the stage counted it ready, so the survivors average again and the server it
     deposited with brings its rows."""
     epochs = 6
-    # the round on the epoch's closure, as a worker without delayed updates runs it (test_chaos kills with them on)
-    swarm = start_swarm(make_swarm, "midround", [*RECIPE, "--dpu", "off"], epochs=epochs,
+    # with delayed updates too, the round starts on the epoch's closure, while the next epoch computes
+    swarm = start_swarm(make_swarm, "midround", [*RECIPE, "--dpu", "on"], epochs=epochs,
                         client_args={"c1b": ["--fault", "slow-averaging"]})
 
     averaging = r"averaging epoch (\d+) \([1-9]\d* rows\) in a group of"

@@ -98,6 +98,18 @@ class EpochRecord:
     loss_scale: float | None = None  # fp16: the loss scale the epoch's gradients were computed at
 
 
+@dataclass(frozen=True)
+class Averaged:
+    """What one of a worker's all-reduce rounds brought (`Worker._round`): the averaged gradients (its own where the
+    round failed), the round's result, the shared tensors whose norm another stage counts, and whether the round of
+    tensors shared across stages failed."""
+
+    averaged: list[torch.Tensor]
+    result: RoundResult
+    skipped: set[int] = dataclasses.field(default_factory=set)
+    shared_failed: bool = False
+
+
 @dataclass
 class ForwardState:
     rows: Rows
@@ -139,7 +151,7 @@ class Worker:
         self.master.loaded = pretrained
         self._update: asyncio.Task | None = None  # the averaging and step of the last closed epoch, with DPU
         self._clip_scale = 1.0  # the factor the last step's global norm clipped the stage's gradients by
-        self._averaging_with: frozenset[str] = frozenset()  # the group of the all-reduce under way
+        self._averaging_with: dict[int, frozenset[str]] = {}  # per epoch, the group of an all-reduce under way
         self._stale = False  # a round failed and this worker did not step: it reloads the stage's state
         self.servers, self.compute, self.client_mode, self.fault = servers, compute, client_mode, fault
         self.suspect = suspect  # a server of its stage did not answer a poll (`MembershipCache.suspect`)
@@ -232,8 +244,8 @@ class Worker:
         return self._stale
 
     def averages_with(self, peer: str) -> bool:
-        """Its all-reduce under way waits for `peer`: what it serves `peer` must not wait for that round."""
-        return peer in self._averaging_with
+        """An all-reduce of its under way waits for `peer`: what it serves `peer` must not wait for that round."""
+        return any(peer in group for group in self._averaging_with.values())
 
     async def updated(self) -> None:
         """Until the update in flight (DPU) has stepped the master copy; the model keeps its parameters."""
@@ -491,8 +503,8 @@ class Worker:
         """The stage closed this epoch: average its gradients with the group the stage's first FS fixed, then step
         the master copy; with DPU in the background, after the previous epoch's update landed (module doc)."""
         rows, epoch = self.rows_accumulated, self.epoch
-        await self.settle()
         if self.worker_id not in {member.peer_id for member in group}:
+            await self.settle()
             if rows:  # the FS counted this worker as gone and had its rows redone by others
                 logger.warning(f"worker {self.worker_id}: left out of the averaging group of epoch {epoch}; "
                                f"its {rows} rows were redone by others")
@@ -507,27 +519,42 @@ class Worker:
         self._epoch_started = time.monotonic()
         self._advance(epoch + 1)
         if self.master.outer is not None:
+            await self.settle()
             await self._local_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds)
             return
-        self._averaging_with = frozenset(member.peer_id for member in group)
-        update = self._average_and_step(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
-                                        overflow=overflow, deposited=True)
+        # the round starts as the epoch closes, at every member alike, even while this worker's update of the last
+        # epoch is still in flight (DPU): members leave a failed round at different times (one that failed at once,
+        # the others at their deadline), and a reducer that began its next round only after its last one ended would
+        # leave its mates' parts of it waiting past their own deadlines, round after round
+        averaging = asyncio.ensure_future(self._round(grads, epoch=epoch, weight=rows, group=group,
+                                                      overflow=overflow, deposited=True))
+        try:
+            await self.settle()
+            if self.config.dpu and self.config.dpu_lookahead and rows:
+                await self._look_ahead(grads, epoch=epoch, rows=rows, group=group)
+        except BaseException:
+            averaging.cancel()
+            raise
+        update = self._average_and_step(averaging, epoch=epoch, rows=rows, group=group, seconds=seconds)
         if self.config.dpu:
-            if self.config.dpu_lookahead and rows:
-                # the stage's mean gradient, from its deposits, or else this worker's own estimates what the round
-                # averages; the last step's clipping estimates the global norm's
-                asked = time.monotonic()
-                stage_mean = await self.averager.stage_mean(grads, epoch=epoch, group=group)
-                ahead = stage_mean[0] if stage_mean is not None else grads
-                logger.info(f"worker {self.worker_id}: looking ahead from epoch {epoch} on "
-                            + (f"the stage's mean gradient over {stage_mean[1]} rows" if stage_mean is not None
-                               else f"its own gradient over {rows} rows")
-                            + f" (asked for in {time.monotonic() - asked:.3f} s)")
-                self.master.look_ahead([grad * self._clip_scale for grad in ahead], epoch=epoch, into=self.model)
             self._update = asyncio.create_task(update)
         else:
             await update
             self.master.copy_to(self.model)
+
+    async def _look_ahead(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
+                          group: tuple[GroupMember, ...]) -> None:
+        """With DPU: compute the next epoch where a step on the stage's mean gradient of `epoch`, from its deposits,
+        or else on this worker's own, takes the master copy (module doc); the last step's clipping estimates the
+        global norm's."""
+        asked = time.monotonic()
+        stage_mean = await self.averager.stage_mean(grads, epoch=epoch, group=group)
+        ahead = stage_mean[0] if stage_mean is not None else grads
+        logger.info(f"worker {self.worker_id}: looking ahead from epoch {epoch} on "
+                    + (f"the stage's mean gradient over {stage_mean[1]} rows" if stage_mean is not None
+                       else f"its own gradient over {rows} rows")
+                    + f" (asked for in {time.monotonic() - asked:.3f} s)")
+        self.master.look_ahead([grad * self._clip_scale for grad in ahead], epoch=epoch, into=self.model)
 
     async def _local_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
                           seconds: float) -> None:
@@ -542,9 +569,9 @@ class Worker:
         self._interval_rows += rows
         if self.config.averages_at(epoch):
             weight, self._interval_rows = self._interval_rows, 0
-            self._averaging_with = frozenset(member.peer_id for member in group)
-            await self._average_and_step([to_host(g) for g in self.master.pseudo_gradient()], epoch=epoch, rows=rows,
-                                         group=group, seconds=seconds, weight=weight)
+            averaging = self._round([to_host(g) for g in self.master.pseudo_gradient()], epoch=epoch, weight=weight,
+                                    group=group)
+            await self._average_and_step(averaging, epoch=epoch, rows=rows, group=group, seconds=seconds)
         else:
             self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=True,
                                             seconds=seconds, digest=self.master.digest(), lr=lr))
@@ -559,26 +586,14 @@ class Worker:
         return [to_host(accumulated / tokens if tokens else torch.zeros_like(accumulated))
                 for accumulated in self.accumulated]
 
-    async def _average_and_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
-                                group: tuple[GroupMember, ...], seconds: float, weight: int | None = None,
-                                overflow: bool = False, deposited: bool = False) -> None:
-        """Average `grads` (weighing `weight` rows: by default the epoch's `rows`; the interval's with an outer
-        optimizer, whose step then follows; `overflow`: fp16 gradients of some of them overflowed; `deposited`:
-        they are the epoch's gradients, deposited before the round, `StageAllReduce.average`) and step."""
-        weight = rows if weight is None else weight
+    async def _round(self, grads: list[torch.Tensor], *, epoch: int, weight: int, group: tuple[GroupMember, ...],
+                     overflow: bool = False, deposited: bool = False) -> Averaged:
+        """Average `grads`, weighing `weight` rows (the epoch's; the interval's with an outer optimizer), with the
+        group (`overflow`: fp16 gradients of some of them overflowed; `deposited`: they are the epoch's gradients,
+        deposited before the round, `StageAllReduce.average`); no failure raises, the result says it."""
         logger.info(f"worker {self.worker_id}: averaging epoch {epoch} ({weight} rows) in a group of {len(group)}")
-        self._stepping = epoch
-        try:
-            await self._average_and_step_now(grads, epoch=epoch, rows=rows, group=group, seconds=seconds,
-                                             weight=weight, overflow=overflow, deposited=deposited)
-        finally:
-            self._stepping = None
-
-    async def _average_and_step_now(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
-                                    group: tuple[GroupMember, ...], seconds: float, weight: int,
-                                    overflow: bool, deposited: bool) -> None:
+        self._averaging_with[epoch] = frozenset(member.peer_id for member in group)
         skipped: set[int] = set()  # shared tensors whose norm another stage counts
-        shared_failed = False
         try:
             if self.fault == "slow-averaging":
                 await asyncio.sleep(SLOW_AVERAGING_S)
@@ -589,11 +604,34 @@ class Worker:
             if self.shared_averager is not None and result.ok:
                 averaged, skipped = await self._combine_shared(averaged, epoch=epoch, rows=weight, group=group)
         except SharedRoundFailed as e:  # even a lone worker of its stage must not step its shared copies alone
-            averaged, result, shared_failed = grads, RoundResult(group_size=0, ok=False, reason=str(e)), True
+            return Averaged(grads, RoundResult(group_size=0, ok=False, reason=str(e)), shared_failed=True)
         except Exception as e:  # whatever went wrong, no averaging failure ends the worker: a failed round
-            averaged, result = grads, RoundResult(group_size=0, ok=False, reason=repr(e))
+            return Averaged(grads, RoundResult(group_size=0, ok=False, reason=repr(e)))
         finally:
-            self._averaging_with = frozenset()
+            self._averaging_with.pop(epoch, None)
+        return Averaged(averaged, result, skipped=skipped)
+
+    async def _average_and_step(self, averaging: Awaitable[Averaged], *, epoch: int, rows: int,
+                                group: tuple[GroupMember, ...], seconds: float) -> None:
+        """Step on the round `averaging` of `epoch` (`_round`), unless it failed."""
+        self._stepping = epoch
+        try:
+            await self._step_on(await averaging, epoch=epoch, rows=rows, group=group, seconds=seconds)
+        finally:
+            self._stepping = None
+
+    async def _step_on(self, round_: Averaged, *, epoch: int, rows: int, group: tuple[GroupMember, ...],
+                       seconds: float) -> None:
+        averaged, result, skipped, shared_failed = round_.averaged, round_.result, round_.skipped, round_.shared_failed
+        if self.master.epoch > epoch:
+            # with DPU, the mate's state its last update reloaded was stepped on this epoch already: a step of its own
+            # would take this epoch's twice (without DPU, loading it moved the worker past this epoch)
+            logger.info(f"worker {self.worker_id}: stage {self.stage} not stepping epoch {epoch}: the state it took "
+                        f"from a mate is of epoch {self.master.epoch}")
+            self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len,
+                                            averaged=result.ok, seconds=seconds, digest=self.master.digest(),
+                                            lr=self.master.schedule.at(epoch)))
+            return
         if shared_failed or _failed(result, group):
             # a step on its own gradients would leave this peer's parameters apart from its mates' for good: it skips
             # the step and takes a mate's state after its next round instead
