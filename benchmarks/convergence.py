@@ -2,7 +2,7 @@
 
     python benchmarks/convergence.py [--quick] [--model llama-small] [--epochs 120] [--batch-rows 4]
                                      [--microbatches 4] [--seq-len 64] [--eval-every 20] [--clients 2]
-                                     [--churn 0.25] [--runs one,swarm,int8,churn] [--stem convergence]
+                                     [--churn 0.25] [--runs one,swarm,dpu,int8,churn] [--stem convergence]
 
 Runs, one after the other on the same cores, with the same seed, model, global batch, optimizer (AdamW, nanoGPT
 weight-decay groups), learning-rate schedule (linear warm-up, cosine decay to --min-lr at the last epoch, keyed on
@@ -11,15 +11,16 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
 - one: one process, the whole model, one step per global batch (summed loss / tokens), as
   `p2ptrain.protocol.optimization` and `StageModel.configure_optimizer` say every worker steps;
 - swarm: a real 2-stage swarm (`harness.LocalSwarm`: a bootstrap peer, an FS, a BS and --clients clients per stage,
-  each a `python -m p2ptrain.peer` process on 127.0.0.1);
+  each a `python -m p2ptrain.peer` process on 127.0.0.1) that steps before the next epoch computes (`--dpu off`);
+  int8, churn and the averaging runs below do too;
 - int8: the same swarm with int8 activations and gradients on the wire (`--compression int8`);
 - int8-averaging, fp16-averaging (on request): the same swarm whose stages average in int8 or fp16
   (`--averaging-codec`; the other swarms average in fp32);
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
-- dpu (on request): the same swarm with delayed parameter updates (`--dpu on`), each worker computing the next epoch
-  where a step on the mean of its stage's deposited gradients takes the stage (`--dpu-lookahead on`, DPU's default);
-  dpu-lookahead is the same run under its earlier name;
+- dpu: the swarm as it ships, with delayed parameter updates (`--dpu on`, the default), each worker computing the
+  next epoch where a step on the mean of its stage's deposited gradients takes the stage (`--dpu-lookahead on`, DPU's
+  default); dpu-lookahead (on request) is the same run under its earlier name;
 - dpu-plain (on request): the same without the look-ahead (`--dpu-lookahead off`): the next epoch computes on the
   parameters before the step in flight;
 - one-late, one-late-from-N, one-predict-A (on request): one process that computes each epoch's gradient on the
@@ -61,7 +62,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 RUNS = ("one", "swarm", "int8", "churn", "dpu", "dpu-lookahead", "dpu-plain", "int8-averaging", "fp16-averaging",
         "average-every-8")
-DEFAULT_RUNS = ("one", "swarm", "int8", "churn")
+DEFAULT_RUNS = ("one", "swarm", "dpu", "int8", "churn")
 STALE_RUNS = ("one-late", "one-late-from-N", "one-predict-A")
 
 
@@ -266,9 +267,10 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
     lines.append(f"\nPlot: `{args.stem}.png`. Runs: one = one process; one-late = one process whose every gradient is "
                  "computed on the parameters from before the last step (the staleness of delayed parameter updates); "
                  "one-late-from-N = the same from epoch N on; one-predict-A = one-late whose parameters are "
-                 "extrapolated by A times the last update (weight prediction); swarm = the swarm (averaging in fp32); int8 = "
-                 "the swarm with int8 activations and gradients; churn = the swarm with clients SIGKILLed and "
-                 "restarted; dpu, dpu-lookahead = the swarm with delayed parameter updates, each worker computing the "
+                 "extrapolated by A times the last update (weight prediction); swarm = the swarm stepping before the next epoch (--dpu off, averaging in "
+                 "fp32; int8, churn and the averaging runs too); int8 = the swarm with int8 activations and gradients; "
+                 "churn = the swarm with clients SIGKILLed and restarted; dpu, dpu-lookahead = the swarm as it ships, "
+                 "with delayed parameter updates, each worker computing the "
                  "next epoch where a step on the mean of its stage's deposited gradients takes the stage; dpu-plain = "
                  "the same without that look-ahead, on the parameters before the step in flight; int8-averaging, fp16-averaging = the "
                  "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "

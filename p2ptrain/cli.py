@@ -100,6 +100,8 @@ OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_
                        "dpu_lookahead", "precision", "loss_scale", "loss_scale_growth", "offload_optimizer", "averaging_codec",
                        "average_every", "outer_lr", "outer_momentum")
 SWITCH = {"on": True, "off": False}
+# the on/off fields of OPTIMIZATION_FIELDS (None where the flag is absent and the field decides its default)
+SWITCHES = ("dpu", "dpu_lookahead", "offload_optimizer")
 
 
 def flag_value(value: object) -> str:
@@ -127,9 +129,10 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
                        help="weight decay of matrices and embeddings")
     group.add_argument("--clip-norm", type=non_negative, default=defaults.clip_norm,
                        help="clip the gradient by its global norm across all stages (0: no clipping)")
-    group.add_argument("--dpu", choices=tuple(SWITCH), default=flag_value(defaults.dpu),
+    group.add_argument("--dpu", choices=tuple(SWITCH),
                        help="delayed parameter updates: average and step in the background while the next epoch "
-                            "computes on the previous parameters")
+                            "computes on the previous parameters (default: on, except with --precision fp16 or "
+                            "--average-every above 1, which they do not work with)")
     group.add_argument("--dpu-lookahead", choices=tuple(SWITCH), default=flag_value(defaults.dpu_lookahead),
                        help="with --dpu on: each worker computes the next epoch where a step on its stage's mean "
                             "gradient (from the server holding the stage's deposits) would take the stage, instead "
@@ -179,8 +182,7 @@ def compute_args(args: argparse.Namespace) -> list[str]:
 
 def optimization_from(args: argparse.Namespace) -> dict[str, object]:
     """The RunConfig fields of `add_optimization_flags`."""
-    # a switch is a field whose default is a bool, as `flag_value` writes it
-    return {name: SWITCH[getattr(args, name)] if isinstance(getattr(RunConfig, name), bool) else getattr(args, name)
+    return {name: SWITCH.get(getattr(args, name)) if name in SWITCHES else getattr(args, name)
             for name in OPTIMIZATION_FIELDS}
 
 

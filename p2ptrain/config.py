@@ -75,7 +75,9 @@ class RunConfig:
     min_lr: float = 0.0
     weight_decay: float = 0.01  # on matrices and embeddings only (StageModel.optimizer_groups)
     clip_norm: float = 0.0  # clip the gradient by its global norm across all stages to this (0: no clipping)
-    dpu: bool = False  # delayed parameter updates: an epoch computes on the parameters before the last step
+    # delayed parameter updates: an epoch computes on the parameters before the last step; None (the default) turns
+    # them on where they apply (not with fp16's loss scale, nor with average_every > 1), and a config holds the bool
+    dpu: bool | None = None
     # with dpu (nothing without): an epoch computes where a step on the stage's mean gradient of the epoch before (from
     # its deposits) takes the stage's parameters, not on the parameters before the step in flight (which steps on the
     # round's average); off, delayed updates cost 1.22x one process's held-out loss on the convergence benchmark
@@ -105,6 +107,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)
+        if self.dpu is None:
+            object.__setattr__(self, "dpu", self.precision != "fp16" and self.average_every == 1)
         if self.init_from is not None:
             pretrained = checkpoint_config(self.init_from)  # a ConfigError if it is no checkpoint
             if self.architecture is not None and self.architecture != pretrained:

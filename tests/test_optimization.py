@@ -2,11 +2,13 @@
 book; the recipe's checks of the optimization settings; and a worker that gets no global norm in time."""
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 import torch
 
+from p2ptrain.cli import add_optimization_flags, optimization_from
 from p2ptrain.config import ConfigError, RunConfig
 from p2ptrain.protocol.optimization import GlobalStep, LossScaleRule, LRSchedule, NormBook, clip_coefficient
 
@@ -85,6 +87,21 @@ def test_the_recipe_refuses_optimization_settings_that_cannot_work(fields, field
     with pytest.raises(ConfigError, match=problem) as error:
         RunConfig(**fields)
     assert error.value.field == field
+
+
+def test_delayed_updates_are_on_by_default_where_they_apply_and_asked_for_where_they_do_not_are_refused():
+    assert RunConfig().dpu is True and RunConfig(precision="bf16").dpu is True
+    assert RunConfig(precision="fp16").dpu is False and RunConfig(average_every=2).dpu is False
+    assert RunConfig(dpu=False).dpu is False
+    with pytest.raises(ConfigError, match="fp16's loss scale"):
+        RunConfig(precision="fp16", dpu=True)
+    parser = argparse.ArgumentParser()
+    add_optimization_flags(parser)
+    for argv, dpu in (([], True), (["--precision", "fp16"], False), (["--average-every", "3"], False),
+                      (["--dpu", "off"], False), (["--dpu", "on", "--precision", "bf16"], True)):
+        assert RunConfig(**optimization_from(parser.parse_args(argv))).dpu is dpu, argv
+    with pytest.raises(ConfigError, match="for average_every = 1"):
+        RunConfig(**optimization_from(parser.parse_args(["--dpu", "on", "--average-every", "3"])))
 
 
 def test_lamb_steps_and_its_state_travels_to_a_stage_mate():
