@@ -61,12 +61,15 @@ def test_delayed_updates_hide_slow_averaging_average_every_row_keep_replicas_equ
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_a_worker_computes_the_epoch_after_a_delayed_step_before_it_or_looking_ahead_where_it_lands(lookahead: bool):
     """A worker alone in its stage: its gradient is the stage's, so its look-ahead lands exactly where the step in
-    flight does, while plain DPU computes the next epoch on the parameters from before the step."""
+    flight does (which then takes the look-ahead's step instead of stepping again), while plain DPU computes the next
+    epoch on the parameters from before the step."""
     config = RunConfig(num_stages=2, rows_per_microbatch=2, microbatches=1, seq_len=8, dpu=True,
                        dpu_lookahead=lookahead)
     worker = lone_worker(config)
     give_gradients(worker, seed=3)
     before = [param.detach().clone() for param in worker.model.parameters()]
+    steps, master_step = [], worker.master.step
+    worker.master.step = lambda grads, *, epoch: steps.append(epoch) or master_step(grads, epoch=epoch)
 
     async def step() -> list[torch.Tensor]:
         await step_alone(worker)
@@ -80,3 +83,4 @@ def test_a_worker_computes_the_epoch_after_a_delayed_step_before_it_or_looking_a
     stepped = list(worker.master.module.parameters())
     assert all(torch.equal(mine, param) for mine, param in zip(computes_on, stepped if lookahead else before))
     assert not any(torch.equal(old, new) for old, new in zip(before, stepped))
+    assert steps == ([] if lookahead else [0])

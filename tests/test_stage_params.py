@@ -171,3 +171,24 @@ def test_a_look_ahead_gives_the_model_the_step_and_leaves_the_master_and_its_opt
         assert all(torch.equal(mine, stepped) for mine, stepped in zip(into.parameters(), b.module.parameters()))
         a.step(grads(a, 1), epoch=epoch)  # and the master steps on from where it stood
         assert a.digest() == b.digest()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit", "lamb"])
+def test_a_kept_look_ahead_is_adopted_as_the_very_step_and_only_on_the_same_gradients(optimizer: str):
+    """With a worker's rows the stage's only ones, its look-ahead's step is the step in flight: adopted, the master
+    holds what stepping again would give, parameters and optimizer state alike, and steps on from there alike."""
+    config = dataclasses.replace(CONFIG, optimizer=optimizer)
+    for start in (0, 1):  # before the optimizer has any state, and after
+        a, b = holder(config), holder(config)
+        for params in (a, b)[: 2 * start]:
+            params.step(grads(params, 0), epoch=0)
+        into = build_stage(config.model_config, start=0, end=config.stage_layers(0)[1], seed=99)
+        ahead = a.look_ahead(grads(a, 1), epoch=start, into=into, keep=True)
+        assert a.adopt(ahead, grads(a, 2), epoch=start) is None and a.epoch == start  # other gradients: not taken
+        assert a.adopt(ahead, grads(a, 1), epoch=start + 1) is None and a.epoch == start  # another epoch: not taken
+        assert a.digest() == b.digest()
+        assert a.adopt(ahead, grads(a, 1), epoch=start) == b.step(grads(b, 1), epoch=start)
+        assert a.epoch == b.epoch == start + 1 and a.digest() == b.digest() and same(a.snapshot()[2], b.snapshot()[2])
+        a.step(grads(a, 3), epoch=start + 1)
+        b.step(grads(b, 3), epoch=start + 1)
+        assert a.digest() == b.digest() and same(a.snapshot()[2], b.snapshot()[2])

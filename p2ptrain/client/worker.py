@@ -16,6 +16,8 @@ takes it: the mean of the stage's deposits (`GradientDeposits`, one more transfe
 that holds them, before the next epoch), or the worker's own gradient where no mean comes. Only the clipping, taken
 from the last step's global norm, and what the deposits miss (a codec's error, a mate that died) are late; on its own
 gradient, the gap between it and the stage's is late too, which at 2 workers a stage cost 3.7% of held-out loss.
+Where the worker's rows are its stage's only ones, the round's average is its own gradient and the look-ahead's step
+is the step in flight's, bit for bit: the update takes it (`StageParams.adopt`) instead of stepping again.
 Why it matters: in a linear model, Adam's momentum (β1 0.9) is stable up to a curvature of 38/lr with fresh
 gradients and only about 1/lr with gradients one step late, and Adam trains near that edge.
 With `RunConfig.average_every` H > 1 (DiLoCo) a worker steps the master copy on its own gradients at every epoch, and
@@ -70,7 +72,7 @@ from p2ptrain.protocol.optimization import Digest, clip_coefficient
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.sharing import shared_rounds
 from p2ptrain.protocol.taskpool import Kind
-from p2ptrain.state.params import StageParams
+from p2ptrain.state.params import LookAhead, StageParams
 from p2ptrain.transport import Caller, Refused
 
 logger = logging.getLogger(__name__)
@@ -150,6 +152,7 @@ class Worker:
         # running stage's are downloaded only if it finds the stage further on (catch-up)
         self.master.loaded = pretrained
         self._update: asyncio.Task | None = None  # the averaging and step of the last closed epoch, with DPU
+        self._ahead: LookAhead | None = None  # the look-ahead's step, where it may be the step in flight's (`_apply`)
         self._clip_scale = 1.0  # the factor the last step's global norm clipped the stage's gradients by
         self._averaging_with: dict[int, frozenset[str]] = {}  # per epoch, the group of an all-reduce under way
         self._stale = False  # a round failed and this worker did not step: it reloads the stage's state
@@ -554,7 +557,12 @@ class Worker:
                     + (f"the stage's mean gradient over {stage_mean[1]} rows" if stage_mean is not None
                        else f"its own gradient over {rows} rows")
                     + f" (asked for in {time.monotonic() - asked:.3f} s)")
-        self.master.look_ahead([grad * self._clip_scale for grad in ahead], epoch=epoch, into=self.model)
+        # where this worker's rows are the stage's only ones, the round's average is its own gradient (a round of two
+        # with the server holding its deposit, `StageAllReduce.average`): then the step in flight is the look-ahead's,
+        # kept to be taken instead of stepping twice
+        alone = not any(member.rows for member in group if member.peer_id != self.worker_id)
+        self._ahead = self.master.look_ahead([grad * self._clip_scale for grad in ahead], epoch=epoch,
+                                             into=self.model, keep=alone)
 
     async def _local_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
                           seconds: float) -> None:
@@ -618,7 +626,7 @@ class Worker:
         try:
             await self._step_on(await averaging, epoch=epoch, rows=rows, group=group, seconds=seconds)
         finally:
-            self._stepping = None
+            self._stepping, self._ahead = None, None
 
     async def _step_on(self, round_: Averaged, *, epoch: int, rows: int, group: tuple[GroupMember, ...],
                        seconds: float) -> None:
@@ -629,7 +637,7 @@ class Worker:
             logger.info(f"worker {self.worker_id}: stage {self.stage} not stepping epoch {epoch}: the state it took "
                         f"from a mate is of epoch {self.master.epoch}")
             self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len,
-                                            averaged=result.ok, seconds=seconds, digest=self.master.digest(),
+                                            averaged=result.ok, seconds=seconds, digest=self._digest_after(epoch),
                                             lr=self.master.schedule.at(epoch)))
             return
         if shared_failed or _failed(result, group):
@@ -659,32 +667,43 @@ class Worker:
                 logger.warning(f"worker {self.worker_id}: stage {self.stage} skipped the step of epoch {epoch}: the "
                                f"swarm's fp16 gradients overflowed at loss scale {scaled_by:g}")
             else:
-                self._apply(averaged, epoch=epoch, norm=norm if self.config.clip_norm else None)
+                adopted = self._apply(averaged, epoch=epoch, norm=norm if self.config.clip_norm else None)
                 logger.info(f"worker {self.worker_id}: stage {self.stage} stepped epoch {epoch} ({rows} rows, averaged "
                             f"in a group of {result.group_size}, lr {lr:.3g}"
-                            + (f", global gradient norm {norm:.4g}" if norm is not None else "") + ")")
+                            + (f", global gradient norm {norm:.4g}" if norm is not None else "")
+                            + (", the look-ahead's step" if adopted else "") + ")")
             if scale is not None:
                 scale.update(overflow=overflow)
         self.history.append(EpochRecord(
             epoch=epoch, rows=rows, tokens=rows * self.config.seq_len, averaged=result.ok, seconds=seconds,
-            digest=self.master.digest(), lr=lr, grad_norm=norm, rows_lost=result.rows_lost,
+            digest=self._digest_after(epoch), lr=lr, grad_norm=norm, rows_lost=result.rows_lost,
             unclipped=bool(self.config.clip_norm) and norm is None and not overflow, overflow=overflow,
             loss_scale=scaled_by))
         if self.after_step is not None:
             await self.after_step(self)
 
-    def _apply(self, averaged: list[torch.Tensor], *, epoch: int, norm: float | None) -> None:
+    def _digest_after(self, epoch: int) -> Digest:
+        """Of the master copy, where it holds the stage's parameters after the step of `epoch`; none where it took a
+        mate's state of a later epoch instead (DPU), which no holder's digest of `epoch` is of."""
+        return self.master.digest() if self.master.epoch == epoch + 1 else ()
+
+    def _apply(self, averaged: list[torch.Tensor], *, epoch: int, norm: float | None) -> bool:
         """Step the master copy on the stage's averaged gradients, clipped by the global norm; with an outer
-        optimizer, the outer step on the averaged pseudo-gradients (its inner step on `epoch` was taken already)."""
+        optimizer, the outer step on the averaged pseudo-gradients (its inner step on `epoch` was taken already).
+        True if the step was the look-ahead's, taken on the same gradients, and adopted."""
         scale = clip_coefficient(norm, self.config.clip_norm) if norm is not None else 1.0
         self._clip_scale = scale
         grads = [grad * scale for grad in averaged] if scale < 1.0 else averaged
+        adopted = False
         if self.master.outer is not None:
             self.master.outer_step(grads)
         else:
-            self.master.step(grads, epoch=epoch)
+            adopted = self._ahead is not None and self.master.adopt(self._ahead, grads, epoch=epoch) is not None
+            if not adopted:
+                self.master.step(grads, epoch=epoch)
         if self.dump_dir is not None:
             self._dump_step(epoch, grads)
+        return adopted
 
     async def _reload(self) -> bool:
         """After a failed round this worker skipped its step; once a round succeeds again it takes a mate's state,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,6 +81,17 @@ class LossScale(torch.nn.Module):
         self.clean.fill_(clean)
 
 
+@dataclass(frozen=True)
+class LookAhead:
+    """A step `StageParams.look_ahead` took and kept: on `grads` of `epoch`, to `params` and optimizer `state` (per
+    parameter)."""
+
+    epoch: int
+    grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+    state: dict[torch.Tensor, dict[str, Any]]
+
+
 class StageParams:
     """The master copy of one stage, its optimizer and schedule, and the epoch they are current for.
 
@@ -121,10 +133,12 @@ class StageParams:
         self._set_epoch(epoch + 1)
         return lr
 
-    def look_ahead(self, grads: list[torch.Tensor], *, epoch: int, into: torch.nn.Module) -> None:
+    def look_ahead(self, grads: list[torch.Tensor], *, epoch: int, into: torch.nn.Module,
+                   keep: bool = False) -> LookAhead | None:
         """Give `into` the parameters a step on `grads` of `epoch` would reach, and leave the master copy and its
         optimizer state as they were: whatever the optimizer, it steps, and its parameters and state are put back.
-        Costs a copy of the parameters and of the optimizer state while it runs."""
+        Costs a copy of the parameters and of the optimizer state while it runs. With `keep`, also returns the step
+        it took (one more copy of the parameters, held until then), which `adopt` takes in place of stepping again."""
         with torch.no_grad():
             params = [param.clone() for param in self.trainable]
             state = {param: {key: value.clone() if torch.is_tensor(value) else copy.copy(value)
@@ -132,13 +146,35 @@ class StageParams:
                      for param, entries in self.optimizer.state.items()}
             self._optimizer_step(grads, epoch=epoch)
             self.copy_to(into)
-            for param, kept in zip(self.trainable, params):
-                param.copy_(kept)
+            # the step changed the optimizer's entries in place: once the copies are back, those are the step's
+            kept = LookAhead(epoch=epoch, grads=grads, params=[param.clone() for param in self.trainable],
+                             state=dict(self.optimizer.state)) if keep else None
+            for param, before in zip(self.trainable, params):
+                param.copy_(before)
             for param in list(self.optimizer.state):
                 if param in state:
                     self.optimizer.state[param] = state[param]
                 else:  # the step made the state of a parameter that had none
                     del self.optimizer.state[param]
+        return kept
+
+    def adopt(self, ahead: LookAhead, grads: list[torch.Tensor], *, epoch: int) -> float | None:
+        """Step on `grads` of `epoch` by taking the kept look-ahead's step, if it was taken on the very same gradients
+        from this very state (then `step` would reach it bit for bit), and return the learning rate; None, and
+        nothing changed, otherwise."""
+        if ahead.epoch != epoch or self.epoch != epoch or len(ahead.grads) != len(grads) or not all(
+                torch.equal(a, b.to(a.device)) for a, b in zip(ahead.grads, grads)):
+            return None
+        lr = self.schedule.at(epoch)
+        with torch.no_grad():
+            for param, stepped in zip(self.trainable, ahead.params):
+                param.copy_(stepped)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(ahead.state)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._set_epoch(epoch + 1)
+        return lr
 
     def _optimizer_step(self, grads: list[torch.Tensor], *, epoch: int) -> float:
         lr = self.schedule.at(epoch)
