@@ -160,30 +160,33 @@ class StageParams:
 
     def adopt(self, ahead: LookAhead, grads: list[torch.Tensor], *, epoch: int) -> float | None:
         """Step on `grads` of `epoch` by taking the kept look-ahead's step, if it was taken on the very same gradients
-        from this very state (then `step` would reach it bit for bit), and return the learning rate; None, and
-        nothing changed, otherwise."""
+        of the same epoch (then `step` would reach it bit for bit), and return the learning rate; None, and nothing
+        changed, otherwise. It checks the gradients and the epoch; the caller guarantees that nothing loaded or
+        stepped this state between the look-ahead and now."""
         if ahead.epoch != epoch or self.epoch != epoch or len(ahead.grads) != len(grads) or not all(
                 torch.equal(a, b.to(a.device)) for a, b in zip(ahead.grads, grads)):
             return None
-        lr = self.schedule.at(epoch)
         with torch.no_grad():
             for param, stepped in zip(self.trainable, ahead.params):
                 param.copy_(stepped)
         self.optimizer.state.clear()
         self.optimizer.state.update(ahead.state)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self._set_lr(epoch)
         self._set_epoch(epoch + 1)
         return lr
 
     def _optimizer_step(self, grads: list[torch.Tensor], *, epoch: int) -> float:
-        lr = self.schedule.at(epoch)
         for param, grad in zip(self.trainable, grads):
             param.grad = grad.to(param.device)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self._set_lr(epoch)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return lr
+
+    def _set_lr(self, epoch: int) -> float:
+        lr = self.schedule.at(epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         return lr
 
     def pseudo_gradient(self) -> list[torch.Tensor]:
