@@ -2,16 +2,19 @@
 the RPC round trip and throughput of one hop, and the activation codecs, all in one run on the same cores.
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
-                                   [--seq-len 64] [--epochs 6] [--warmup 2] [--keep-streams off,on] [--dpu off,on]
+                                   [--seq-len 64] [--epochs 6] [--warmup 2] [--keep-streams on] [--dpu off,on]
+                                   [--keep-freed-memory off,on]
 
 1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
    all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
    per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`. The swarm
-   runs once for each pair of `--keep-streams` and `--dpu` settings, one after the other.
+   runs once for each combination of `--keep-streams`, `--dpu` and `--keep-freed-memory` settings, one after the
+   other.
    The reference is a plain loop in this process (torch.set_num_threads(1)): the whole model (`build_stage` of
    all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
-   same `TextSource` microbatches, summed loss / tokens, one step per global batch. Half of its
+   same `TextSource` microbatches, summed loss / tokens, one step per global batch; where any swarm keeps freed
+   memory (`node.malloc`), so does this process, for the whole run. Half of its
    epochs run before the swarm and half after, so both see the machine's load of the moment. While the swarm
    trains, the CPU time of every process on the machine is read from /proc, so the report says where the two
    cores went (the clients' compute, the servers, hivemind's DHT and averager processes, the p2pd daemons,
@@ -37,6 +40,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import os
 import re
@@ -78,6 +82,7 @@ from p2ptrain.config import CODECS, RunConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import make_validators
 from p2ptrain.models import TRAINABLE, build_stage
+from p2ptrain.node.malloc import keep_freed_memory
 from p2ptrain.transport import LINGER_S, Caller, Envelope, KeptCall, Service, pack, unpack
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -193,10 +198,12 @@ def call_rates(first: tuple[float, dict[str, dict[str, int]]], last: tuple[float
     return {kind: dict(methods) for kind, methods in rates.items()}
 
 
-def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str) -> dict:
+def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str,
+              keep_freed_memory: str) -> dict:
     """Train the swarm for `args.epochs` epochs, reading every process's CPU time meanwhile, then the idle swarm's.
     A failure is reported (`error`) with what the logs show, not raised."""
-    swarm = LocalSwarm(workdir, config, epochs=args.epochs, node_flags=["--keep-streams", keep_streams])
+    swarm = LocalSwarm(workdir, config, epochs=args.epochs, node_flags=["--keep-streams", keep_streams,
+                                                                       "--keep-freed-memory", keep_freed_memory])
     result: dict[str, Any] = {"workdir": str(workdir), "timed_out": False, "recipe_flags": swarm.flags,
                               "roles": swarm.roles}
     try:
@@ -610,13 +617,15 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
             f"ratio {fmt(a['ideal_ratio'], '.2f')} vs the same compute on one core |", ""]
     if len(swarm_runs) > 1:
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
-                "call) and of delayed parameter updates (`--dpu`), one after the other in this run (the tables below "
-                "are the last one's; control plane: the FS/BS, bootstrap, DHT, p2pd and averager processes):", "",
-                "| --keep-streams | --dpu | s / epoch | tokens/s | ratio to one process | control plane cores (training) "
-                "| control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "call), of delayed parameter updates (`--dpu`) and of `--keep-freed-memory` (glibc keeps freed buffers "
+                "for reuse, `node.malloc`), one after the other in this run (the tables below are the last one's; "
+                "control plane: the FS/BS, bootstrap, DHT, p2pd and averager processes):", "",
+                "| --keep-streams | --dpu | --keep-freed-memory | s / epoch | tokens/s | ratio to one process "
+                "| control plane cores (training) | control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for run in swarm_runs.values():
-            out.append(f"| {run['keep_streams']} | {run['dpu']} | {fmt(run['swarm_s_per_epoch'])} | "
+            out.append(f"| {run['keep_streams']} | {run['dpu']} | {run['keep_freed_memory']} | "
+                       f"{fmt(run['swarm_s_per_epoch'])} | "
                        f"{fmt(run['swarm_tokens_per_s'], '.0f')} | {fmt(run['ratio'], '.3f')} | "
                        f"{fmt(run.get('control_cores'))} | {fmt(run.get('control_cores_idle'), '.3f')} | "
                        f"{' / '.join(fmt(v) for v in run['step_stall_s'].values())} | {fmt(run['last_loss'], '.4f')} |")
@@ -777,8 +786,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dpu", default="off,on", type=lambda text: text.split(","),
                         help="the swarm's --dpu settings, run one after the other (default off,on; the detailed "
                              "tables are the last swarm's)")
-    parser.add_argument("--keep-streams", default="off,on", type=lambda text: text.split(","),
-                        help="the swarm's --keep-streams settings, each run with every --dpu setting (default off,on)")
+    parser.add_argument("--keep-streams", default="on", type=lambda text: text.split(","),
+                        help="the swarm's --keep-streams settings, each run with every --dpu setting (default on)")
+    parser.add_argument("--keep-freed-memory", default="off,on", type=lambda text: text.split(","),
+                        help="the peers' --keep-freed-memory settings, each run with every other setting (default "
+                             "off,on)")
     parser.add_argument("--out", default=str(RESULTS), help="directory for dataplane.md and dataplane.json")
     parser.add_argument("--rpc-server", help=argparse.SUPPRESS)  # internal: the RPC benchmark's second process
     return parser
@@ -797,7 +809,8 @@ def main(argv: list[str] | None = None) -> None:
     args.swarm_timeout = args.swarm_timeout or (150.0 if args.quick else 210.0)
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
-    for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams)):
+    for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams),
+                         ("--keep-freed-memory", args.keep_freed_memory)):
         if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):
             parser.error(f"{flag} takes off, on or both (comma-separated, each once), not {','.join(values)}")
     config = RunConfig(run_id=RUN_ID, model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
@@ -805,6 +818,8 @@ def main(argv: list[str] | None = None) -> None:
     command = command_line(__file__, argv)
     info = machine_info()
     torch.set_num_threads(1)
+    if "on" in args.keep_freed_memory:
+        keep_freed_memory()
     began = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="p2ptrain-dataplane-"))
 
@@ -842,15 +857,14 @@ def main(argv: list[str] | None = None) -> None:
     if "swarm" in parts:
         log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
         single, state = single_process(config, range(0, half), None)
-        for keep in args.keep_streams:
-            for dpu in args.dpu:
-                log(f"[5/5] swarm with --keep-streams {keep} --dpu {dpu}: {args.epochs} epochs")
-                name = f"keep-{keep}-dpu-{dpu}"
-                (workdir / name).mkdir()
-                swarms[name] = run_swarm(args, dataclasses.replace(config, dpu=dpu == "on"), workdir / name,
-                                         keep_streams=keep)
-                swarms[name].update(keep_streams=keep, dpu=dpu)
-        swarm = swarms[f"keep-{args.keep_streams[-1]}-dpu-{args.dpu[-1]}"]
+        for keep, dpu, freed in itertools.product(args.keep_streams, args.dpu, args.keep_freed_memory):
+            log(f"[5/5] swarm with --keep-streams {keep} --dpu {dpu} --keep-freed-memory {freed}: {args.epochs} epochs")
+            name = f"keep-{keep}-dpu-{dpu}-freed-{freed}"
+            (workdir / name).mkdir()
+            swarms[name] = run_swarm(args, dataclasses.replace(config, dpu=dpu == "on"), workdir / name,
+                                     keep_streams=keep, keep_freed_memory=freed)
+            swarms[name].update(keep_streams=keep, dpu=dpu, keep_freed_memory=freed)
+        swarm = swarms[f"keep-{args.keep_streams[-1]}-dpu-{args.dpu[-1]}-freed-{args.keep_freed_memory[-1]}"]
         log(f"  one process, epochs {half}..{args.epochs - 1} (after the swarm)")
         more, state = single_process(config, range(half, args.epochs), state)
         single += more
@@ -863,7 +877,8 @@ def main(argv: list[str] | None = None) -> None:
     info["runtime_s"] = time.monotonic() - began
     analysis = analyse(args, config, timings, single, swarm)
     swarm_runs = {name: {**analyse(args, config, timings, single, run), "keep_streams": run["keep_streams"],
-                         "dpu": run["dpu"]} for name, run in swarms.items()}
+                         "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"]}
+                  for name, run in swarms.items()}
     shown = dataclasses.replace(config, dpu=args.dpu[-1] == "on")  # the swarm whose tables are shown
     text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs)
     out_dir = Path(args.out)

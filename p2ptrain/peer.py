@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 # NodeOptions and RuntimeConfig fields and the flags that set them
 SERVED_LINE = "calls served (SIGUSR1): "  # then a JSON object {method: requests served since the start}
 NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in-flight", "threads": "--threads",
+              "keep_freed_memory": "--keep-freed-memory",
               "device": "--device", "recompute": "--recompute",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "recipe_timeout_s": "--recipe-timeout", "keep_streams": "--keep-streams",
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-every", type=count, default=10, metavar="N", help="with --eval-data: every N epochs")
     run.add_argument("--eval-rows", type=count, default=64, help="with --eval-data: windows of --seq-len tokens")
     run.add_argument("--threads", type=count, default=1, help="torch threads of this process")
+    run.add_argument("--keep-freed-memory", choices=tuple(SWITCH), default=flag_value(NodeOptions.keep_freed_memory),
+                     help="keep freed buffers of up to 64 MiB in this process for reuse (glibc's malloc), rather than "
+                          "hand them back to the kernel and fault their pages in again")
     run.add_argument("--keep-streams", choices=tuple(SWITCH), default=flag_value(RuntimeConfig.keep_streams),
                      help="call other peers over streams kept open between calls, rather than a new stream per call")
     add_compute_flags(run, whose="this peer")
@@ -228,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> Command:
         options = NodeOptions(
             role=args.role, placement=placement, computes=args.compute, keep_state=args.keep_state, network=network, planning=planning,
             planner=planner, epochs=args.epochs, max_in_flight=args.max_in_flight, compute_power=args.compute_power,
-            threads=args.threads, device=args.device, recompute=args.recompute, dump_grads=args.dump_grads,
+            threads=args.threads, keep_freed_memory=SWITCH[args.keep_freed_memory], device=args.device, recompute=args.recompute, dump_grads=args.dump_grads,
             fault=args.fault,
             stage_choice=args.stage_choice or STAGE_CHOICES[0], probe_delay_s=args.probe_delay,
             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, export_to=args.export_to,

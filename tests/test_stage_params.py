@@ -71,6 +71,33 @@ def test_an_encoded_state_loads_into_another_holder_bit_for_bit(optimizer: str):
     asyncio.run(main())
 
 
+def test_adamw_steps_fused_and_a_state_stepped_unfused_loads_and_steps_fused():
+    """How a holder's AdamW steps (fused on CPU and CUDA) is its own: a state from a holder that stepped with the
+    per-tensor loop (an older checkpoint, a device without the fused kernel) loads as the same state, the loader keeps
+    stepping fused, and both ways take the same step up to float rounding."""
+    async def main() -> None:
+        fused, looped = holder(), holder()
+        assert all(group["fused"] for group in fused.optimizer.param_groups)
+        for group in looped.optimizer.param_groups:
+            group["fused"] = None
+        for epoch in range(2):
+            fused.step(grads(fused, epoch), epoch=epoch)
+            looped.step(grads(looped, epoch), epoch=epoch)
+        for x, y in zip(fused.trainable, looped.trainable):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        epoch, blob = await looped.encoded()
+        loader = holder()
+        model_state, optimizer_state = loader.decode(blob)
+        loader.load(model_state=model_state, optimizer_state=optimizer_state, epoch=epoch)
+        assert all(group["fused"] for group in loader.optimizer.param_groups)
+        loader.step(grads(loader, 7), epoch=epoch)
+        looped.step(grads(looped, 7), epoch=epoch)
+        for x, y in zip(loader.trainable, looped.trainable):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+    asyncio.run(main())
+
+
 def test_reached_waits_for_a_step_in_flight_and_no_longer_than_told():
     async def main() -> None:
         params = holder()

@@ -89,6 +89,7 @@ class NodeOptions:
     max_in_flight: int = 4  # microbatches the data source keeps in the pipeline at once
     compute_power: float | None = None  # this worker's FLOP/s; None: measured
     threads: int = 1  # torch threads of this process
+    keep_freed_memory: bool = True  # glibc keeps freed buffers of up to 64 MiB for reuse (`node.malloc`)
     device: str = "auto"  # where a worker computes: auto (CUDA when there is one), cpu, cuda or cuda:N
     recompute: bool = False  # activation checkpointing: a worker keeps each block's input only (`StageModel`)
     dump_grads: Path | None = None  # where workers save the averaged gradients of each epoch (tests)

@@ -42,6 +42,7 @@ from p2ptrain.live.publisher import serve_plan
 from p2ptrain.models import build_stage
 from p2ptrain.models.hf import load_pretrained
 from p2ptrain.node.export import export_swarm
+from p2ptrain.node.malloc import keep_freed_memory
 from p2ptrain.node.metrics import publish_metrics
 from p2ptrain.node.options import NodeOptions, RecipeOptions
 from p2ptrain.protocol.deadlines import Throughput
@@ -124,6 +125,8 @@ class Peer:
         self._announcer = Announcer(dht=self.dht, run_id=self.config.run_id, peer_id=self.peer_id, owner_key=owner,
                                     period_s=settings.record_period_s, ttl_s=settings.record_ttl_s)
         torch.set_num_threads(options.threads)  # before live planning measures this process's compute
+        if options.keep_freed_memory:
+            keep_freed_memory()
         if options.planner is not None:
             self._planner = asyncio.create_task(asyncio.to_thread(
                 serve_plan, self.dht, signer=options.planner.signer, config=self.config,

@@ -32,6 +32,7 @@ FORMAT = 1  # of the blob's encoding; a receiver refuses others
 STATE_METADATA = "p2ptrain.stage_state"  # the safetensors metadata key that holds the JSON part
 MODEL, OPTIMIZER = "model/", "optimizer/"
 NESTED = ":"  # joins the names of a nested optimizer entry (`_flatten`)
+IMPLEMENTATION = ("fused", "foreach")  # optimizer group settings that say how it steps, not what its state is
 
 
 class StateMismatch(ValueError):
@@ -110,9 +111,10 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], scalars: object, param_gr
             raise StateMismatch(f"the state's optimizer parameter group {k} has other settings than this stage's")
         if group["params"] != local_group["params"]:
             raise StateMismatch(f"the state's optimizer parameter group {k} holds other parameters")
-        # JSON turns tuples (AdamW's betas) into lists; give each value the local group's container type back
-        groups.append({key: tuple(value) if isinstance(local_group[key], tuple) else value
-                       for key, value in group.items()})
+        # JSON turns tuples (AdamW's betas) into lists; give each value the local group's container type back. How
+        # the optimizer steps (fused or not) is this holder's, fit to its device: a state stepped another way is the same
+        groups.append({key: local_group[key] if key in IMPLEMENTATION else
+                       tuple(value) if isinstance(local_group[key], tuple) else value for key, value in group.items()})
     params = {index: param for group, local in zip(local_groups, optimizer.param_groups)
               for index, param in zip(group["params"], local["params"])}
     expected: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
