@@ -19,8 +19,10 @@ import torch
 
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig
+from p2ptrain.dht import start_dht
 from p2ptrain.launch import Swarm
 from p2ptrain.state.checkpoint import CheckpointError, load_checkpoint, manifests, save_checkpoint
+from p2ptrain.status import History, collect
 from tests.lone import give_gradients, lone_worker, stepped_alone
 
 CONFIG = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
@@ -146,6 +148,8 @@ class RestartableSwarm(Swarm):
                                       str(workdir / "bootstrap.key"), "--host-maddrs",
                                       f"/ip4/127.0.0.1/tcp/{self.port}", "--maddrs-file",
                                       str(workdir / "bootstrap.maddrs")]
+        self._dht = None
+        self._history = History()
 
     def start_all(self, incarnation: int) -> None:
         maddrs = self.workdir / "bootstrap.maddrs"
@@ -156,6 +160,10 @@ class RestartableSwarm(Swarm):
             assert time.monotonic() < deadline, "the bootstrap peer did not come up"
             time.sleep(0.2)
         initial = maddrs.read_text().split()
+        # read by a DHT client in this process, every epoch its reads saw kept: a record carries its peer's newest
+        # epochs only (a few seconds' worth on this recipe), fewer than a status process started per read would miss
+        self._dht = start_dht(self.run_id, initial_peers=initial, client_mode=True)
+        self._history = History()
         common = ["--run-id", self.run_id, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *RECIPE, "--initial-peers",
                   *initial]
         for name, stage, role in SERVERS:
@@ -176,15 +184,19 @@ class RestartableSwarm(Swarm):
                 os.killpg(process.pid, signal.SIGKILL)  # the peer and its p2p daemon, without notice
                 process.wait()
         self.processes.clear()  # dead, daemons and all: `failed` asks about the next incarnation only
+        self._close_reader()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        self._close_reader()
+        super().stop(grace_s)
+
+    def _close_reader(self) -> None:
+        if self._dht is not None:
+            self._dht.shutdown()
+            self._dht = None
 
     def status(self) -> dict:
-        out = subprocess.run([sys.executable, "-m", "p2ptrain.status", "--run-id", self.run_id, "--json",
-                              "--initial-peers", f"/ip4/127.0.0.1/tcp/{self.port}/p2p/{self.boot_id()}"],
-                             capture_output=True, text=True, timeout=120)
-        return json.loads(out.stdout) if out.returncode == 0 else {"epoch": -1, "epochs": []}
-
-    def boot_id(self) -> str:
-        return (self.workdir / "bootstrap.maddrs").read_text().split()[0].rsplit("/", 1)[1]
+        return collect(self._dht, self.run_id, history=self._history)
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text()
@@ -209,7 +221,7 @@ def wait_for(swarm: RestartableSwarm, condition, what: str, timeout: float = 240
         report = swarm.status()
         if condition(report):
             return report
-        time.sleep(2.0)
+        time.sleep(0.5)
     raise AssertionError(f"{what} within {timeout} s")
 
 
@@ -218,7 +230,9 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
     swarm = RestartableSwarm(tmp_path, "ckpt")
     try:
         swarm.start_all(0)
-        before = wait_for(swarm, lambda r: r["epoch"] >= 7, "the swarm did not train 8 epochs")
+        # past epoch 8 at least: stage 0's FS, saving every 4 epochs, then holds two checkpoints, the older one of
+        # epoch 4 or later
+        before = wait_for(swarm, lambda r: r["epoch"] >= 11, "the swarm did not train 12 epochs")
         swarm.kill_all()  # at once: the losses before the kill are those `before` saw
         # servers save when their own stage steps, so a swarm killed whole may leave its servers' newest checkpoints at
         # different epochs, even two of one stage (a save behind its mate's). Checkpoints are removed so that stage 0
@@ -256,8 +270,8 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         last_before = [losses[e] for e in sorted(losses) if e < resume][-2:]
         # no higher than the last losses seen before the kill (up to noise), and far below an untrained model's (about
         # ln 256 = 5.5). Not within noise both ways: the status read before the kill lags the swarm by several epochs
-        # (metrics are published every few seconds, epochs take half a second), and the loss still falls by about 0.1
-        # an epoch here, so the resumed one is often lower than the last one seen by more than the noise
+        # (metrics are published every few seconds, epochs take a third of a second), and the loss still falls by
+        # about 0.1 an epoch here, so the resumed one is often lower than the last one seen by more than the noise
         # stage 0 trains on from its older parameters (the epochs between are abandoned), and every worker of it
         # takes them from its servers: none starts from the seed's weights, which cost a loss far above an untrained
         # model's once (the servers refused their state as behind the swarm's epoch)
