@@ -42,6 +42,7 @@ import dataclasses
 import datetime as dt
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -56,6 +57,7 @@ from typing import Any, AsyncIterator  # typing's: hivemind registers rpc_* hand
 
 import hivemind
 import torch
+from cpu_causes import CAUSES, OTHER, Profiler
 from harness import (
     OWN,
     ROOT,
@@ -199,11 +201,13 @@ def call_rates(first: tuple[float, dict[str, dict[str, int]]], last: tuple[float
 
 
 def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str,
-              keep_freed_memory: str) -> dict:
-    """Train the swarm for `args.epochs` epochs, reading every process's CPU time meanwhile, then the idle swarm's.
-    A failure is reported (`error`) with what the logs show, not raised."""
-    swarm = LocalSwarm(workdir, config, epochs=args.epochs, node_flags=["--keep-streams", keep_streams,
-                                                                       "--keep-freed-memory", keep_freed_memory])
+              keep_freed_memory: str, epochs: int | None = None, profile_s: float = 0.0) -> dict:
+    """Train the swarm for `epochs` epochs (default `args.epochs`), reading every process's CPU time meanwhile,
+    then the idle swarm's; with `profile_s`, py-spy records its FS/BS processes for that long from the first steady
+    epoch on (`profile`: samples per cause of each, and every process's CPU over the recording). A failure is
+    reported (`error`) with what the logs show, not raised."""
+    swarm = LocalSwarm(workdir, config, epochs=epochs or args.epochs,
+                       node_flags=["--keep-streams", keep_streams, "--keep-freed-memory", keep_freed_memory])
     result: dict[str, Any] = {"workdir": str(workdir), "timed_out": False, "recipe_flags": swarm.flags,
                               "roles": swarm.roles}
     try:
@@ -217,14 +221,24 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
             swarm.connect()
             roots = swarm.roots()
             served: dict[str, tuple[float, dict]] = {}  # requests each peer served, at the start of the steady epochs
+            profiler = Profiler(workdir, duration_s=profile_s) if profile_s > 0 else None
+            profiled_from: list[float] = []
 
             def at_close(closed: int) -> None:
                 if closed >= args.warmup - 1 and "start" not in served:  # a quick epoch may close between reads
                     served["start"] = (time.monotonic(), swarm.served_calls())
+                if profiler is not None and closed >= args.warmup - 1 and not profiled_from:
+                    profiled_from.append(time.time())
+                    profiler.start({name: pid for name, pid in roots.items() if swarm.roles.get(name) == "server"})
 
             with Sampler() as sampler:
                 progress = swarm.follow(deadline=swarm.started + args.swarm_timeout, poll_s=args.poll_s,
                                         on_closed=at_close)
+                if profiler is not None and profiled_from:
+                    samples = profiler.collect()
+                    pair = sampler.around(profiled_from[0], profiled_from[0] + profile_s)
+                    result["profile"] = {"samples": samples, "seconds": profile_s, "rate": profiler.rate,
+                                         "cpu": cpu_window(*pair, roots) if pair else None}
             if "start" in served:
                 result["calls_training"] = call_rates(served["start"], (time.monotonic(), swarm.served_calls()))
             report = progress.report
@@ -246,7 +260,7 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
                     result["cpu"] = cpu_window(*pair, roots)
                     result["cpu"]["epochs"] = [steady[0], steady[-1]]
                     result["cpu"]["window_wanted_s"] = closed_at[steady[-1]] - start
-            if not progress.timed_out and args.idle_s > 0:
+            if not progress.timed_out and args.idle_s > 0 and not profile_s:  # the runs compared say it
                 # the same swarm with nothing to train and nobody reading its status: its background cost, once the
                 # records and closures of the last epoch are stored and read
                 time.sleep(args.idle_settle_s)
@@ -509,6 +523,22 @@ def control_cores(groups: dict[str, float]) -> float:
     return sum(groups[group] for group in ("server", "bootstrap", "dht", "p2pd", "averager"))
 
 
+def profile_causes(profile: dict, roles: dict[str, str]) -> dict:
+    """The FS/BS processes' cores by cause over a `run_swarm` profile: each cause's share of their py-spy samples
+    times their measured cores over the recording; and the cores of every group there (`consumer_cores`)."""
+    totals: dict[str, int] = defaultdict(int)
+    for samples in profile["samples"].values():
+        for cause, count in samples.items():
+            totals[cause] += count
+    groups = consumer_cores(profile["cpu"], roles) if profile.get("cpu") else {}
+    servers = groups.get("server", 0.0)
+    n = sum(totals.values())
+    order = [cause for cause, _, _ in CAUSES] + [OTHER]
+    return {"samples": n, "server_cores": servers, "groups": groups,
+            "causes": [{"cause": cause, "samples": totals.get(cause, 0), "share": totals.get(cause, 0) / n if n else 0.0,
+                        "cores": servers * totals.get(cause, 0) / n if n else 0.0} for cause in order]}
+
+
 def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: list[dict], swarm: dict) -> dict:
     """The report's numbers: steady-epoch speeds and their ratio, the ideal pipeline, step stalls, CPU per group."""
     tokens = config.tokens_per_epoch
@@ -574,9 +604,43 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
     return out
 
 
+def profile_markdown(profiled: dict | None, shown: dict, analysis: dict) -> list[str]:
+    """The section on where the FS/BS processes' CPU goes, by cause, with the other control-plane groups beside."""
+    if profiled is None:
+        return ["### Where the control plane's CPU goes, by cause: not run (--parts, --profile-s, or no py-spy)", ""]
+    if "error" in profiled or not profiled.get("profile"):
+        return [f"### Where the control plane's CPU goes, by cause: the profiled swarm failed "
+                f"({profiled.get('error', 'no profile recorded')}); logs in `{profiled.get('workdir')}`", ""]
+    causes = profile_causes(profiled["profile"], profiled["roles"])
+    groups = causes["groups"]
+    out = ["### Where the control plane's CPU goes, by cause", "",
+           f"A separate swarm with the settings shown above, its {len(profiled['profile']['samples'])} FS/BS "
+           f"processes recorded by py-spy ({profiled['profile']['rate']} samples a second of running threads, "
+           f"without pausing them; `benchmarks/cpu_causes.py` says which frames make a cause) for "
+           f"{profiled['profile']['seconds']:.0f} s from its first steady epoch; the recording itself takes CPU, so "
+           "the cores are this run's, not the comparison's. A stack counts for the first cause it passes through, "
+           "in this order; the servers' cores are split by their shares of the "
+           f"{causes['samples']} samples:", "",
+           "| cause | share of the servers' samples | cores |", "|---|---|---|"]
+    for row in causes["causes"]:
+        out.append(f"| {row['cause']} | {100 * row['share']:.0f}% | {row['cores']:.3f} |")
+    out.append(f"| FS/BS processes, all causes | 100% | {causes['server_cores']:.3f} |")
+    for group in ("p2pd", "dht", "bootstrap", "averager"):
+        out.append(f"| {CPU_GROUPS[group]} (measured, not sampled) | | {groups.get(group, 0.0):.3f} |")
+    sent = shown["report"].get("bytes_sent") if shown.get("report") else None
+    epochs = shown["report"]["epochs"] if shown.get("report") else []
+    epoch_s, p2pd = analysis.get("swarm_s_per_epoch"), analysis.get("cpu_cores", {}).get("p2pd")
+    if sent and epochs and epoch_s and p2pd:
+        mb_per_s = sum(sent.values()) / len(epochs) / 1e6 / epoch_s
+        out += ["", f"The p2p daemons carry every byte and call of the rows above: the swarm shown sent "
+                f"{mb_per_s:.1f} MB/s while its daemons used {p2pd:.2f} cores, {1e3 * p2pd / mb_per_s:.1f} ms of "
+                "daemon CPU per MB sent (a byte passes the sender's daemon and the receiver's)."]
+    return [*out, ""]
+
+
 def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConfig, timings: dict,
              single: list[dict], swarm: dict, analysis: dict, rpc: dict | None, codecs: list[dict],
-             control: dict | None, swarm_runs: dict[str, dict]) -> str:
+             control: dict | None, swarm_runs: dict[str, dict], profiled: dict | None) -> str:
     model = config.model_config
     a = analysis
     out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
@@ -722,6 +786,7 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 "trained, per epoch: " + ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(per_epoch.items(),
                                                                                     key=lambda km: -km[1])) + "."]
     out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]
+    out += profile_markdown(profiled, swarm, analysis)
     if rpc is None:
         out += ["## 2. RPC: not run (--parts)", ""]
     else:
@@ -780,9 +845,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-settle-s", type=float, default=10.0,
                         help="...starting this long after the last epoch closed (its records are stored meanwhile)")
     parser.add_argument("--quick", action="store_true", help="a short run: fewer epochs, sizes and repetitions")
-    parser.add_argument("--parts", default="swarm,rpc,codecs,dht",
+    parser.add_argument("--parts", default="swarm,rpc,codecs,dht,profile",
                         help="comma-separated parts to run: swarm (with the one-process reference), rpc, codecs, "
-                             "dht (CPU of 7 bare idle hivemind DHTs, a control for the swarm's DHT processes)")
+                             "dht (CPU of 7 bare idle hivemind DHTs, a control for the swarm's DHT processes), "
+                             "profile (the shown swarm again, where its servers' CPU goes by cause; needs swarm)")
+    parser.add_argument("--profile-s", type=float, default=8.0,
+                        help="seconds py-spy records the profiled swarm's FS/BS processes (0: skip)")
     parser.add_argument("--dpu", default="off,on", type=lambda text: text.split(","),
                         help="the swarm's --dpu settings, run one after the other (default off,on; the detailed "
                              "tables are the last swarm's)")
@@ -854,6 +922,7 @@ def main(argv: list[str] | None = None) -> None:
     swarm: dict = {"error": "not run (--parts)", "workdir": str(workdir), "report": None,
                    "boundaries": {"closed": {}, "stepped": {}}}
     swarms: dict[str, dict] = {}  # "keep-KEEP-dpu-DPU" -> its swarm, run one after the other
+    profiled: dict | None = None  # the shown swarm again, its servers recorded by py-spy
     if "swarm" in parts:
         log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
         single, state = single_process(config, range(0, half), None)
@@ -865,6 +934,18 @@ def main(argv: list[str] | None = None) -> None:
                                      keep_streams=keep, keep_freed_memory=freed)
             swarms[name].update(keep_streams=keep, dpu=dpu, keep_freed_memory=freed)
         swarm = swarms[f"keep-{args.keep_streams[-1]}-dpu-{args.dpu[-1]}-freed-{args.keep_freed_memory[-1]}"]
+        if "profile" in parts and args.profile_s > 0 and Profiler.available():
+            # long enough to cover the recording at the shown swarm's pace, slowed by the recording
+            epoch_s = analyse(args, config, timings, single, swarm).get("swarm_s_per_epoch") or 1.0
+            epochs = args.warmup + math.ceil(1.5 * args.profile_s / epoch_s) + 1
+            log(f"  profile: the same swarm for {epochs} epochs, its FS/BS processes recorded by py-spy for "
+                f"{args.profile_s:.0f} s")
+            (workdir / "profile").mkdir()
+            profiled = run_swarm(args, dataclasses.replace(config, dpu=swarm["dpu"] == "on"), workdir / "profile",
+                                 keep_streams=swarm["keep_streams"], keep_freed_memory=swarm["keep_freed_memory"],
+                                 epochs=epochs, profile_s=args.profile_s)
+        elif "profile" in parts and args.profile_s > 0:
+            log("  profile: skipped, py-spy is not installed (pip install -e '.[test]')")
         log(f"  one process, epochs {half}..{args.epochs - 1} (after the swarm)")
         more, state = single_process(config, range(half, args.epochs), state)
         single += more
@@ -880,7 +961,8 @@ def main(argv: list[str] | None = None) -> None:
                          "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"]}
                   for name, run in swarms.items()}
     shown = dataclasses.replace(config, dpu=args.dpu[-1] == "on")  # the swarm whose tables are shown
-    text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs)
+    text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs,
+                    profiled)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataplane.md").write_text(text)
@@ -896,6 +978,9 @@ def main(argv: list[str] | None = None) -> None:
                               "calls_training": run.get("calls_training"), "calls_idle": run.get("calls_idle")}
                        for name, run in swarms.items()},
         "rpc": rpc, "codecs": codecs, "dht_control": control,
+        "profile": None if profiled is None else {
+            "error": profiled.get("error"), "workdir": profiled.get("workdir"), "raw": profiled.get("profile"),
+            "by_cause": profile_causes(profiled["profile"], profiled["roles"]) if profiled.get("profile") else None},
     }, indent=2, default=str))
     print(text)
     log(f"wrote {out_dir / 'dataplane.md'} and {out_dir / 'dataplane.json'} in {info['runtime_s']:.0f} s")
