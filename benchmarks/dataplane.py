@@ -604,14 +604,14 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
     return out
 
 
-def profile_markdown(profiled: dict | None, shown: dict, analysis: dict) -> list[str]:
-    """The section on where the FS/BS processes' CPU goes, by cause, with the other control-plane groups beside."""
+def profile_markdown(profiled: dict | None, causes: dict | None, shown: dict, analysis: dict) -> list[str]:
+    """The section on where the FS/BS processes' CPU goes, by cause (`causes`: `profile_causes` of `profiled`), with
+    the other control-plane groups beside."""
     if profiled is None:
         return ["### Where the control plane's CPU goes, by cause: not run (--parts, --profile-s, or no py-spy)", ""]
-    if "error" in profiled or not profiled.get("profile"):
+    if causes is None:
         return [f"### Where the control plane's CPU goes, by cause: the profiled swarm failed "
                 f"({profiled.get('error', 'no profile recorded')}); logs in `{profiled.get('workdir')}`", ""]
-    causes = profile_causes(profiled["profile"], profiled["roles"])
     groups = causes["groups"]
     out = ["### Where the control plane's CPU goes, by cause", "",
            f"A separate swarm with the settings shown above, its {len(profiled['profile']['samples'])} FS/BS "
@@ -640,7 +640,8 @@ def profile_markdown(profiled: dict | None, shown: dict, analysis: dict) -> list
 
 def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConfig, timings: dict,
              single: list[dict], swarm: dict, analysis: dict, rpc: dict | None, codecs: list[dict],
-             control: dict | None, swarm_runs: dict[str, dict], profiled: dict | None) -> str:
+             control: dict | None, swarm_runs: dict[str, dict], profiled: dict | None,
+             causes: dict | None) -> str:
     model = config.model_config
     a = analysis
     out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
@@ -786,7 +787,7 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 "trained, per epoch: " + ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(per_epoch.items(),
                                                                                     key=lambda km: -km[1])) + "."]
     out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]
-    out += profile_markdown(profiled, swarm, analysis)
+    out += profile_markdown(profiled, causes, swarm, analysis)
     if rpc is None:
         out += ["## 2. RPC: not run (--parts)", ""]
     else:
@@ -961,8 +962,9 @@ def main(argv: list[str] | None = None) -> None:
                          "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"]}
                   for name, run in swarms.items()}
     shown = dataclasses.replace(config, dpu=args.dpu[-1] == "on")  # the swarm whose tables are shown
+    causes = profile_causes(profiled["profile"], profiled["roles"]) if profiled and profiled.get("profile") else None
     text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs,
-                    profiled)
+                    profiled, causes)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataplane.md").write_text(text)
@@ -980,7 +982,7 @@ def main(argv: list[str] | None = None) -> None:
         "rpc": rpc, "codecs": codecs, "dht_control": control,
         "profile": None if profiled is None else {
             "error": profiled.get("error"), "workdir": profiled.get("workdir"), "raw": profiled.get("profile"),
-            "by_cause": profile_causes(profiled["profile"], profiled["roles"]) if profiled.get("profile") else None},
+            "by_cause": causes},
     }, indent=2, default=str))
     print(text)
     log(f"wrote {out_dir / 'dataplane.md'} and {out_dir / 'dataplane.json'} in {info['runtime_s']:.0f} s")
