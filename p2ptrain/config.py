@@ -335,7 +335,8 @@ class RuntimeConfig:
     refusals_before_ban: int = 3  # a worker whose results were refused this many times gets no tasks for ban_s,
     ban_s: float = 30.0  # ...doubled at each ban after the first
     closures_kept: int = 4  # epochs an FS remembers the averaging group of, for workers still finishing one
-    feeder_poll_s: float = 0.01  # how often the data source looks whether it may feed the next microbatch
+    feeder_poll_s: float = 0.25  # how often the data source, waiting on its FS's progress (which wakes it at once),
+    # looks whether it was stopped
     server_check_s: float = 1.0  # the data source pings every stage server this often...
     server_lost_s: float = 10.0  # ...and holds one lost that has not answered for this long (until it answers);
     # a worker stops waiting for an FS that has not answered it for this long to close an epoch

@@ -623,6 +623,35 @@ def test_an_fs_closes_an_epoch_only_once_the_data_source_committed_it():
     asyncio.run(scenario())
 
 
+def test_the_data_source_waiting_on_its_fs_is_woken_as_rows_come_back_and_as_the_epoch_closes():
+    async def scenario() -> None:
+        fs, _ = servers()
+        stop = asyncio.Event()
+
+        def waiting(ready: Callable[[], bool]) -> asyncio.Future:  # no look before an hour: only a wake ends it
+            return asyncio.ensure_future(fs.progress.until(ready, stop, check_s=3600.0))
+
+        await feed(fs, 0, commit=False)
+        assert fs.in_flight() == 1
+        free, complete = waiting(lambda: fs.in_flight() == 0), waiting(lambda: bool(fs.state.completed.get(0)))
+        closed = waiting(lambda: fs.state.closed_epoch >= 0)
+        task = await take(fs, "w1", 0)
+        fs.progress.moved()  # a wake whose state is not ready leaves the waiters waiting
+        await asyncio.sleep(0.05)
+        assert not (free.done() or complete.done() or closed.done())
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await asyncio.wait_for(asyncio.gather(free, complete), 5.0) == [True, True]
+        assert not closed.done()
+        await deposited(fs, "w1", 0)
+        assert await fs.end_epoch(end(0, abandoned=False), "fs") == Ack()
+        assert await asyncio.wait_for(closed, 5.0)
+        stopped = asyncio.ensure_future(fs.progress.until(lambda: False, stop, check_s=0.05))
+        stop.set()
+        assert await asyncio.wait_for(stopped, 5.0) is False
+
+    asyncio.run(scenario())
+
+
 def test_an_abandoned_epoch_is_dropped_by_every_server_and_its_workers_drop_it_alike():
     async def scenario() -> None:
         fs, bs = servers()

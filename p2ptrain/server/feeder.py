@@ -156,10 +156,8 @@ class DataFeeder:
                 refusals = 0
                 abandoned.clear()  # this epoch's workers hear of its end from its FS: nobody polls past it
                 await self._end(epoch, layout, abandoned=False, batch=batch, stop=stop)
-                while self.server.state.closed_epoch < epoch:
-                    if stop.is_set():
-                        return
-                    await asyncio.sleep(self.server.settings.feeder_poll_s)
+                if not await self._until(lambda: self.server.state.closed_epoch >= epoch, stop):
+                    return
                 self.progress.epoch_seconds[epoch] = time.monotonic() - started
                 self.progress.retrained[epoch] = self.plan.retrained[epoch]
                 slots = None
@@ -196,18 +194,14 @@ class DataFeeder:
     async def _feed(self, epoch: int, slots: list[Slot], layout: Layout, stop: asyncio.Event) -> bool:
         """Push the epoch's microbatches (the data of `slots`), then wait until every stage-0 FS has all its rows
         back; False if stopped."""
-        poll = self.server.settings.feeder_poll_s
         for index, slot in enumerate(slots):
-            while self.server.in_flight() >= self.max_in_flight and not stop.is_set():
-                await asyncio.sleep(poll)
-            if stop.is_set():
+            if not await self._until(lambda: self.server.in_flight() < self.max_in_flight, stop):
                 return False
             await self._push(epoch, slot, index, layout)
         state = self.server.state
-        while len(state.completed.get(epoch, ())) < self.microbatches and state.closed_epoch < epoch:
-            if stop.is_set():
-                return False
-            await asyncio.sleep(poll)
+        if not await self._until(lambda: len(state.completed.get(epoch, ())) >= self.microbatches
+                                 or state.closed_epoch >= epoch, stop):
+            return False
         for fs in layout.stages[0].fs:
             if fs == self.server.peer_id:
                 continue
@@ -216,6 +210,10 @@ class DataFeeder:
                     return False
                 await asyncio.sleep(ASK_EVERY_S)
         return True
+
+    async def _until(self, ready: Callable[[], bool], stop: asyncio.Event) -> bool:
+        """Once `ready()` holds of the stage-0 FS's state (True), woken by its progress; False if stopped first."""
+        return await self.server.progress.until(ready, stop, check_s=self.server.settings.feeder_poll_s)
 
     async def _complete_at(self, fs: str, epoch: int) -> bool:
         try:

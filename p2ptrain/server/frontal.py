@@ -349,6 +349,7 @@ class FrontalServer(StageServer[FrontalState]):
             # the worker whose result completed the epoch was seen then; every other must poll again
             self.epoch_stats(epoch).completed = at
             self.news.set()
+        self.progress.moved()
         self.close_ready()
 
     def expect_replicas(self, peer_ids: Iterable[str]) -> None:
