@@ -2,7 +2,12 @@
 each sampled stack counts for the first cause, in `CAUSES` order, that one of its frames belongs to. The causes
 say why the work is done (a handler of the data path, the task pool, the stage's replica, records and reads of
 the DHT); what does the work (framing, codecs, hivemind's P2P client, the event loop) counts only where no cause
-claims the stack."""
+claims the stack. A stack whose innermost frame is the event loop's selector wait is the thread caught at its wait,
+not at work (`WAITING`): py-spy counts a thread running until the kernel marks it asleep, so a wait that has just
+begun, or is about to end, is sampled too; it counts for no cause.
+
+Each cause belongs to a plane (`PLANES`): the data path (moving and handling the activations and the gradients the
+paper sends through the servers) or the control plane (everything that decides, announces and watches)."""
 from __future__ import annotations
 
 import re
@@ -14,12 +19,13 @@ from pathlib import Path
 
 # (cause, functions of p2ptrain whose frames make a stack count for it, path fragments that do the same)
 CAUSES: tuple[tuple[str, frozenset[str], tuple[str, ...]], ...] = (
+    # `deliver` is how a server relays rows and their gradients to the next server (`StageServer.deliver`)
     ("activations: push, fetch and forward", frozenset({
         "push_outputs", "_accept", "_forward", "drop_result", "push_output_grads", "fetch_output_grads",
-        "push_rows", "fetch_inputs", "push_input_grads"}), ()),
+        "push_rows", "fetch_inputs", "push_input_grads", "_fetch_output_grads", "deliver"}), ()),
     ("task pool: take, result, end epoch", frozenset({
         "take_task", "long_poll_task", "task_result", "confirm", "confirm_result", "refuse_result", "end_epoch",
-        "ask_epoch", "leave", "deliver", "retrying"}), ()),
+        "ask_epoch", "leave", "retrying"}), ()),
     ("checkpoints", frozenset(), ("p2ptrain/state/checkpoint.py",)),
     ("the stage's replica: deposits, averaging, steps", frozenset(), ("p2ptrain/client/", "p2ptrain/state/")),
     ("the data source: rows and epochs", frozenset(), ("p2ptrain/server/feeder.py", "p2ptrain/data.py")),
@@ -31,11 +37,31 @@ CAUSES: tuple[tuple[str, frozenset[str], tuple[str, ...]], ...] = (
     ("hivemind's P2P client (no cause above)", frozenset(), ("hivemind/p2p/",)),
 )
 OTHER = "event loop and the rest"
+WAITING = "waiting in the event loop's selector (not work; no cause)"
+DATA, CONTROL, UNKNOWN = "data path", "control plane", "either"
+PLANES: dict[str, str] = {
+    "activations: push, fetch and forward": DATA,
+    "task pool: take, result, end epoch": CONTROL,
+    "checkpoints": DATA,
+    "the stage's replica: deposits, averaging, steps": DATA,
+    "the data source: rows and epochs": CONTROL,
+    "probes of workers": CONTROL,
+    "metrics records": CONTROL,
+    "DHT: membership, records, reads": CONTROL,
+    "framing and codecs (no cause above)": UNKNOWN,
+    "hivemind's P2P client (no cause above)": UNKNOWN,
+    OTHER: UNKNOWN,
+}  # framing, hivemind's client and the event loop serve both: a message of either plane passes through them
+SELECTOR_WAIT = {("select", "selectors.py")}  # (function, file) of the innermost frame of a thread at its wait
 FRAME = re.compile(r"^(?P<function>.*) \((?P<path>[^()]*):\d+\)$")
 
 
 def cause_of(stack: list[tuple[str, str]]) -> str:
-    """The cause a stack of (function, path) frames counts for (see the module docstring)."""
+    """The cause a stack of (function, path) frames, outermost first, counts for (see the module docstring)."""
+    if stack:
+        function, path = stack[-1]
+        if (function.rsplit(".", 1)[-1], path.rsplit("/", 1)[-1]) in SELECTOR_WAIT:
+            return WAITING
     for cause, functions, paths in CAUSES:
         for function, path in stack:
             name = function.rsplit(".", 1)[-1]  # py-spy names a method by its class too: "StageServer.deliver"

@@ -25,10 +25,15 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
    runtime's own client path. Reported: the round trip of a header-only message and its CPU (both processes and
    their daemons), on a new stream per call and on kept streams, and the time and MB/s of one
    hop (push: the tensor goes one way, a small reply comes back) and of an echo (the tensor both ways) per codec
-   and size.
+   and size; and the CPU per MB of a push at an activation's size and at 8 MiB, by the sender, the receiver and
+   their two daemons, over about 100 MB.
 3. Codecs none/fp16/int8 on a real activation and a real output gradient of the benchmark model's boundary
    shape (rows, seq, hidden): bytes, ratio to fp32, encode/decode MB/s (of fp32 input), max abs error.
 A control (part "dht"): the CPU of 7 bare hivemind DHTs idling, to compare with the swarm's DHT processes.
+A profile (part "profile", with py-spy): the shown swarm again, its FS/BS processes' CPU split by cause
+(`cpu_causes.py`), and the whole non-compute CPU split by plane (`planes`): the data path (the activations and
+gradients the paper routes through the servers, the daemons charged for their bytes at part 2's cost per MB), the
+control plane (task pool, data source, probes, metrics, the DHT processes), and what serves either.
 Everything listens on 127.0.0.1; every wait is bounded; every process started here is stopped before the end.
 
 Writes benchmarks/results/dataplane.md (the command that made it on top) and benchmarks/results/dataplane.json,
@@ -57,7 +62,7 @@ from typing import Any, AsyncIterator  # typing's: hivemind registers rpc_* hand
 
 import hivemind
 import torch
-from cpu_causes import CAUSES, OTHER, Profiler
+from cpu_causes import CAUSES, CONTROL, DATA, OTHER, PLANES, UNKNOWN, WAITING, Profiler
 from harness import (
     OWN,
     ROOT,
@@ -357,7 +362,33 @@ def _cpu_s(roots: list[int]) -> float:
     return sum(cpu for pid, (_, ppid, cpu) in table.items() if pid in roots or ppid in roots)
 
 
-async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[str, int], small_reps: int) -> dict:
+def _cpu_by_part(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds of each process of `pids` (name -> pid) and, as "NAME p2pd", of its p2p daemon."""
+    table = proc_table()
+    out = {}
+    for name, pid in pids.items():
+        out[name] = table[pid][2] if pid in table else 0.0
+        out[f"{name} p2pd"] = sum(cpu for comm, ppid, cpu in table.values() if ppid == pid and comm == "p2pd")
+    return out
+
+
+async def _push_cpu(caller: Caller, peer: str, tensor: torch.Tensor, parts: dict[str, int], *, mb: float
+                    ) -> dict[str, float]:
+    """CPU ms per MB pushed (uncompressed) by the sender, the receiver and their two daemons, over pushes of `tensor`
+    that move about `mb` MB in all: /proc counts CPU in 10 ms ticks, too coarse for the few timed pushes."""
+    envelope = Envelope({"codec": "none"}, {"x": tensor})
+    count = max(1, math.ceil(mb * 1e6 / tensor.nbytes))
+    before = _cpu_by_part(parts)
+    for _ in range(count):
+        await caller.exchange(peer, SERVICE, "rpc_sink", envelope)
+    used = {part: seconds - before[part] for part, seconds in _cpu_by_part(parts).items()}
+    moved_mb = count * tensor.nbytes / 1e6
+    return {"sender": 1e3 * used["caller"] / moved_mb, "receiver": 1e3 * used["callee"] / moved_mb,
+            "daemons": 1e3 * (used["caller p2pd"] + used["callee p2pd"]) / moved_mb, "mb": moved_mb}
+
+
+async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[str, int], small_reps: int,
+                      cpu_sizes: set[str], cpu_mb: float) -> dict:
     p2p = await P2P.create(initial_peers=[f"{m}" for m in address["maddrs"]], host_maddrs=[LOOPBACK])
     peer = address["peer_id"]
     out: dict = {"small": {}, "transfers": []}
@@ -366,6 +397,7 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
                    for codec in CODECS}
         small = Envelope({"worker": "12D3KooW" + "x" * 44, "compute": 1.0e9, "epoch": 3, "wait_s": 0.0})
         roots = [os.getpid(), address["pid"]]
+        parts = {"caller": os.getpid(), "callee": address["pid"]}
         for streams, keep in (("new", False), ("kept", True)):  # a stream per call, or kept open between calls
             caller = Caller(p2p=p2p, peer_id=p2p.peer_id.to_base58(), codec="none", timeout=120.0, keep_streams=keep)
             for _ in range(10):
@@ -406,6 +438,8 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
                     row[f"{key}_fp32_MBps"] = ways * nbytes / seconds / 1e6
                     row[f"{key}_wire_MBps"] = ways * wire / seconds / 1e6
                 row["reps"] = reps[label]
+                if codec == "none" and label in cpu_sizes:
+                    row["push_cpu_ms_per_mb"] = await _push_cpu(callers[codec], peer, tensor, parts, mb=cpu_mb)
                 out["transfers"].append(row)
                 log(f"  rpc: {label:>9} {codec:4s} push {row['push_ms']:8.2f} ms ({row['push_fp32_MBps']:6.0f} MB/s "
                     f"fp32), echo {row['echo_ms']:8.2f} ms")
@@ -432,7 +466,10 @@ def run_rpc(args: argparse.Namespace, activation_bytes: int, workdir: Path) -> d
         reps = {sizes[0][0]: 10 if args.quick else 30, "1 MiB": 5 if args.quick else 10,
                 "8 MiB": 3 if args.quick else 5, "32 MiB": 2}
         torch.set_num_threads(1)
-        return asyncio.run(asyncio.wait_for(_rpc_client(address, sizes, reps, 30 if args.quick else 100), 300.0))
+        # the swarm's two sizes of data: an activation, and (in size) a stage's gradient deposit
+        cpu_sizes = {sizes[0][0], "8 MiB"}
+        return asyncio.run(asyncio.wait_for(_rpc_client(address, sizes, reps, 30 if args.quick else 100, cpu_sizes,
+                                                        16.0 if args.quick else 96.0), 300.0))
     finally:
         if server.poll() is None:
             server.terminate()
@@ -532,11 +569,46 @@ def profile_causes(profile: dict, roles: dict[str, str]) -> dict:
             totals[cause] += count
     groups = consumer_cores(profile["cpu"], roles) if profile.get("cpu") else {}
     servers = groups.get("server", 0.0)
+    waiting = totals.pop(WAITING, 0)  # a thread caught at its wait: no share of the work
     n = sum(totals.values())
     order = [cause for cause, _, _ in CAUSES] + [OTHER]
-    return {"samples": n, "server_cores": servers, "groups": groups,
-            "causes": [{"cause": cause, "samples": totals.get(cause, 0), "share": totals.get(cause, 0) / n if n else 0.0,
+    return {"samples": n, "waiting_samples": waiting, "server_cores": servers, "groups": groups,
+            "causes": [{"cause": cause, "plane": PLANES[cause], "samples": totals.get(cause, 0),
+                        "share": totals.get(cause, 0) / n if n else 0.0,
                         "cores": servers * totals.get(cause, 0) / n if n else 0.0} for cause in order]}
+
+
+def planes(causes: dict, profiled: dict, rpc: dict | None, warmup: int) -> dict | None:
+    """The profiled swarm's non-compute cores split by plane (`cpu_causes.PLANES`): the servers' by their samples'
+    causes; the p2p daemons' by the bytes the swarm sent of each kind (activations at an activation's size, averaging
+    and state at a deposit's, both uncompressed) times the daemons' CPU per MB measured on a bare push in part 2,
+    the rest of their CPU (every call's overhead, the DHT's traffic, the load) counted as either; the DHT and bootstrap
+    processes as control, hivemind's averager processes as data. None without part 2's figures or the swarm's bytes."""
+    report = profiled.get("report") or {}
+    epochs = [e for e in report.get("epochs", []) if e["epoch"] >= warmup and e["seconds"]]
+    sent = report.get("bytes_sent")
+    per_mb = {r["size"]: r["push_cpu_ms_per_mb"] for r in (rpc or {}).get("transfers", []) if "push_cpu_ms_per_mb" in r}
+    activation = next((cpu["daemons"] for size, cpu in per_mb.items() if size.startswith("act")), None)
+    deposit = per_mb.get("8 MiB", {}).get("daemons")
+    if not (epochs and sent and activation is not None and deposit is not None):
+        return None
+    epoch_s = mean([e["seconds"] for e in epochs])
+    all_epochs = report.get("epochs", [])
+    mb_per_s = {kind: nbytes / len(all_epochs) / 1e6 / epoch_s for kind, nbytes in sent.items()}
+    groups = causes["groups"]
+    daemons = groups.get("p2pd", 0.0)
+    daemons_data = min(daemons, (mb_per_s.get("activations", 0.0) * activation
+                                 + (mb_per_s.get("averaging", 0.0) + mb_per_s.get("state", 0.0)) * deposit) / 1e3)
+    servers = {plane: sum(row["cores"] for row in causes["causes"] if row["plane"] == plane)
+               for plane in (DATA, CONTROL, UNKNOWN)}
+    out = {"mb_per_s": mb_per_s, "daemon_ms_per_mb": {"activation": activation, "deposit": deposit},
+           "servers": servers, "daemons": {DATA: daemons_data, UNKNOWN: daemons - daemons_data},
+           "dht": groups.get("dht", 0.0), "bootstrap": groups.get("bootstrap", 0.0),
+           "averager": groups.get("averager", 0.0)}
+    out[DATA] = servers[DATA] + daemons_data + out["averager"]
+    out[CONTROL] = servers[CONTROL] + out["dht"] + out["bootstrap"]
+    out[UNKNOWN] = servers[UNKNOWN] + daemons - daemons_data
+    return out
 
 
 def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: list[dict], swarm: dict) -> dict:
@@ -604,9 +676,10 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
     return out
 
 
-def profile_markdown(profiled: dict | None, causes: dict | None, shown: dict, analysis: dict) -> list[str]:
+def profile_markdown(profiled: dict | None, causes: dict | None, shown: dict, analysis: dict,
+                     split: dict | None) -> list[str]:
     """The section on where the FS/BS processes' CPU goes, by cause (`causes`: `profile_causes` of `profiled`), with
-    the other control-plane groups beside."""
+    the other control-plane groups beside, and the whole split by plane (`split`: `planes`)."""
     if profiled is None:
         return ["### Where the control plane's CPU goes, by cause: not run (--parts, --profile-s, or no py-spy)", ""]
     if causes is None:
@@ -620,13 +693,14 @@ def profile_markdown(profiled: dict | None, causes: dict | None, shown: dict, an
            f"{profiled['profile']['seconds']:.0f} s from its first steady epoch; the recording itself takes CPU, so "
            "the cores are this run's, not the comparison's. A stack counts for the first cause it passes through, "
            "in this order; the servers' cores are split by their shares of the "
-           f"{causes['samples']} samples:", "",
-           "| cause | share of the servers' samples | cores |", "|---|---|---|"]
+           f"{causes['samples']} samples at work ({causes['waiting_samples']} more caught a thread at its wait in "
+           "the event loop's selector, which is not work):", "",
+           "| cause | plane | share of the servers' samples | cores |", "|---|---|---|---|"]
     for row in causes["causes"]:
-        out.append(f"| {row['cause']} | {100 * row['share']:.0f}% | {row['cores']:.3f} |")
-    out.append(f"| FS/BS processes, all causes | 100% | {causes['server_cores']:.3f} |")
+        out.append(f"| {row['cause']} | {row['plane']} | {100 * row['share']:.0f}% | {row['cores']:.3f} |")
+    out.append(f"| FS/BS processes, all causes | | 100% | {causes['server_cores']:.3f} |")
     for group in ("p2pd", "dht", "bootstrap", "averager"):
-        out.append(f"| {CPU_GROUPS[group]} (measured, not sampled) | | {groups.get(group, 0.0):.3f} |")
+        out.append(f"| {CPU_GROUPS[group]} (measured, not sampled) | | | {groups.get(group, 0.0):.3f} |")
     sent = shown["report"].get("bytes_sent") if shown.get("report") else None
     epochs = shown["report"]["epochs"] if shown.get("report") else []
     epoch_s, p2pd = analysis.get("swarm_s_per_epoch"), analysis.get("cpu_cores", {}).get("p2pd")
@@ -635,13 +709,34 @@ def profile_markdown(profiled: dict | None, causes: dict | None, shown: dict, an
         out += ["", f"The p2p daemons carry every byte and call of the rows above: the swarm shown sent "
                 f"{mb_per_s:.1f} MB/s while its daemons used {p2pd:.2f} cores, {1e3 * p2pd / mb_per_s:.1f} ms of "
                 "daemon CPU per MB sent (a byte passes the sender's daemon and the receiver's)."]
+    if split is not None:
+        servers, daemons, rates = split["servers"], split["daemons"], split["mb_per_s"]
+        out += ["", "Split by plane: the data path is what moves and handles the activations and the gradients the "
+                "paper routes through the servers (its relay, the deposits, the replicas' steps); the control plane "
+                "is what decides, announces and watches (task pool, data source, probes, metrics, DHT); framing, "
+                "hivemind's P2P client and the event loop serve both. The daemons' share of the data path is the "
+                f"bytes the swarm sent ({rates.get('activations', 0.0):.1f} MB/s of activations, "
+                f"{rates.get('averaging', 0.0) + rates.get('state', 0.0):.1f} MB/s of gradients and state) times the "
+                "daemons' CPU per MB of a bare push in part 2 "
+                f"({split['daemon_ms_per_mb']['activation']:.1f} ms at an activation's size, "
+                f"{split['daemon_ms_per_mb']['deposit']:.1f} ms at 8 MiB); the rest of their CPU (every call's own "
+                "cost, the DHT's traffic, the load of a busy machine) counts as either.", "",
+                "| | data path | control plane | either |", "|---|---|---|---|",
+                f"| FS/BS processes (by their samples) | {servers[DATA]:.3f} | {servers[CONTROL]:.3f} | "
+                f"{servers[UNKNOWN]:.3f} |",
+                f"| p2p daemons (by bytes) | {daemons[DATA]:.3f} | | {daemons[UNKNOWN]:.3f} |",
+                f"| hivemind DHT and bootstrap processes | | {split['dht'] + split['bootstrap']:.3f} | |",
+                f"| hivemind averager processes | {split['averager']:.3f} | | |",
+                f"| **all** | **{split[DATA]:.3f}** | **{split[CONTROL]:.3f}** | **{split[UNKNOWN]:.3f}** |", "",
+                f"The control plane alone takes between {split[CONTROL]:.3f} cores (what is surely its own) and "
+                f"{split[CONTROL] + split[UNKNOWN]:.3f} (with all that serves either plane)."]
     return [*out, ""]
 
 
 def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConfig, timings: dict,
              single: list[dict], swarm: dict, analysis: dict, rpc: dict | None, codecs: list[dict],
              control: dict | None, swarm_runs: dict[str, dict], profiled: dict | None,
-             causes: dict | None) -> str:
+             causes: dict | None, split: dict | None) -> str:
     model = config.model_config
     a = analysis
     out = ["# Data-plane benchmark", "", f"Command: `{command}`", "",
@@ -787,7 +882,7 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 "trained, per epoch: " + ", ".join(f"{kind} {mb:.1f} MB" for kind, mb in sorted(per_epoch.items(),
                                                                                     key=lambda km: -km[1])) + "."]
     out += ["", f"Swarm logs: `{swarm.get('workdir')}` (a temporary directory).", ""]
-    out += profile_markdown(profiled, causes, swarm, analysis)
+    out += profile_markdown(profiled, causes, swarm, analysis, split)
     if rpc is None:
         out += ["## 2. RPC: not run (--parts)", ""]
     else:
@@ -805,11 +900,15 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 "echo = the peer decodes and sends it back encoded with the same codec. Times include encode and "
                 "decode; MB/s counts fp32 megabytes moved (10^6 bytes) and, for wire MB/s, the encoded bytes.", "",
                 "| size (fp32) | codec | wire bytes | push ms | push MB/s (fp32) | push MB/s (wire) | echo ms | "
-                "echo MB/s (fp32) | reps |", "|---|---|---|---|---|---|---|---|---|"]
+                "echo MB/s (fp32) | push CPU ms per MB: sender / receiver / both daemons (over MB pushed) | reps |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rpc["transfers"]:
+            cpu = r.get("push_cpu_ms_per_mb")
             out.append(f"| {r['size']} | {r['codec']} | {r['wire_bytes']} | {r['push_ms']:.2f} | "
                        f"{r['push_fp32_MBps']:.0f} | {r['push_wire_MBps']:.0f} | {r['echo_ms']:.2f} | "
-                       f"{r['echo_fp32_MBps']:.0f} | {r['reps']} |")
+                       f"{r['echo_fp32_MBps']:.0f} | "
+                       + (f"{cpu['sender']:.1f} / {cpu['receiver']:.1f} / {cpu['daemons']:.1f} ({cpu['mb']:.0f} MB) | "
+                          if cpu else "- | ") + f"{r['reps']} |")
         act = [r for r in rpc["transfers"] if r["size"].startswith("act")]
         if act:
             out += ["", "A microbatch crosses 6 activation-sized hops in this 2-stage swarm (client0->BS0, BS0->FS1, "
@@ -841,8 +940,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--swarm-timeout", type=float, default=None,
                         help="give the swarm at most this many seconds (default 210; quick 150)")
     parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between status reads of the swarm")
-    parser.add_argument("--idle-s", type=float, default=20.0,
-                        help="after training, measure the idle swarm's CPU use for this long (0: skip)")
+    parser.add_argument("--idle-s", type=float, default=None,
+                        help="after training, measure the idle swarm's CPU use for this long (0: skip; default 60, "
+                             "quick 20): 60 s spans two of the peers' 30 s record periods, where a shorter window "
+                             "catches their periodic stores and reads, or misses them, by chance")
     parser.add_argument("--idle-settle-s", type=float, default=10.0,
                         help="...starting this long after the last epoch closed (its records are stored meanwhile)")
     parser.add_argument("--quick", action="store_true", help="a short run: fewer epochs, sizes and repetitions")
@@ -876,6 +977,7 @@ def main(argv: list[str] | None = None) -> None:
     args.epochs = args.epochs or (3 if args.quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.swarm_timeout = args.swarm_timeout or (150.0 if args.quick else 210.0)
+    args.idle_s = args.idle_s if args.idle_s is not None else (20.0 if args.quick else 60.0)
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
     for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams),
@@ -963,8 +1065,9 @@ def main(argv: list[str] | None = None) -> None:
                   for name, run in swarms.items()}
     shown = dataclasses.replace(config, dpu=args.dpu[-1] == "on")  # the swarm whose tables are shown
     causes = profile_causes(profiled["profile"], profiled["roles"]) if profiled and profiled.get("profile") else None
+    split = planes(causes, profiled, rpc, args.warmup) if causes else None
     text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs,
-                    profiled, causes)
+                    profiled, causes, split)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "dataplane.md").write_text(text)
@@ -982,7 +1085,7 @@ def main(argv: list[str] | None = None) -> None:
         "rpc": rpc, "codecs": codecs, "dht_control": control,
         "profile": None if profiled is None else {
             "error": profiled.get("error"), "workdir": profiled.get("workdir"), "raw": profiled.get("profile"),
-            "by_cause": causes},
+            "by_cause": causes, "planes": split},
     }, indent=2, default=str))
     print(text)
     log(f"wrote {out_dir / 'dataplane.md'} and {out_dir / 'dataplane.json'} in {info['runtime_s']:.0f} s")

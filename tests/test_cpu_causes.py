@@ -37,3 +37,43 @@ def test_each_stack_counts_for_the_first_cause_it_passes_through():
         cpu_causes.OTHER: 7,
     }
     assert {cause for cause, _, _ in cpu_causes.CAUSES} >= set(samples) - {cpu_causes.OTHER}
+
+
+def test_a_thread_caught_at_its_selector_wait_counts_for_no_cause_and_every_cause_has_a_plane():
+    raw = "\n".join([
+        f"{LOOP};EpollSelector.select (selectors.py:468) 9",
+        f"{LOOP};EpollSelector.select (selectors.py:468);_key_from_fd (selectors.py:275) 1",  # at work inside it
+        f"{LOOP};BackwardServer._forward (p2ptrain/server/backward.py:150);StageServer.deliver "
+        "(p2ptrain/server/base.py:429) 2",
+        f"{LOOP};StageServer.deliver (p2ptrain/server/base.py:429) 3",  # a relay spawned on its own
+    ])
+    assert cpu_causes.parse_raw(raw) == {cpu_causes.WAITING: 9, cpu_causes.OTHER: 1,
+                                         "activations: push, fetch and forward": 5}
+    assert set(cpu_causes.PLANES) == {cause for cause, _, _ in cpu_causes.CAUSES} | {cpu_causes.OTHER}
+    assert set(cpu_causes.PLANES.values()) == {cpu_causes.DATA, cpu_causes.CONTROL, cpu_causes.UNKNOWN}
+
+
+def test_the_split_by_plane_charges_the_daemons_for_the_bytes_at_their_measured_cost_and_loses_no_core():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import dataplane
+    finally:
+        sys.path.pop(0)
+    causes = dataplane.profile_causes({"samples": {"s0-fs": {"activations: push, fetch and forward": 2,
+                                                             "metrics records": 1, cpu_causes.OTHER: 1,
+                                                             cpu_causes.WAITING: 6}}, "cpu": None},
+                                      roles={"s0-fs": "server"})
+    assert causes["samples"] == 4 and causes["waiting_samples"] == 6
+    causes["groups"] = {"server": 0.4, "p2pd": 0.3, "dht": 0.05, "bootstrap": 0.01, "averager": 0.0}
+    for row in causes["causes"]:
+        row["cores"] = 0.4 * row["share"]
+    epochs = [{"epoch": e, "seconds": 2.0} for e in range(4)]
+    profiled = {"report": {"epochs": epochs, "bytes_sent": {"activations": 80e6, "averaging": 160e6, "control": 1e5}}}
+    rpc = {"transfers": [{"size": "act 256 KiB", "push_cpu_ms_per_mb": {"daemons": 4.0}},
+                         {"size": "8 MiB", "push_cpu_ms_per_mb": {"daemons": 2.0}}]}
+    split = dataplane.planes(causes, profiled, rpc, warmup=1)
+    # 10 MB/s of activations at 4 ms a MB, 20 MB/s of gradients at 2 ms
+    assert abs(split["daemons"][cpu_causes.DATA] - 0.08) < 1e-9
+    assert abs(split[cpu_causes.CONTROL] - (0.1 + 0.05 + 0.01)) < 1e-9
+    assert abs(split[cpu_causes.DATA] + split[cpu_causes.CONTROL] + split[cpu_causes.UNKNOWN] - 0.76) < 1e-9
+    assert dataplane.planes(causes, profiled, {"transfers": []}, warmup=1) is None
