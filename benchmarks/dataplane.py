@@ -211,8 +211,10 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
     then the idle swarm's; with `profile_s`, py-spy records its FS/BS processes for that long from the first steady
     epoch on (`profile`: samples per cause of each, and every process's CPU over the recording). A failure is
     reported (`error`) with what the logs show, not raised."""
-    swarm = LocalSwarm(workdir, config, epochs=epochs or args.epochs,
-                       node_flags=["--keep-streams", keep_streams, "--keep-freed-memory", keep_freed_memory])
+    node_flags = ["--keep-streams", keep_streams, "--keep-freed-memory", keep_freed_memory]
+    if args.metrics_period is not None:
+        node_flags += ["--metrics-period", str(args.metrics_period)]
+    swarm = LocalSwarm(workdir, config, epochs=epochs or args.epochs, node_flags=node_flags)
     result: dict[str, Any] = {"workdir": str(workdir), "timed_out": False, "recipe_flags": swarm.flags,
                               "roles": swarm.roles}
     try:
@@ -961,6 +963,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-freed-memory", default="off,on", type=lambda text: text.split(","),
                         help="the peers' --keep-freed-memory settings, each run with every other setting (default "
                              "off,on)")
+    parser.add_argument("--metrics-period", type=float, default=None,
+                        help="the peers' --metrics-period (default: theirs): how often each stores its metrics in "
+                             "the DHT while they change, which is most of what the DHT processes do while training")
     parser.add_argument("--out", default=str(RESULTS), help="directory for dataplane.md and dataplane.json")
     parser.add_argument("--rpc-server", help=argparse.SUPPRESS)  # internal: the RPC benchmark's second process
     return parser
@@ -980,6 +985,8 @@ def main(argv: list[str] | None = None) -> None:
     args.idle_s = args.idle_s if args.idle_s is not None else (20.0 if args.quick else 60.0)
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
+    if args.metrics_period is not None and args.metrics_period <= 0:
+        parser.error(f"--metrics-period {args.metrics_period}: must be above 0 seconds")
     for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams),
                          ("--keep-freed-memory", args.keep_freed_memory)):
         if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):

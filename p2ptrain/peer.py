@@ -60,6 +60,7 @@ NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in
               "device": "--device", "recompute": "--recompute",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "recipe_timeout_s": "--recipe-timeout", "keep_streams": "--keep-streams",
+              "metrics_period_s": "--metrics-period",
               **DEADLINE_FLAGS,
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
               "stage_choice": "--stage-choice", "probe_delay_s": "--probe-delay", "checkpoint_dir": "--checkpoint-dir",
@@ -102,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds to wait for a plan that places it")
     parser.add_argument("--recipe-timeout", type=positive, default=RuntimeConfig.recipe_timeout_s,
                         help="seconds a peer given no recipe flags waits for the swarm's run and recipe")
+    parser.add_argument("--metrics-period", type=positive, default=RuntimeConfig.metrics_period_s,
+                        help="seconds between this peer's stores of its training metrics in the DHT while they "
+                             "change (what `python -m p2ptrain.status` shows); each store is signed, replicated and "
+                             "checked by several DHT peers, so where epochs take seconds a longer period quiets the "
+                             "DHT at the cost of a later status (default %(default)s)")
     live.add_argument("--plan", action="store_true",
                       help="this server is also the planner: it plans the servers and clients that announce "
                            "themselves, publishes the plan signed with --planner-identity and keeps it alive while "
@@ -241,7 +247,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
             recipe=None if args.role == "bootstrap" else RecipeOptions(given=given,
                                                                        layers_given=args.layers is not None))
         settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, recipe_timeout_s=args.recipe_timeout,
-                                 keep_streams=SWITCH[args.keep_streams], **deadlines_from(args))
+                                 keep_streams=SWITCH[args.keep_streams], metrics_period_s=args.metrics_period,
+                                 **deadlines_from(args))
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 
 

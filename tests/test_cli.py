@@ -98,6 +98,7 @@ PEER_ROLE_CASES = [
      "argument --plan-stages: 0"),
     (["p2ptrain.peer", "--role", "server", "--planner-key", "FILE", "--plan-timeout", "0"],
      "argument --plan-timeout: 0"),
+    (["p2ptrain.peer", "--role", "client", "--stage", "0", "--metrics-period", "0"], "argument --metrics-period: 0"),
     (["p2ptrain.peer", "--role", "client", "--stage", "0", "--owner-key", "MISSING"],
      "argument --owner-key: MISSING: no such file"),
     (["p2ptrain.peer", "--role", "client", "--stage", "0", "--owner-key", "SHORT"],
@@ -184,3 +185,11 @@ def test_a_client_without_stage_joins_by_probing_and_picks_by_cost_unless_told()
     assert options.stage_choice == "paper" and options.probe_delay_s == 0.0
     server = parse_args(["--role", "server", "--stage", "1", "--server-role", "bs", "--probe-delay", "0.2"]).options
     assert server.probe_delay_s == 0.2
+
+
+def test_a_peer_stores_its_metrics_as_often_as_told():
+    from p2ptrain.config import RuntimeConfig
+    from p2ptrain.peer import parse_args
+
+    assert parse_args(["--role", "client", "--stage", "0"]).settings.metrics_period_s == RuntimeConfig.metrics_period_s
+    assert parse_args(["--role", "client", "--stage", "0", "--metrics-period", "20"]).settings.metrics_period_s == 20
