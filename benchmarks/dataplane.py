@@ -703,12 +703,16 @@ def profile_markdown(profiled: dict | None, causes: dict | None, shown: dict, an
     out.append(f"| FS/BS processes, all causes | | 100% | {causes['server_cores']:.3f} |")
     for group in ("p2pd", "dht", "bootstrap", "averager"):
         out.append(f"| {CPU_GROUPS[group]} (measured, not sampled) | | | {groups.get(group, 0.0):.3f} |")
-    sent = shown["report"].get("bytes_sent") if shown.get("report") else None
-    epochs = shown["report"]["epochs"] if shown.get("report") else []
-    epoch_s, p2pd = analysis.get("swarm_s_per_epoch"), analysis.get("cpu_cores", {}).get("p2pd")
-    if sent and epochs and epoch_s and p2pd:
-        mb_per_s = sum(sent.values()) / len(epochs) / 1e6 / epoch_s
-        out += ["", f"The p2p daemons carry every byte and call of the rows above: the swarm shown sent "
+    if split is not None:  # this swarm's bytes and daemons, as in the table
+        which, mb_per_s, p2pd = "this swarm", sum(split["mb_per_s"].values()), groups.get("p2pd", 0.0)
+    else:  # the shown swarm's (this one's bytes are known only with part 2's figures)
+        sent = shown["report"].get("bytes_sent") if shown.get("report") else None
+        epochs = shown["report"]["epochs"] if shown.get("report") else []
+        epoch_s, p2pd = analysis.get("swarm_s_per_epoch"), analysis.get("cpu_cores", {}).get("p2pd")
+        which = "the swarm shown"
+        mb_per_s = sum(sent.values()) / len(epochs) / 1e6 / epoch_s if sent and epochs and epoch_s else None
+    if mb_per_s and p2pd:
+        out += ["", f"The p2p daemons carry every byte and call of the rows above: {which} sent "
                 f"{mb_per_s:.1f} MB/s while its daemons used {p2pd:.2f} cores, {1e3 * p2pd / mb_per_s:.1f} ms of "
                 "daemon CPU per MB sent (a byte passes the sender's daemon and the receiver's)."]
     if split is not None:
