@@ -389,6 +389,18 @@ async def _push_cpu(caller: Caller, peer: str, tensor: torch.Tensor, parts: dict
             "daemons": 1e3 * (used["caller p2pd"] + used["callee p2pd"]) / moved_mb, "mb": moved_mb}
 
 
+async def _call_cpu(caller: Caller, peer: str, envelope: Envelope, parts: dict[str, int], *, calls: int
+                    ) -> dict[str, float]:
+    """CPU ms per call of `envelope` (a small one) by the caller, the callee and their two daemons, over `calls`
+    calls: enough of them for /proc's 10 ms ticks."""
+    before = _cpu_by_part(parts)
+    for _ in range(calls):
+        await caller.exchange(peer, SERVICE, "rpc_sink", envelope)
+    used = {part: seconds - before[part] for part, seconds in _cpu_by_part(parts).items()}
+    return {"caller": 1e3 * used["caller"] / calls, "callee": 1e3 * used["callee"] / calls,
+            "daemons": 1e3 * (used["caller p2pd"] + used["callee p2pd"]) / calls, "calls": calls}
+
+
 async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[str, int], small_reps: int,
                       cpu_sizes: set[str], cpu_mb: float) -> dict:
     p2p = await P2P.create(initial_peers=[f"{m}" for m in address["maddrs"]], host_maddrs=[LOOPBACK])
@@ -410,11 +422,12 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
                 await caller.exchange(peer, SERVICE, "rpc_sink", small)
                 times.append(time.perf_counter() - begin)
             cpu = _cpu_s(roots) - cpu
+            by_part = await _call_cpu(caller, peer, small, parts, calls=10 * small_reps) if keep else None
             caller.close()
             out["small" if keep else "small_new_streams"] = {
                 "streams": streams, "reps": small_reps, "median_ms": 1e3 * statistics.median(times),
                 "p90_ms": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))], "min_ms": 1e3 * min(times),
-                "cpu_ms_per_call": 1e3 * cpu / small_reps}
+                "cpu_ms_per_call": 1e3 * cpu / small_reps, "cpu_ms_per_call_by_part": by_part}
             log(f"  rpc: small message round trip, {streams} streams: median {1e3 * statistics.median(times):.2f} ms, "
                 f"{1e3 * cpu / small_reps:.2f} ms CPU a call (both processes and their daemons)")
         for label, nbytes in sizes:
@@ -580,12 +593,21 @@ def profile_causes(profile: dict, roles: dict[str, str]) -> dict:
                         "cores": servers * totals.get(cause, 0) / n if n else 0.0} for cause in order]}
 
 
+# the calls the servers serve for the control plane: task polls (their replies' tensors are charged by bytes), results,
+# the epochs' ends and questions, reports, leaving, probes; the rest carry the data path's tensors
+CONTROL_CALLS = frozenset({"rpc_take_task", "rpc_task_result", "rpc_end_epoch", "rpc_ask_epoch", "rpc_report_norm",
+                           "rpc_report_group", "rpc_leave", "rpc_echo"})
+
+
 def planes(causes: dict, profiled: dict, rpc: dict | None, warmup: int) -> dict | None:
     """The profiled swarm's non-compute cores split by plane (`cpu_causes.PLANES`): the servers' by their samples'
     causes; the p2p daemons' by the bytes the swarm sent of each kind (activations at an activation's size, averaging
     and state at a deposit's, both uncompressed) times the daemons' CPU per MB measured on a bare push in part 2,
     the rest of their CPU (every call's overhead, the DHT's traffic, the load) counted as either; the DHT and bootstrap
-    processes as control, hivemind's averager processes as data. None without part 2's figures or the swarm's bytes."""
+    processes as control, hivemind's averager processes as data. And an estimate of the control plane's share of what
+    serves either: the control calls the servers served a second (`CONTROL_CALLS`) at part 2's CPU of a small call on
+    kept streams, both processes and both daemons (a call a client makes costs the client, outside this count: so
+    the share errs high). None without part 2's figures or the swarm's bytes."""
     report = profiled.get("report") or {}
     epochs = [e for e in report.get("epochs", []) if e["epoch"] >= warmup and e["seconds"]]
     sent = report.get("bytes_sent")
@@ -610,6 +632,14 @@ def planes(causes: dict, profiled: dict, rpc: dict | None, warmup: int) -> dict 
     out[DATA] = servers[DATA] + daemons_data + out["averager"]
     out[CONTROL] = servers[CONTROL] + out["dht"] + out["bootstrap"]
     out[UNKNOWN] = servers[UNKNOWN] + daemons - daemons_data
+    call = (rpc or {}).get("small", {}).get("cpu_ms_per_call_by_part")
+    calls = profiled.get("calls_training")
+    if call and calls:
+        out["control_calls_per_s"] = sum(rate for methods in calls.values() for method, rate in methods.items()
+                                         if method in CONTROL_CALLS)
+        out["control_call_ms"] = call["caller"] + call["callee"] + call["daemons"]
+        out["control_calls_cores"] = min(out[UNKNOWN], out["control_calls_per_s"] * out["control_call_ms"] / 1e3)
+        out["control_estimate"] = out[CONTROL] + out["control_calls_cores"]
     return out
 
 
@@ -736,6 +766,12 @@ def profile_markdown(profiled: dict | None, causes: dict | None, shown: dict, an
                 f"| **all** | **{split[DATA]:.3f}** | **{split[CONTROL]:.3f}** | **{split[UNKNOWN]:.3f}** |", "",
                 f"The control plane alone takes between {split[CONTROL]:.3f} cores (what is surely its own) and "
                 f"{split[CONTROL] + split[UNKNOWN]:.3f} (with all that serves either plane)."]
+        if "control_estimate" in split:
+            out.append(f"Of what serves either, the servers served {split['control_calls_per_s']:.1f} control calls a "
+                       "second (task polls, results, the epochs' ends and questions, reports, probes); at a bare small "
+                       f"call's {split['control_call_ms']:.2f} ms of CPU (both processes and both daemons, part 2) they "
+                       f"take {split['control_calls_cores']:.3f} cores, and the rest serves the data path's bytes: "
+                       f"**the control plane takes about {split['control_estimate']:.3f} cores while training**.")
     return [*out, ""]
 
 
@@ -900,7 +936,10 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                        f"({'a stream opened for each call' if key != 'small' else 'kept open between calls'}): median "
                        f"{small['median_ms']:.2f} ms, p90 {small['p90_ms']:.2f} ms, min {small['min_ms']:.2f} ms over "
                        f"{small['reps']} calls; {small['cpu_ms_per_call']:.2f} ms of CPU a call (both processes and "
-                       "their p2p daemons).")
+                       "their p2p daemons)"
+                       + (f"; over {part['calls']} more calls, {part['caller']:.2f} ms the caller's, "
+                          f"{part['callee']:.2f} ms the callee's and {part['daemons']:.2f} ms the two daemons'."
+                          if (part := small.get("cpu_ms_per_call_by_part")) else "."))
         out += ["", "The transfers below go over kept streams (the runtime's default).",
                 "", "push = one hop: the tensor goes to the peer, which decodes it and answers with a small reply; "
                 "echo = the peer decodes and sends it back encoded with the same codec. Times include encode and "

@@ -68,12 +68,18 @@ def test_the_split_by_plane_charges_the_daemons_for_the_bytes_at_their_measured_
     for row in causes["causes"]:
         row["cores"] = 0.4 * row["share"]
     epochs = [{"epoch": e, "seconds": 2.0} for e in range(4)]
-    profiled = {"report": {"epochs": epochs, "bytes_sent": {"activations": 80e6, "averaging": 160e6, "control": 1e5}}}
+    profiled = {"report": {"epochs": epochs, "bytes_sent": {"activations": 80e6, "averaging": 160e6, "control": 1e5}},
+                "calls_training": {"fs": {"rpc_take_task": 8.0, "rpc_push_input_grads": 3.0},
+                                   "bs": {"rpc_task_result": 2.0, "rpc_push_outputs": 3.0}}}
     rpc = {"transfers": [{"size": "act 256 KiB", "push_cpu_ms_per_mb": {"daemons": 4.0}},
-                         {"size": "8 MiB", "push_cpu_ms_per_mb": {"daemons": 2.0}}]}
+                         {"size": "8 MiB", "push_cpu_ms_per_mb": {"daemons": 2.0}}],
+           "small": {"cpu_ms_per_call_by_part": {"caller": 0.5, "callee": 0.5, "daemons": 1.0, "calls": 1000}}}
     split = dataplane.planes(causes, profiled, rpc, warmup=1)
     # 10 MB/s of activations at 4 ms a MB, 20 MB/s of gradients at 2 ms
     assert abs(split["daemons"][cpu_causes.DATA] - 0.08) < 1e-9
     assert abs(split[cpu_causes.CONTROL] - (0.1 + 0.05 + 0.01)) < 1e-9
     assert abs(split[cpu_causes.DATA] + split[cpu_causes.CONTROL] + split[cpu_causes.UNKNOWN] - 0.76) < 1e-9
+    # 10 control calls a second (polls and results; not the pushes) at 2 ms each
+    assert split["control_calls_per_s"] == 10.0 and abs(split["control_calls_cores"] - 0.02) < 1e-9
+    assert abs(split["control_estimate"] - (0.16 + 0.02)) < 1e-9
     assert dataplane.planes(causes, profiled, {"transfers": []}, warmup=1) is None
