@@ -227,13 +227,19 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
             log(f"  swarm of {len(swarm.roles)} processes, logs in {workdir}")
             swarm.connect()
             roots = swarm.roots()
-            served: dict[str, tuple[float, dict]] = {}  # requests each peer served, at the start of the steady epochs
+            # requests each peer served, as the status first shows the warm-up's last epoch closed and as it first
+            # shows the last one closed: both read as late after the event, so the window spans the steady epochs (not
+            # the wait for the finished flag after them, nor the profiler's wind-down)
+            served: dict[str, tuple[float, dict]] = {}
+            last_epoch = (epochs or args.epochs) - 1
             profiler = Profiler(workdir, duration_s=profile_s) if profile_s > 0 else None
             profiled_from: list[float] = []
 
             def at_close(closed: int) -> None:
                 if closed >= args.warmup - 1 and "start" not in served:  # a quick epoch may close between reads
                     served["start"] = (time.monotonic(), swarm.served_calls())
+                elif closed >= last_epoch and "start" in served and "end" not in served:
+                    served["end"] = (time.monotonic(), swarm.served_calls())
                 if profiler is not None and closed >= args.warmup - 1 and not profiled_from:
                     profiled_from.append(time.time())
                     profiler.start({name: pid for name, pid in roots.items() if swarm.roles.get(name) == "server"})
@@ -246,8 +252,9 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
                     pair = sampler.around(profiled_from[0], profiled_from[0] + profile_s)
                     result["profile"] = {"samples": samples, "seconds": profile_s, "rate": profiler.rate,
                                          "cpu": cpu_window(*pair, roots) if pair else None}
-            if "start" in served:
-                result["calls_training"] = call_rates(served["start"], (time.monotonic(), swarm.served_calls()))
+            if "start" in served:  # with no read between the two, until now
+                result["calls_training"] = call_rates(served["start"],
+                                                      served.get("end") or (time.monotonic(), swarm.served_calls()))
             report = progress.report
             result["timed_out"] = progress.timed_out
             result["report"] = report
