@@ -111,3 +111,15 @@ def test_a_data_source_whose_push_a_stage_0_fs_refuses_abandons_that_epoch_and_t
     for stage in range(config.num_stages):
         history = peers[f"client{stage}"].worker.history
         assert [(r.epoch, r.rows, r.averaged) for r in history] == [(e, config.rows_per_epoch, True) for e in (0, 1, 3)]
+
+
+def test_a_peer_loads_the_int8_codec_of_the_look_aheads_stage_mean_before_its_first_message():
+    """The stage mean travels in int8 whatever the run's codecs; bitsandbytes takes seconds to import, which on the
+    first mean stalled the FS serving it and the workers taking it (and a fault test timed its kill by them)."""
+    from p2ptrain.client.averaging import STAGE_MEAN_CODEC
+    from p2ptrain.node.peer import codecs_of
+
+    assert STAGE_MEAN_CODEC in codecs_of(RunConfig(dpu=True, dpu_lookahead=True))
+    assert STAGE_MEAN_CODEC not in codecs_of(RunConfig(dpu=True, dpu_lookahead=False))
+    assert STAGE_MEAN_CODEC not in codecs_of(RunConfig(dpu=False))
+    assert codecs_of(RunConfig(dpu=False, compression="int8"))[0] == "int8"

@@ -76,6 +76,7 @@ logger = logging.getLogger(__name__)
 NO_ROWS_WEIGHT = 1e-9
 PART_BYTES = 2**19  # hivemind's default part size, named here because the stall deadline counts on it
 DEPOSITS_KEPT = 4  # epochs back a worker remembers where it deposited (`StageAllReduce._handed_over`)
+STAGE_MEAN_CODEC = "int8"  # how `GradientDeposits` hands out the mean of an epoch's deposits for a look-ahead
 REDUCER_LINGER_S = 5.0  # how long a reducer keeps a sender's stream open after its last part (`rpc_aggregate_part`)
 
 
@@ -103,7 +104,8 @@ class GradientDeposits(Service):
     service = GRADIENT_DEPOSITS
 
     def __init__(self, *, peer_id: str, stage: int, numel: int, kept: int, hearing: Hearing | None = None):
-        super().__init__(peer_id=peer_id, name=f"stage {stage} gradient deposits", codec="int8", hearing=hearing)
+        super().__init__(peer_id=peer_id, name=f"stage {stage} gradient deposits", codec=STAGE_MEAN_CODEC,
+                         hearing=hearing)
         self.numel, self.kept = numel, kept
         self._held: dict[int, dict[str, DepositGrads]] = {}
         self._means: dict[tuple[int, frozenset[str]], asyncio.Future[StageMean | None]] = {}  # each mate asks

@@ -15,7 +15,7 @@ import torch
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P
 
-from p2ptrain.client.averaging import GradientDeposits, StageAllReduce
+from p2ptrain.client.averaging import STAGE_MEAN_CODEC, GradientDeposits, StageAllReduce
 from p2ptrain.client.device import resolve_device
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
 from p2ptrain.client.worker import Worker
@@ -59,6 +59,16 @@ from p2ptrain.transport import Caller
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def codecs_of(config: RunConfig) -> list[str]:
+    """The codecs a peer of `config`'s run encodes or decodes with: its activations', its averaging's, and with the
+    look-ahead the stage mean's, which travels in int8 whatever the run's codecs (unloaded, its first use stalled the
+    FS that serves it and the workers that take it for 2-4 s, the time bitsandbytes takes to import)."""
+    codecs = [config.compression, AVERAGING_CODECS[config.averaging_codec]]
+    if config.dpu and config.dpu_lookahead:
+        codecs.append(STAGE_MEAN_CODEC)
+    return codecs
 
 
 class Peer:
@@ -318,7 +328,7 @@ class Peer:
         config, options, settings, placement = self.config, self.options, self.settings, self.placement
         stage, role = placement.stage, placement.server_role
         # before any message: an import on the first one would stall this peer's event loop (int8: seconds)
-        await asyncio.to_thread(load_codecs, config.compression, AVERAGING_CODECS[config.averaging_codec])
+        await asyncio.to_thread(load_codecs, *codecs_of(config))
         membership = MembershipCache(dht=self.dht, run_id=config.run_id, num_stages=config.num_stages,
                                      period_s=settings.membership_period_s, retry_s=settings.membership_retry_s,
                                      idle_period_s=settings.membership_idle_period_s,
