@@ -83,7 +83,7 @@ from harness import (
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from p2ptrain.cli import LOOPBACK
+from p2ptrain.cli import LOOPBACK, positive
 from p2ptrain.compression import deserialize, encoded_nbytes, serialize
 from p2ptrain.config import CODECS, RunConfig
 from p2ptrain.data import TextSource
@@ -381,31 +381,26 @@ def _cpu_by_part(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-async def _push_cpu(caller: Caller, peer: str, tensor: torch.Tensor, parts: dict[str, int], *, mb: float
-                    ) -> dict[str, float]:
-    """CPU ms per MB pushed (uncompressed) by the sender, the receiver and their two daemons, over pushes of `tensor`
-    that move about `mb` MB in all: /proc counts CPU in 10 ms ticks, too coarse for the few timed pushes."""
-    envelope = Envelope({"codec": "none"}, {"x": tensor})
-    count = max(1, math.ceil(mb * 1e6 / tensor.nbytes))
-    before = _cpu_by_part(parts)
-    for _ in range(count):
-        await caller.exchange(peer, SERVICE, "rpc_sink", envelope)
-    used = {part: seconds - before[part] for part, seconds in _cpu_by_part(parts).items()}
-    moved_mb = count * tensor.nbytes / 1e6
-    return {"sender": 1e3 * used["caller"] / moved_mb, "receiver": 1e3 * used["callee"] / moved_mb,
-            "daemons": 1e3 * (used["caller p2pd"] + used["callee p2pd"]) / moved_mb, "mb": moved_mb}
-
-
 async def _call_cpu(caller: Caller, peer: str, envelope: Envelope, parts: dict[str, int], *, calls: int
                     ) -> dict[str, float]:
-    """CPU ms per call of `envelope` (a small one) by the caller, the callee and their two daemons, over `calls`
-    calls: enough of them for /proc's 10 ms ticks."""
+    """CPU seconds the caller, the callee and their two daemons spent on `calls` sink calls of `envelope`: enough calls
+    for /proc's 10 ms ticks, too coarse for the few timed ones."""
     before = _cpu_by_part(parts)
     for _ in range(calls):
         await caller.exchange(peer, SERVICE, "rpc_sink", envelope)
     used = {part: seconds - before[part] for part, seconds in _cpu_by_part(parts).items()}
-    return {"caller": 1e3 * used["caller"] / calls, "callee": 1e3 * used["callee"] / calls,
-            "daemons": 1e3 * (used["caller p2pd"] + used["callee p2pd"]) / calls, "calls": calls}
+    return {"caller": used["caller"], "callee": used["callee"], "daemons": used["caller p2pd"] + used["callee p2pd"]}
+
+
+async def _push_cpu(caller: Caller, peer: str, tensor: torch.Tensor, parts: dict[str, int], *, mb: float
+                    ) -> dict[str, float]:
+    """CPU ms per MB pushed (uncompressed) by the sender, the receiver and their two daemons, over pushes of `tensor`
+    that move about `mb` MB in all."""
+    count = max(1, math.ceil(mb * 1e6 / tensor.nbytes))
+    used = await _call_cpu(caller, peer, Envelope({"codec": "none"}, {"x": tensor}), parts, calls=count)
+    moved_mb = count * tensor.nbytes / 1e6
+    return {"sender": 1e3 * used["caller"] / moved_mb, "receiver": 1e3 * used["callee"] / moved_mb,
+            "daemons": 1e3 * used["daemons"] / moved_mb, "mb": moved_mb}
 
 
 async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[str, int], small_reps: int,
@@ -429,7 +424,11 @@ async def _rpc_client(address: dict, sizes: list[tuple[str, int]], reps: dict[st
                 await caller.exchange(peer, SERVICE, "rpc_sink", small)
                 times.append(time.perf_counter() - begin)
             cpu = _cpu_s(roots) - cpu
-            by_part = await _call_cpu(caller, peer, small, parts, calls=10 * small_reps) if keep else None
+            by_part = None
+            if keep:
+                used = await _call_cpu(caller, peer, small, parts, calls=10 * small_reps)
+                by_part = {part: 1e3 * seconds / (10 * small_reps) for part, seconds in used.items()}
+                by_part["calls"] = 10 * small_reps
             caller.close()
             out["small" if keep else "small_new_streams"] = {
                 "streams": streams, "reps": small_reps, "median_ms": 1e3 * statistics.median(times),
@@ -1013,7 +1012,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-freed-memory", default="off,on", type=lambda text: text.split(","),
                         help="the peers' --keep-freed-memory settings, each run with every other setting (default "
                              "off,on)")
-    parser.add_argument("--metrics-period", type=float, default=None,
+    parser.add_argument("--metrics-period", type=positive, default=None,
                         help="the peers' --metrics-period (default: theirs): how often each stores its metrics in "
                              "the DHT while they change, which is most of what the DHT processes do while training")
     parser.add_argument("--out", default=str(RESULTS), help="directory for dataplane.md and dataplane.json")
@@ -1035,8 +1034,6 @@ def main(argv: list[str] | None = None) -> None:
     args.idle_s = args.idle_s if args.idle_s is not None else (20.0 if args.quick else 60.0)
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
-    if args.metrics_period is not None and args.metrics_period <= 0:
-        parser.error(f"--metrics-period {args.metrics_period}: must be above 0 seconds")
     for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams),
                          ("--keep-freed-memory", args.keep_freed_memory)):
         if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):
