@@ -12,6 +12,7 @@ from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
+from p2ptrain.planner import anytime as anytime_module
 from p2ptrain.planner.anytime import PATIENCE, anytime, descends_first, random_move
 from p2ptrain.planner.baselines import random_layout, swarm_groups
 from p2ptrain.planner.cost import (
@@ -479,10 +480,10 @@ def large_engine(devices: int, seed: int) -> Engine:
 
 
 @pytest.mark.parametrize("devices", [96, 640])
-def test_on_a_large_swarm_the_anytime_search_descends_before_it_walks(devices: int) -> None:
-    """Where a walk would move each device fewer than WALK_COVER times, rounds are local searches alone (each scores
-    at most its budget of 2,000 plans) while they find better plans; on a small swarm a round walks (thousands of
-    moves, then the local search)."""
+def test_on_a_large_swarm_the_anytime_search_descends_and_never_walks(devices: int) -> None:
+    """Where a walk would move each device fewer than WALK_COVER times, rounds are local searches alone: a descent
+    (at most 2,000 plans) while they find better plans, a wide one (at most 4,000) after one that does not, kicks
+    after that; on a small swarm a round walks (thousands of moves, then the local search)."""
     engine = large_engine(devices, seed=311)
     groups = swarm_groups(engine)
     assert groups is not None
@@ -494,6 +495,45 @@ def test_on_a_large_swarm_the_anytime_search_descends_before_it_walks(devices: i
     assert large == (devices == 640)
     per_round = (record.scored - before) / record.rounds
     assert per_round <= 2002 if large else per_round > 4000
+
+
+def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kick(monkeypatch) -> None:
+    """After a descent that finds nothing better comes a wide descent (more plans scored), after a wide one that finds
+    nothing kicks (random moves from the best plan, then a wide descent), and after a round that found a better plan
+    a descent again. Rounds 1 to 3 are made to find nothing (they hand back the best plan), so that every kind comes
+    within 6 rounds."""
+    engine = large_engine(640, seed=311)
+    groups = swarm_groups(engine)
+    assert groups is not None
+    rounds: list[tuple[str, int, bool]] = []  # each round's kind, the plans it scored, whether it found a better plan
+    kicks: list[tuple[list[Group], list[Group]]] = []  # (best plan, kicked plan)
+    best = [groups]
+    real_search, real_kick = anytime_module._local_search, anytime_module._kick
+
+    def kick(engine: Engine, start: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group]:
+        kicks.append((start, real_kick(engine, start, rng, fixed_stages)))
+        return kicks[-1][1]
+
+    def search(engine: Engine, start: list[Group], rng: np.random.Generator, *, wide: bool = False):
+        kind = "kick" if kicks and kicks[-1][1] is start else "wide" if wide else "descent"
+        before, best_score = engine.scored, engine.score(best[0], timed=True)
+        found = real_search(engine, start, rng, wide=wide)
+        if len(rounds) in (1, 2, 3):
+            found = best[0], best_score
+        better = found[1].better_than(best_score)
+        rounds.append((kind, engine.scored - before, better))
+        best[0] = found[0] if better else best[0]
+        return found
+
+    monkeypatch.setattr(anytime_module, "_local_search", search)
+    monkeypatch.setattr(anytime_module, "_kick", kick)
+    found, _, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=6)
+    kinds = [kind for kind, _, _ in rounds]
+    assert record.rounds == 6 and found == best[0]
+    assert rounds[0][2] and kinds[:5] == ["descent", "descent", "wide", "kick", "kick"]
+    assert kinds[5] == ("descent" if rounds[4][2] else "kick")
+    assert rounds[0][1] <= 2002 < rounds[2][1]
+    assert len(kicks) == 2 and all(kicked != start for start, kicked in kicks)
 
 
 def test_a_core_is_the_members_nearest_the_clusters_medoid() -> None:

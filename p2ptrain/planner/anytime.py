@@ -10,13 +10,15 @@ first-improvement local search (``Engine.improve``). Each round draws from a gen
 and the round's number and scores a fixed number of moves, so the result depends only on the seed and how many
 rounds completed; the clock only decides how many (a round the budget cuts short is dropped). The phase also ends
 once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the whole budget.
-On a large swarm, rounds of a second kind come first: descents, the local search alone. A walk pays only from near
-a local optimum, and a round's moves spread over a thousand devices are too few to find one: on a 1,024-device swarm
-(8 moves a device) the plan the earlier phases hand over is far from a local optimum, and in a round measured there
-the walk's 6,000 moves found no better plan than its start; all 98 gains came from the closing local search, which
-its budget cut short. On 256 devices (31 moves a device) walks gained. So where a walk moves a device fewer than
-``WALK_COVER`` times on average, descents run while they find better plans, and walks come once one does not (a
-walk's closing local search that improved on the walk's best sends the search back to descents).
+On a large swarm (where a walk would move each device fewer than ``WALK_COVER`` times) rounds are local searches
+instead, and none walks. A walk pays only from near a local optimum, and a round's moves spread over a thousand devices
+are too few to find one: in a round measured on a 1,024-device swarm (8 moves a device) the walk's 6,000 moves found no
+better plan than its start, and every gain came from its closing local search. The rounds there are descents (the
+local search alone) while they find better plans; after one that does not, a wide descent, which draws 4 times as
+many devices to move; after a wide one that does not, kicks: a few random moves from the best plan, then a wide
+descent, kept if better. Each descent samples other devices, so one that failed says little of the next: on
+geo-1024-seed600 (the default budget) these rounds ended at 84.0 s of PT where walks after the first failed descent
+ended at 94.0 s; without kicks they stalled at 91.5 s from a third of the way through the budget.
 Moves are scored through ``Engine.score`` with row shares set by time, as the plan ends with (``Engine.levels``), so
 the search balances each stage's workers as it moves them; the engine caches every stage's statistics and levels,
 so a move recomputes only the stages it touches.
@@ -37,6 +39,11 @@ CHECK_EVERY = 64  # moves between looks at the clock
 # 1/e. Hotter rounds leave the best plan's basin (they found the better plans of small swarms), cooler ones refine it
 HOTS, COLD = (0.02, 0.06), 0.0003
 WALK_COVER = 16  # moves a walk makes per device, below which descents come first (module doc)
+# a large swarm's rounds (module doc): a descent moves the stages' binding devices and 6 drawn ones; a wide one draws
+# WIDE_SAMPLE and scores up to WIDE_BUDGET plans; a kick makes KICK random moves before a wide descent
+WIDE_SAMPLE, WIDE_BUDGET, KICK = 24, 4000, 4
+DESCENT, WIDE, KICKED, WALK = "descent", "wide", "kick", "walk"
+AFTER_A_MISS = {DESCENT: WIDE, WIDE: KICKED, KICKED: KICKED}  # a large swarm's next round after one found nothing
 LOAD_WEIGHT = 0.3  # 0.1 / 0.3 / 1.0 measured on 256-device swarms: 0.3 and 1.0 alike and best
 
 
@@ -63,7 +70,8 @@ def round_moves(devices: int) -> int:
 
 
 def descends_first(devices: int) -> bool:
-    """Whether a walk would move each device fewer than ``WALK_COVER`` times: a large swarm (module doc)."""
+    """Whether a walk would move each device fewer than ``WALK_COVER`` times: a large swarm, whose rounds are
+    descents, wide descents and kicks (module doc)."""
     return round_moves(devices) < WALK_COVER * devices
 
 
@@ -76,21 +84,25 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     rounds = improved = misses = 0
     moves = round_moves(engine.net.size)
     score = engine.score(groups, timed=True)
-    descents = descends_first(engine.net.size)
-    descend = descents
+    large = descends_first(engine.net.size)
+    kind = DESCENT if large else WALK
     while misses < patience and (max_rounds is None or rounds < max_rounds):
         rng = np.random.default_rng([seed, rounds])
-        if descend:
-            result = None if out_of_time() else (*_local_search(engine, groups, rng), True)
-        else:
+        if kind == WALK:
             result = _round(engine, groups, score, rng=rng, moves=moves, hot=HOTS[rounds % len(HOTS)],
                             fixed_stages=fixed_stages, out_of_time=out_of_time)
+        elif out_of_time():
+            result = None
+        else:
+            start = groups if kind != KICKED else _kick(engine, groups, rng, fixed_stages)
+            result = _local_search(engine, start, rng, wide=kind != DESCENT)
         if result is None:
             break
         rounds += 1
-        trial, trial_score, descended = result
+        trial, trial_score = result
         better = trial_score.better_than(score)
-        descend = descents and descended and better
+        if large:
+            kind = DESCENT if better else AFTER_A_MISS[kind]
         if better:
             groups, score = trial, trial_score
             improved, misses = improved + 1, 0
@@ -99,14 +111,27 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     return groups, score, SearchRecord(rounds=rounds, scored=engine.scored, improved=improved)
 
 
-def _local_search(engine: Engine, groups: list[Group], rng: np.random.Generator) -> tuple[list[Group], Score]:
+def _local_search(engine: Engine, groups: list[Group], rng: np.random.Generator, *,
+                  wide: bool = False) -> tuple[list[Group], Score]:
+    if wide:
+        return engine.improve(groups, rng=rng, rounds=200, budget=WIDE_BUDGET, swaps=True, timed=True,
+                              sample=WIDE_SAMPLE)
     return engine.improve(groups, rng=rng, rounds=200, budget=2000, swaps=True, timed=True)
 
 
+def _kick(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group]:
+    """``groups`` after ``KICK`` random moves, whatever they cost, each kept where it gives a feasible plan."""
+    kicked = groups
+    for _ in range(KICK):
+        moved = random_move(engine, kicked, rng, fixed_stages)
+        if moved is not None and math.isfinite(engine.score(moved, timed=True).pt):
+            kicked = moved
+    return kicked
+
+
 def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, moves: int, hot: float,
-           fixed_stages: bool, out_of_time: Callable[[], bool]) -> tuple[list[Group], Score, bool] | None:
-    """One annealing round and its closing local search, and whether that search improved on the walk's best plan;
-    None if the budget ended first."""
+           fixed_stages: bool, out_of_time: Callable[[], bool]) -> tuple[list[Group], Score] | None:
+    """One annealing round and its closing local search; None if the budget ended first."""
     current, current_energy = groups, _energy(score)
     best, best_score = groups, score
     for step in range(moves):
@@ -127,8 +152,7 @@ def _round(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.
                 best, best_score = trial, trial_score
     if out_of_time():
         return None
-    searched, searched_score = _local_search(engine, best, rng)
-    return searched, searched_score, searched_score.better_than(best_score)
+    return _local_search(engine, best, rng)
 
 
 def _energy(score: Score) -> float:

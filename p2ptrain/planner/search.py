@@ -245,16 +245,16 @@ def partners(net: Network, wl: Workload, group: Group) -> tuple[np.ndarray, np.n
     fs, bs, clients = (np.array(x, dtype=int) for x in (group.fs, group.bs, group.clients))
     alpha, link = np.zeros(len(workers)), np.zeros(len(workers))
     for start, own, other in ((0, fs, bs), (len(fs), bs, fs)):
-        cost = net.latency[np.ix_(own, other)] + (p0[start:start + len(own)] * a)[:, None] * \
-            net.inv_bandwidth[np.ix_(own, other)]
+        cost = block(net.latency, own, other) + (p0[start:start + len(own)] * a)[:, None] * \
+            block(net.inv_bandwidth, own, other)
         best = other[cost.argmin(axis=1)]
         alpha[start:start + len(own)] = net.latency[own, best]
         link[start:start + len(own)] = a * net.inv_bandwidth[own, best]
     if len(clients):
         start = len(fs) + len(bs)
         pc = p0[start:] * a
-        f = fs[(net.latency[np.ix_(fs, clients)] + pc[None, :] * net.inv_bandwidth[np.ix_(fs, clients)]).argmin(0)]
-        b = bs[(net.latency[np.ix_(clients, bs)] + pc[:, None] * net.inv_bandwidth[np.ix_(clients, bs)]).argmin(1)]
+        f = fs[(block(net.latency, fs, clients) + pc[None, :] * block(net.inv_bandwidth, fs, clients)).argmin(0)]
+        b = bs[(block(net.latency, clients, bs) + pc[:, None] * block(net.inv_bandwidth, clients, bs)).argmin(1)]
         alpha[start:] = net.latency[f, clients] + net.latency[clients, b]
         link[start:] = a * (net.inv_bandwidth[f, clients] + net.inv_bandwidth[clients, b])
     return alpha, link, workers
