@@ -13,7 +13,7 @@ from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
-from p2ptrain.planner.anytime import PATIENCE, anytime, descends_first, random_move
+from p2ptrain.planner.anytime import PATIENCE, anytime, descends, races_cores, random_move
 from p2ptrain.planner.baselines import random_layout, swarm_groups
 from p2ptrain.planner.cost import (
     Network,
@@ -491,8 +491,8 @@ def test_on_a_large_swarm_the_anytime_search_descends_and_never_walks(devices: i
     before = engine.scored
     _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=2)
     assert record.rounds == 2 and score.better_than(start)
-    large = descends_first(devices)
-    assert large == (devices == 640)
+    large = descends(devices)
+    assert large == (devices == 640) and not races_cores(256) and descends(256) and not descends(128)
     per_round = (record.scored - before) / record.rounds
     assert per_round <= 2002 if large else per_round > 4000
 
@@ -553,7 +553,7 @@ def test_a_large_swarm_races_cores_of_its_clusters_and_keeps_the_best_searched()
     all, then the better half with twice the budget, until one is left: better than every start, the same for
     the same seed, and the best start untouched if the budget is spent before the first round."""
     devices = 640
-    assert descends_first(devices)
+    assert races_cores(devices)
     engine = large_engine(devices, seed=313)
     levels = paper_plan(engine, seed=0).levels
     starts = core_starts(engine, levels, seed=0)

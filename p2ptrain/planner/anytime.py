@@ -11,14 +11,16 @@ and the round's number and scores a fixed number of moves, so the result depends
 rounds completed; the clock only decides how many (a round the budget cuts short is dropped). The phase also ends
 once ``PATIENCE`` rounds in a row found nothing better, so a small swarm is not searched for the whole budget.
 On a large swarm (where a walk would move each device fewer than ``WALK_COVER`` times) rounds are local searches
-instead, and none walks. A walk pays only from near a local optimum, and a round's moves spread over a thousand devices
-are too few to find one: in a round measured on a 1,024-device swarm (8 moves a device) the walk's 6,000 moves found no
-better plan than its start, and every gain came from its closing local search. The rounds there are descents (the
-local search alone) while they find better plans; after one that does not, a wide descent, which draws 4 times as
-many devices to move; after a wide one that does not, kicks: a few random moves from the best plan, then a wide
-descent, kept if better. Each descent samples other devices, so one that failed says little of the next: on
-geo-1024-seed600 (the default budget) these rounds ended at 84.0 s of PT where walks after the first failed descent
-ended at 94.0 s; without kicks they stalled at 91.5 s from a third of the way through the budget.
+instead, and none walks. A walk pays only from near a local optimum, and a round's moves spread over hundreds of
+devices are too few to find one: in a round measured on a 1,024-device swarm (8 moves a device) the walk's 6,000 moves
+found no better plan than its start, and every gain came from its closing local search. The rounds there are descents
+(the local search alone) while they find better plans; after one that does not, a wide descent, which draws 4 times
+as many devices to move; after a wide one that does not, kicks: a few random moves from the best plan, then a wide
+descent, kept if better. Each descent samples other devices, so one that failed says little of the next. Measured at
+the default budget: on geo-1024-seed600 these rounds ended at 84.0 s of PT where walks after the first failed descent
+ended at 94.0 s, and without kicks they stalled at 91.5 s from a third of the way through the budget; on 256 devices
+(31 moves a device) they ended 2-6% better than walks on 5 of 6 swarms (seeds 500, 502, 600-603) and 0.8% worse on
+one; on 128 (62 moves a device) 1-2% better on 2 of 3 and 3.6% worse on one, so walks stay there.
 Moves are scored through ``Engine.score`` with row shares set by time, as the plan ends with (``Engine.levels``), so
 the search balances each stage's workers as it moves them; the engine caches every stage's statistics and levels,
 so a move recomputes only the stages it touches.
@@ -38,7 +40,8 @@ CHECK_EVERY = 64  # moves between looks at the clock
 # a round's starting temperatures, in turn, and its final one: the relative PT increase accepted with probability
 # 1/e. Hotter rounds leave the best plan's basin (they found the better plans of small swarms), cooler ones refine it
 HOTS, COLD = (0.02, 0.06), 0.0003
-WALK_COVER = 16  # moves a walk makes per device, below which descents come first (module doc)
+WALK_COVER = 48  # moves a walk makes per device, below which rounds descend instead (module doc)
+CORE_COVER = 16  # moves a walk would make per device, below which the refined search races cores (``races_cores``)
 # a large swarm's rounds (module doc): a descent moves the stages' binding devices and 6 drawn ones; a wide one draws
 # WIDE_SAMPLE and scores up to WIDE_BUDGET plans; a kick makes KICK random moves before a wide descent
 WIDE_SAMPLE, WIDE_BUDGET, KICK = 24, 4000, 4
@@ -69,10 +72,16 @@ def round_moves(devices: int) -> int:
     return min(8000, 800 + 160 * devices)
 
 
-def descends_first(devices: int) -> bool:
+def descends(devices: int) -> bool:
     """Whether a walk would move each device fewer than ``WALK_COVER`` times: a large swarm, whose rounds are
     descents, wide descents and kicks (module doc)."""
     return round_moves(devices) < WALK_COVER * devices
+
+
+def races_cores(devices: int) -> bool:
+    """Whether a walk would move each device fewer than ``CORE_COVER`` times: a swarm so large that the refined
+    search starts from a race of cluster cores (``refine`` module doc)."""
+    return round_moves(devices) < CORE_COVER * devices
 
 
 def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
@@ -84,7 +93,7 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     rounds = improved = misses = 0
     moves = round_moves(engine.net.size)
     score = engine.score(groups, timed=True)
-    large = descends_first(engine.net.size)
+    large = descends(engine.net.size)
     kind = DESCENT if large else WALK
     while misses < patience and (max_rounds is None or rounds < max_rounds):
         rng = np.random.default_rng([seed, rounds])
