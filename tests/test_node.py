@@ -1,17 +1,21 @@
 """`p2ptrain.Peer` from Python: two stages' peers built in this process (no subprocess, no argparse), with real
 DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops; the same with a tokenizer file; a
-data source whose push a stage-0 FS refuses trains on."""
+data source whose push a stage-0 FS refuses trains on; a DHT node started under an event loop's SIGTERM handler
+ends on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import math
+import os
+import signal
 from collections.abc import Awaitable, Callable
 
 import pytest
 
 from p2ptrain import NetworkOptions, NodeOptions, Peer, Placement, RunConfig
 from p2ptrain.cli import LOOPBACK
+from p2ptrain.dht.node import start_dht
 from p2ptrain.protocol.messages import EndEpoch
 
 CONFIG = RunConfig(run_id="in-process", num_stages=2, rows_per_microbatch=4, microbatches=2, seq_len=32)
@@ -123,3 +127,22 @@ def test_a_peer_loads_the_int8_codec_of_the_look_aheads_stage_mean_before_its_fi
     assert STAGE_MEAN_CODEC not in codecs_of(RunConfig(dpu=True, dpu_lookahead=False))
     assert STAGE_MEAN_CODEC not in codecs_of(RunConfig(dpu=False))
     assert codecs_of(RunConfig(dpu=False, compression="int8"))[0] == "int8"
+
+
+def test_a_dht_node_started_under_an_event_loops_sigterm_handler_ends_on_sigterm():
+    """As a peer starts its node: from a thread, while its event loop handles SIGTERM. `hivemind.DHT.shutdown` sends
+    SIGTERM to a node that outlasts its grace period, and the process's exit then joins it: a node that kept the
+    loop's handler (a no-op in the node's process) lived on, and a peer that refused its checkpoint never exited."""
+    async def start_and_terminate() -> bool:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
+        dht = await asyncio.to_thread(start_dht, "sigterm", host_maddrs=[LOOPBACK])
+        try:
+            os.kill(dht.pid, signal.SIGTERM)
+            await asyncio.to_thread(dht.join, 30)
+            return dht.is_alive()
+        finally:
+            if dht.is_alive():
+                os.kill(dht.pid, signal.SIGKILL)
+                dht.join(10)
+
+    assert not asyncio.run(start_and_terminate()), "the DHT node's process outlived SIGTERM by 30 s"

@@ -20,9 +20,13 @@ _lock = threading.Lock()
 
 
 def _release_in_child() -> None:
-    """A process forked while the signals were held back (the DHT's own) must still take them."""
+    """A process forked while the signals were held back (the DHT's own) must still take them, and SIGTERM must end
+    it: it inherits the handler of the parent's event loop (`loop.add_signal_handler`), a no-op without that loop, and
+    `hivemind.DHT.shutdown` ends a node that outlasts its grace period with SIGTERM. Ignored, that left the node alive
+    and the parent's exit joining it for good (a peer that refused its checkpoint never exited)."""
     if _holding:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 os.register_at_fork(after_in_child=_release_in_child)
