@@ -42,9 +42,10 @@ CHECK_EVERY = 64  # moves between looks at the clock
 HOTS, COLD = (0.02, 0.06), 0.0003
 WALK_COVER = 48  # moves a walk makes per device, below which rounds descend instead (module doc)
 CORE_COVER = 16  # moves a walk would make per device, below which the refined search races cores (``races_cores``)
-# a large swarm's rounds (module doc): a descent moves the stages' binding devices and 6 drawn ones; a wide one draws
-# WIDE_SAMPLE and scores up to WIDE_BUDGET plans; a kick makes KICK random moves before a wide descent
-WIDE_SAMPLE, WIDE_BUDGET, KICK = 24, 4000, 4
+# a large swarm's rounds (module doc): a descent moves the stages' binding devices and DESCENT_SAMPLE drawn ones and
+# scores up to DESCENT_BUDGET plans; a wide one draws WIDE_SAMPLE and scores up to WIDE_BUDGET; a kick makes KICK random
+# moves before a wide descent
+DESCENT_SAMPLE, DESCENT_BUDGET, WIDE_SAMPLE, WIDE_BUDGET, KICK = 6, 2000, 24, 4000, 4
 DESCENT, WIDE, KICKED, WALK = "descent", "wide", "kick", "walk"
 AFTER_A_MISS = {DESCENT: WIDE, WIDE: KICKED, KICKED: KICKED}  # a large swarm's next round after one found nothing
 LOAD_WEIGHT = 0.3  # 0.1 / 0.3 / 1.0 measured on 256-device swarms: 0.3 and 1.0 alike and best
@@ -93,8 +94,7 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     rounds = improved = misses = 0
     moves = round_moves(engine.net.size)
     score = engine.score(groups, timed=True)
-    large = descends(engine.net.size)
-    kind = DESCENT if large else WALK
+    kind = DESCENT if descends(engine.net.size) else WALK
     while misses < patience and (max_rounds is None or rounds < max_rounds):
         rng = np.random.default_rng([seed, rounds])
         if kind == WALK:
@@ -110,7 +110,7 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
         rounds += 1
         trial, trial_score = result
         better = trial_score.better_than(score)
-        if large:
+        if kind != WALK:
             kind = DESCENT if better else AFTER_A_MISS[kind]
         if better:
             groups, score = trial, trial_score
@@ -122,10 +122,8 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
 
 def _local_search(engine: Engine, groups: list[Group], rng: np.random.Generator, *,
                   wide: bool = False) -> tuple[list[Group], Score]:
-    if wide:
-        return engine.improve(groups, rng=rng, rounds=200, budget=WIDE_BUDGET, swaps=True, timed=True,
-                              sample=WIDE_SAMPLE)
-    return engine.improve(groups, rng=rng, rounds=200, budget=2000, swaps=True, timed=True)
+    return engine.improve(groups, rng=rng, rounds=200, budget=WIDE_BUDGET if wide else DESCENT_BUDGET, swaps=True,
+                          timed=True, sample=WIDE_SAMPLE if wide else DESCENT_SAMPLE)
 
 
 def _kick(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group]:
