@@ -289,7 +289,7 @@ def take_ctrl_c() -> threading.Event:
 
 def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str], pressed: threading.Event) -> dict:
     """Follow the swarm through the DHT with a progress bar until the data source finishes, or Ctrl-C."""
-    from p2ptrain.dht import start_dht
+    from p2ptrain.dht import start_dht, stop_dht
     from p2ptrain.status import History, collect
 
     dht = start_dht(args.run_id, initial_peers=initial, client_mode=True)
@@ -316,7 +316,7 @@ def watch(swarm: Swarm, args: argparse.Namespace, initial: list[str], pressed: t
                     return report
                 time.sleep(1.0)
     finally:
-        dht.shutdown()
+        stop_dht(dht)
 
 
 if __name__ == "__main__":

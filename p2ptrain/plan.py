@@ -218,7 +218,7 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     run = args.run_id or PEER_DEFAULTS.run_id
     from hivemind.dht.crypto import RSASignatureValidator
 
-    from p2ptrain.dht import start_dht
+    from p2ptrain.dht import start_dht, stop_dht
     from p2ptrain.live.identity import load_or_create_identity
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -233,7 +233,7 @@ def live_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             return _plan_live(args, dht=dht, signer=signer, run_id=run, model=model, tokens=tokens,
                               microbatches=microbatches, expect=expect, stop=stop)
         finally:
-            dht.shutdown()
+            stop_dht(dht)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

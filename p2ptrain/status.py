@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the run owner's public key: report only the servers it authorized, and list the others")
     args = parser.parse_args(argv)
     check_maddrs(parser, "--initial-peers", args.initial_peers)
-    from p2ptrain.dht import start_dht
+    from p2ptrain.dht import start_dht, stop_dht
     from p2ptrain.live.authority import CertificateError, Owner
 
     owner = None
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         report = collect(dht, args.run_id, owner=owner)
     finally:
-        dht.shutdown()
+        stop_dht(dht)
     print(json.dumps(report, indent=2) if args.json else render(report))
 
 

@@ -1,21 +1,25 @@
 """`p2ptrain.Peer` from Python: two stages' peers built in this process (no subprocess, no argparse), with real
 DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops; the same with a tokenizer file; a
-data source whose push a stage-0 FS refuses trains on; a DHT node started under an event loop's SIGTERM handler
-ends on SIGTERM."""
+data source whose push a stage-0 FS refuses trains on; a DHT node stuck in its shutdown is killed; a peer whose
+whole process group gets SIGTERM stops in order."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 
+import hivemind
 import pytest
 
 from p2ptrain import NetworkOptions, NodeOptions, Peer, Placement, RunConfig
 from p2ptrain.cli import LOOPBACK
-from p2ptrain.dht.node import start_dht
+from p2ptrain.dht.node import start_dht, stop_dht
 from p2ptrain.protocol.messages import EndEpoch
 
 CONFIG = RunConfig(run_id="in-process", num_stages=2, rows_per_microbatch=4, microbatches=2, seq_len=32)
@@ -129,20 +133,41 @@ def test_a_peer_loads_the_int8_codec_of_the_look_aheads_stage_mean_before_its_fi
     assert codecs_of(RunConfig(dpu=False, compression="int8"))[0] == "int8"
 
 
-def test_a_dht_node_started_under_an_event_loops_sigterm_handler_ends_on_sigterm():
-    """As a peer starts its node: from a thread, while its event loop handles SIGTERM. `hivemind.DHT.shutdown` sends
-    SIGTERM to a node that outlasts its grace period, and the process's exit then joins it: a node that kept the
-    loop's handler (a no-op in the node's process) lived on, and a peer that refused its checkpoint never exited."""
-    async def start_and_terminate() -> bool:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
-        dht = await asyncio.to_thread(start_dht, "sigterm", host_maddrs=[LOOPBACK])
-        try:
-            os.kill(dht.pid, signal.SIGTERM)
-            await asyncio.to_thread(dht.join, 30)
-            return dht.is_alive()
-        finally:
-            if dht.is_alive():
-                os.kill(dht.pid, signal.SIGKILL)
-                dht.join(10)
 
-    assert not asyncio.run(start_and_terminate()), "the DHT node's process outlived SIGTERM by 30 s"
+def test_a_dht_node_that_does_not_shut_down_is_killed():
+    """A node stuck in its shutdown (stopped here) is killed after its grace period: hivemind's own fallback, SIGTERM,
+    does nothing to a node started as a peer starts it (from a thread, while the event loop handles SIGTERM), and
+    the process's exit then joined it for good (a peer that refused its checkpoint never exited)."""
+    async def start() -> hivemind.DHT:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
+        return await asyncio.to_thread(start_dht, "stuck", host_maddrs=[LOOPBACK])
+
+    dht = asyncio.run(start())
+    try:
+        os.kill(dht.pid, signal.SIGSTOP)
+        stop_dht(dht)
+        assert not dht.is_alive(), "the stuck DHT node outlived stop_dht"
+    finally:
+        if dht.is_alive():
+            os.kill(dht.pid, signal.SIGKILL)
+            dht.join(10)
+
+
+def test_a_peer_stops_in_order_when_its_whole_process_group_gets_sigterm():
+    """pkill -f and systemd send SIGTERM to every process of a peer at once, its DHT node's too: the node leaves its
+    shutdown to the peer, which withdraws its records through it and exits (a node that died at once left the peer
+    waiting on it for good)."""
+    process = subprocess.Popen([sys.executable, "-m", "p2ptrain.peer", "--role", "bootstrap", "--host-maddrs", LOOPBACK],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in process.stderr:
+            if "bootstrap peer" in line:
+                break
+        else:
+            raise AssertionError("the bootstrap peer did not start")
+        os.killpg(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)

@@ -12,7 +12,7 @@ from p2ptrain.dht.keys import (
     split_subkey,
     stage_key,
 )
-from p2ptrain.dht.node import start_dht
+from p2ptrain.dht.node import start_dht, stop_dht
 from p2ptrain.dht.readers import get_metrics, get_peers, get_plan, get_recipe, get_runs, get_stage_members
 from p2ptrain.dht.records import (
     MAX_EPOCHS_KEPT,
@@ -52,4 +52,5 @@ __all__ = [
     "split_subkey",
     "stage_key",
     "start_dht",
+    "stop_dht",
 ]

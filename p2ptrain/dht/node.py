@@ -1,6 +1,8 @@
-"""Starting this process's DHT node for a run: with the run's record validators, and safe from Ctrl-C meanwhile."""
+"""Starting this process's DHT node for a run (with the run's record validators, and safe from Ctrl-C meanwhile), and
+stopping it for sure."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -11,6 +13,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 from p2ptrain.dht.keys import make_validators
 
+logger = logging.getLogger(__name__)
+
 # torch's shared-memory manager, which hivemind starts on a process's first MPFuture (the DHT's), hangs the process
 # for good when a signal interrupts its start: seen with py-spy in a launcher that got Ctrl-C at that moment, its
 # main thread spinning in libshm's start_manager beside a defunct torch_shm_manager
@@ -20,13 +24,9 @@ _lock = threading.Lock()
 
 
 def _release_in_child() -> None:
-    """A process forked while the signals were held back (the DHT's own) must still take them, and SIGTERM must end
-    it: it inherits the handler of the parent's event loop (`loop.add_signal_handler`), a no-op without that loop, and
-    `hivemind.DHT.shutdown` ends a node that outlasts its grace period with SIGTERM. Ignored, that left the node alive
-    and the parent's exit joining it for good (a peer that refused its checkpoint never exited)."""
+    """A process forked while the signals were held back (the DHT's own) must still take them."""
     if _holding:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 os.register_at_fork(after_in_child=_release_in_child)
@@ -48,3 +48,16 @@ def start_dht(run_id: str, *, signer: RSASignatureValidator | None = None, **opt
         with _lock:
             _holding -= 1
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def stop_dht(dht: hivemind.DHT, *, kill_wait_s: float = 10.0) -> None:
+    """`dht.shutdown()`, and SIGKILL to a node that outlasts its grace period there. hivemind's own fallback is SIGTERM,
+    which a peer's node ignores: forked after the peer's event loop took SIGTERM (`loop.add_signal_handler`), it
+    inherits that handler, a no-op without the loop. That keeps a SIGTERM sent to the whole process group (pkill -f,
+    systemd) from killing the node under its parent, which then shuts it down in order; but a node that did not end
+    in time stayed alive, and the process's exit joined it for good (a peer that refused its checkpoint never exited)."""
+    dht.shutdown()
+    if dht.is_alive():
+        logger.warning(f"the DHT node (pid {dht.pid}) did not shut down in {dht.shutdown_timeout:g} s: killing it")
+        dht.kill()
+        dht.join(kill_wait_s)

@@ -32,6 +32,7 @@ from p2ptrain.dht import (
     get_recipe,
     get_runs,
     start_dht,
+    stop_dht,
 )
 from p2ptrain.dht.membership import MembershipCache
 from p2ptrain.dht.readers import get_state_holders
@@ -196,7 +197,7 @@ class Peer:
             await asyncio.to_thread(self._announcer.shutdown)
             self._announcer = None
         if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
+            await asyncio.to_thread(stop_dht, self.dht)
             self.dht = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -247,7 +248,7 @@ class Peer:
                             "list its run")
             runs = await self._read_until(lambda: get_runs(reader), deadline)
         finally:
-            await asyncio.to_thread(reader.shutdown)
+            await asyncio.to_thread(stop_dht, reader)
         if len(runs) > 1:
             raise ConfigError("run_id", "(none given)", f"the swarm carries runs {', '.join(runs)}; choose one")
         return runs[0] if runs else self.config.run_id
