@@ -12,6 +12,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import hivemind
@@ -19,6 +21,7 @@ import pytest
 
 from p2ptrain import NetworkOptions, NodeOptions, Peer, Placement, RunConfig
 from p2ptrain.cli import LOOPBACK
+from p2ptrain.dht import readers
 from p2ptrain.dht.node import start_dht, stop_dht
 from p2ptrain.protocol.messages import EndEpoch
 
@@ -137,7 +140,7 @@ def test_a_peer_loads_the_int8_codec_of_the_look_aheads_stage_mean_before_its_fi
 def test_a_dht_node_that_does_not_shut_down_is_killed():
     """A node stuck in its shutdown (stopped here) is killed after its grace period: hivemind's own fallback, SIGTERM,
     does nothing to a node started as a peer starts it (from a thread, while the event loop handles SIGTERM), and
-    the process's exit then joined it for good (a peer that refused its checkpoint never exited)."""
+    the process's exit would then join it for good."""
     async def start() -> hivemind.DHT:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
         return await asyncio.to_thread(start_dht, "stuck", host_maddrs=[LOOPBACK])
@@ -153,18 +156,63 @@ def test_a_dht_node_that_does_not_shut_down_is_killed():
             dht.join(10)
 
 
-def test_a_peer_stops_in_order_when_its_whole_process_group_gets_sigterm():
+def test_a_read_in_flight_when_its_dht_node_goes_away_ends(monkeypatch):
+    """A node shut down or killed with a read in flight never answers it: the read fails after READ_TIMEOUT_S
+    instead of holding its thread for good, and with it its process's exit (a server that refused its checkpoint
+    never exited: its membership read, cancelled, still waited in a thread that asyncio.run's end joins)."""
+    monkeypatch.setattr(readers, "READ_TIMEOUT_S", 2.0)
+    dht = start_dht("gone", host_maddrs=[LOOPBACK])
+    outcome: list[BaseException | list[str]] = []
+
+    def read() -> None:
+        try:
+            outcome.append(readers.get_runs(dht))
+        except BaseException as e:
+            outcome.append(e)
+
+    try:
+        os.kill(dht.pid, signal.SIGSTOP)  # it takes the read and never answers, as one shut down or killed
+        reader = threading.Thread(target=read, daemon=True)  # daemon: unbounded, it would hang pytest's exit
+        reader.start()
+        reader.join(timeout=30)
+        assert not reader.is_alive(), "a read of a DHT node that does not answer still waits"
+        assert isinstance(outcome[0], TimeoutError) and "did not answer" in str(outcome[0]), outcome
+    finally:
+        stop_dht(dht)
+
+
+def test_a_cancelled_reader_ends_only_with_its_read():
+    """A membership read cancelled as its peer stops ends only once its thread's read has ended, so the peer shuts
+    its DHT down with no read in flight (one in flight would wait out READ_TIMEOUT_S, and the peer's exit with it)."""
+    release = threading.Event()
+
+    async def main() -> None:
+        caller = asyncio.create_task(readers.read_in_thread(lambda: release.wait(10)))
+        await asyncio.sleep(0.2)
+        caller.cancel()
+        done, _ = await asyncio.wait([caller], timeout=0.5)
+        assert not done, "the cancelled caller ended with its read still in flight"
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(caller, 5)
+
+    asyncio.run(main())
+
+
+def test_a_peer_stops_in_order_when_its_whole_process_group_gets_sigterm(tmp_path):
     """pkill -f and systemd send SIGTERM to every process of a peer at once, its DHT node's too: the node leaves its
     shutdown to the peer, which withdraws its records through it and exits (a node that died at once left the peer
     waiting on it for good)."""
-    process = subprocess.Popen([sys.executable, "-m", "p2ptrain.peer", "--role", "bootstrap", "--host-maddrs", LOOPBACK],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "bootstrap.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "p2ptrain.peer", "--role", "bootstrap", "--host-maddrs",
+                                    LOOPBACK], stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
     try:
-        for line in process.stderr:
-            if "bootstrap peer" in line:
-                break
-        else:
-            raise AssertionError("the bootstrap peer did not start")
+        deadline = time.monotonic() + 120
+        while "bootstrap peer" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, f"the bootstrap peer did not start: " \
+                                                                            f"{log.read_text()[-2000:]}"
+            time.sleep(0.2)
         os.killpg(process.pid, signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     finally:

@@ -51,11 +51,12 @@ def start_dht(run_id: str, *, signer: RSASignatureValidator | None = None, **opt
 
 
 def stop_dht(dht: hivemind.DHT, *, kill_wait_s: float = 10.0) -> None:
-    """`dht.shutdown()`, and SIGKILL to a node that outlasts its grace period there. hivemind's own fallback is SIGTERM,
-    which a peer's node ignores: forked after the peer's event loop took SIGTERM (`loop.add_signal_handler`), it
-    inherits that handler, a no-op without the loop. That keeps a SIGTERM sent to the whole process group (pkill -f,
-    systemd) from killing the node under its parent, which then shuts it down in order; but a node that did not end
-    in time stayed alive, and the process's exit joined it for good (a peer that refused its checkpoint never exited)."""
+    """`dht.shutdown()`, and SIGKILL to a node that outlasts its grace period there; every DHT this package starts
+    (a peer's, the launcher's, `p2ptrain.status`'s and `p2ptrain.plan`'s readers) is stopped here. hivemind's own
+    fallback is SIGTERM, which a peer's node ignores: forked after the peer's event loop took SIGTERM
+    (`loop.add_signal_handler`), it inherits that handler, a no-op without the loop. That keeps a SIGTERM sent to the
+    whole process group (pkill -f, systemd) from killing the node under its parent, which then shuts it down in
+    order; but a node that did not end in time would stay alive, and the process's exit would join it for good."""
     dht.shutdown()
     if dht.is_alive():
         logger.warning(f"the DHT node (pid {dht.pid}) did not shut down in {dht.shutdown_timeout:g} s: killing it")

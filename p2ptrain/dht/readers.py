@@ -7,6 +7,7 @@ and skip, with a warning, anything malformed or claiming a peer id its subkey do
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,7 +25,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# the longest a read waits for the DHT process. A healthy node answers within its own RPC timeouts (seconds); one shut
+# down or killed with the read in flight never answers, and a thread left waiting on it kept its process from ever
+# exiting: the interpreter, and asyncio.run's executor shutdown before it, wait for every such thread (a server that
+# refused its checkpoint hung, its membership read cancelled but its thread still waiting; seen in CI)
+READ_TIMEOUT_S = 30.0
+
 R = TypeVar("R", PeerInfo, Membership, Metrics, RecipeRecord)
+T = TypeVar("T")
 
 
 def get_peers(dht: hivemind.DHT, run_id: str) -> list[PeerInfo]:
@@ -163,9 +171,25 @@ def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R],
     return [record for _, (_, record) in sorted(records.items())]
 
 
+async def read_in_thread(read: Callable[[], T]) -> T:
+    """`asyncio.to_thread(read)`, but a cancelled caller still waits for the read to end before it ends itself. A
+    thread cannot be cancelled, and a DHT shut down under a read in flight never answers it: a caller cancelled as
+    its peer stops would leave the read waiting out READ_TIMEOUT_S, and the peer's exit with it."""
+    reading = asyncio.ensure_future(asyncio.to_thread(read))
+    try:
+        return await asyncio.shield(reading)
+    except asyncio.CancelledError:
+        await asyncio.wait([reading])
+        raise
+
+
 def _live_entries(dht: hivemind.DHT, key: str) -> Iterator[tuple[bytes, Any, float]]:
-    """(subkey, value, expiration time) of the unexpired, non-tombstone entries under `key`."""
-    found = dht.get(key, latest=True)
+    """(subkey, value, expiration time) of the unexpired, non-tombstone entries under `key`; a TimeoutError if the
+    DHT process does not answer within READ_TIMEOUT_S."""
+    try:
+        found = dht.get(key, latest=True, return_future=True).result(timeout=READ_TIMEOUT_S)
+    except TimeoutError:
+        raise TimeoutError(f"the DHT process did not answer a read of {key} within {READ_TIMEOUT_S:g} s") from None
     if found is None:
         return
     if not isinstance(found.value, dict):
