@@ -4,7 +4,8 @@ best plan long runs find (generated swarms of 32 to 1,024 devices, seeds 500-502
 to the bound; and the §4.4 stage-count comparison.
 
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
-                                 [--gap-sizes 32,64,256,1024] [--no-gap-files] [--stem NAME]
+                                 [--gap-sizes 32,64,256,1024] [--gap-swarm-seeds 500,501,502] [--no-gap-files]
+                                 [--stem NAME]
 
 writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
 some --parts, ``planner-PARTS.*``; with --stem, ``NAME.*``.
@@ -242,7 +243,11 @@ def main() -> None:
     parser.add_argument("--gap-factor", type=float, default=10.0, help="a long run's budget over the default")
     parser.add_argument("--gap-seeds", type=int, default=3, help="long runs per swarm")
     parser.add_argument("--gap-sizes", default="32,64,256,1024",
-                        help="device counts of the gap section's generated swarms (3 seeds each, 500-502)")
+                        help="device counts of the gap section's generated swarms; empty for none (the paper files "
+                             "alone)")
+    parser.add_argument("--gap-swarm-seeds", default="500,501,502",
+                        help="the seeds of the generated swarms of each size (one at a time: a 1,024-device swarm's "
+                             "long runs take about 25 minutes)")
     parser.add_argument("--gap-files", action=argparse.BooleanOptionalAction, default=True,
                         help="whether the gap section also takes the paper's swarm files")
     parser.add_argument("--stem", help="name of the result files (default: planner, or planner-PARTS with --parts)")
@@ -264,7 +269,7 @@ def main() -> None:
     if "gap" in parts:
         factor, seeds = (2.0, 1) if args.quick else (args.gap_factor, args.gap_seeds)
         generated = [(32, 500), (32, 501), (64, 500)] if args.quick else \
-            [(int(n), seed) for n in args.gap_sizes.split(",") for seed in (500, 501, 502)]
+            [(int(n), int(seed)) for n in args.gap_sizes.split(",") if n for seed in args.gap_swarm_seeds.split(",")]
         cases = [(f"geo-{n}-seed{seed}", geo_swarm(n, seed), model, GEO_BATCH["tokens"], GEO_BATCH["microbatches"])
                  for n, seed in generated]
         if not args.quick and args.gap_files:

@@ -13,7 +13,15 @@ from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
-from p2ptrain.planner.anytime import PATIENCE, anytime, descends, races_cores, random_move
+from p2ptrain.planner.anytime import (
+    CORE_COVER,
+    DESCENT_BUDGET,
+    PATIENCE,
+    WALK_COVER,
+    anytime,
+    random_move,
+    thinly_walked,
+)
 from p2ptrain.planner.baselines import random_layout, swarm_groups
 from p2ptrain.planner.cost import (
     Network,
@@ -491,10 +499,11 @@ def test_on_a_large_swarm_the_anytime_search_descends_and_never_walks(devices: i
     before = engine.scored
     _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=2)
     assert record.rounds == 2 and score.better_than(start)
-    large = descends(devices)
-    assert large == (devices == 640) and not races_cores(256) and descends(256) and not descends(128)
+    large = thinly_walked(devices, WALK_COVER)
+    assert large == (devices == 640) and not thinly_walked(256, CORE_COVER)
+    assert thinly_walked(256, WALK_COVER) and not thinly_walked(128, WALK_COVER)
     per_round = (record.scored - before) / record.rounds
-    assert per_round <= 2002 if large else per_round > 4000
+    assert per_round <= DESCENT_BUDGET + 2 if large else per_round > 4000
 
 
 def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kick(monkeypatch) -> None:
@@ -532,7 +541,7 @@ def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kic
     assert record.rounds == 6 and found == best[0]
     assert rounds[0][2] and kinds[:5] == ["descent", "descent", "wide", "kick", "kick"]
     assert kinds[5] == ("descent" if rounds[4][2] else "kick")
-    assert rounds[0][1] <= 2002 < rounds[2][1]
+    assert rounds[0][1] <= DESCENT_BUDGET + 2 < rounds[2][1]
     assert len(kicks) == 2 and all(kicked != start for start, kicked in kicks)
 
 
@@ -553,7 +562,7 @@ def test_a_large_swarm_races_cores_of_its_clusters_and_keeps_the_best_searched()
     all, then the better half with twice the budget, until one is left: better than every start, the same for
     the same seed, and the best start untouched if the budget is spent before the first round."""
     devices = 640
-    assert races_cores(devices)
+    assert thinly_walked(devices, CORE_COVER)
     engine = large_engine(devices, seed=313)
     levels = paper_plan(engine, seed=0).levels
     starts = core_starts(engine, levels, seed=0)

@@ -41,7 +41,7 @@ CHECK_EVERY = 64  # moves between looks at the clock
 # 1/e. Hotter rounds leave the best plan's basin (they found the better plans of small swarms), cooler ones refine it
 HOTS, COLD = (0.02, 0.06), 0.0003
 WALK_COVER = 48  # moves a walk makes per device, below which rounds descend instead (module doc)
-CORE_COVER = 16  # moves a walk would make per device, below which the refined search races cores (``races_cores``)
+CORE_COVER = 16  # moves a walk would make per device, below which the refined search races cores (``thinly_walked``)
 # a large swarm's rounds (module doc): a descent moves the stages' binding devices and DESCENT_SAMPLE drawn ones and
 # scores up to DESCENT_BUDGET plans; a wide one draws WIDE_SAMPLE and scores up to WIDE_BUDGET; a kick makes KICK random
 # moves before a wide descent
@@ -73,16 +73,11 @@ def round_moves(devices: int) -> int:
     return min(8000, 800 + 160 * devices)
 
 
-def descends(devices: int) -> bool:
-    """Whether a walk would move each device fewer than ``WALK_COVER`` times: a large swarm, whose rounds are
-    descents, wide descents and kicks (module doc)."""
-    return round_moves(devices) < WALK_COVER * devices
-
-
-def races_cores(devices: int) -> bool:
-    """Whether a walk would move each device fewer than ``CORE_COVER`` times: a swarm so large that the refined
-    search starts from a race of cluster cores (``refine`` module doc)."""
-    return round_moves(devices) < CORE_COVER * devices
+def thinly_walked(devices: int, cover: int) -> bool:
+    """Whether a round's walk would move each device fewer than `cover` times: below ``WALK_COVER`` a large swarm,
+    whose rounds are descents, wide descents and kicks (module doc); below ``CORE_COVER`` one so large that the
+    refined search starts from a race of cluster cores (``refine`` module doc)."""
+    return round_moves(devices) < cover * devices
 
 
 def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
@@ -94,7 +89,7 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     rounds = improved = misses = 0
     moves = round_moves(engine.net.size)
     score = engine.score(groups, timed=True)
-    kind = DESCENT if descends(engine.net.size) else WALK
+    kind = DESCENT if thinly_walked(engine.net.size, WALK_COVER) else WALK
     while misses < patience and (max_rounds is None or rounds < max_rounds):
         rng = np.random.default_rng([seed, rounds])
         if kind == WALK:

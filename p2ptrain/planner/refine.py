@@ -15,8 +15,8 @@
    run of kicks finds nothing.
 4. Given a time budget, the anytime phase (``anytime``): rounds of simulated annealing from the best plan while the
    budget lasts.
-On a large swarm (``anytime.races_cores``: over 500 devices) steps 1-3 give way to a race of small starts. The
-clustering's stages hold every reliable device, but the good plans found there use few: on
+On a large swarm (``anytime.thinly_walked`` below ``CORE_COVER``: over 500 devices) steps 1-3 give way to a race of
+small starts. The clustering's stages hold every reliable device, but the good plans found there use few: on
 1,024-device swarms about 300 devices in 12-24 stages. Local moves drop devices one at a time, each new stage costly
 to score while stages are large: on geo-1024-seed502, 12 s of local search from a level's full clusters (5 to 32
 stages) reached 169-402 s of PT, 4-6 s from the cores of 6, 12 or 24 servers of 12 clusters reached 118-138 s. And
@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from p2ptrain.planner.anytime import PATIENCE, SearchRecord, anytime, races_cores
+from p2ptrain.planner.anytime import CORE_COVER, PATIENCE, SearchRecord, anytime, thinly_walked
 from p2ptrain.planner.baselines import swarm_groups
 from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
@@ -173,7 +173,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
         levels, chosen = paper.levels, paper.chosen
     else:
         levels, chosen = divisive_levels(engine, reliable, stages or most, seed, reach=stages is not None), 1
-    if out_of_time is not None and stages is None and races_cores(engine.net.size):
+    if out_of_time is not None and stages is None and thinly_walked(engine.net.size, CORE_COVER):
         starts = core_starts(engine, levels, seed)
         if starts:
             return _searched(engine, race(engine, starts, seed=seed, out_of_time=out_of_time), seed=seed,
