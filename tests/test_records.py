@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Iterator
@@ -263,13 +264,17 @@ def test_readers_take_the_recipe_of_the_data_source_among_the_stage_0_fs(peers: 
 
 
 class _FakeDHT:
-    """Answers get() like hivemind.DHT does for a key with subkeys, as a DHT without validators could."""
+    """Answers get() like hivemind.DHT does for a key with subkeys, as a DHT without validators could; with a future,
+    as the readers ask for one (`readers.READ_TIMEOUT_S`)."""
 
     def __init__(self, entries: dict[object, hivemind.utils.ValueWithExpiration]):
         self.entries = entries
 
-    def get(self, key: str, latest: bool = False) -> hivemind.utils.ValueWithExpiration:
-        return hivemind.utils.ValueWithExpiration(self.entries, get_dht_time() + 30)
+    def get(self, key: str, latest: bool, return_future: bool) -> concurrent.futures.Future:
+        assert latest and return_future
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(hivemind.utils.ValueWithExpiration(self.entries, get_dht_time() + 30))
+        return future
 
 
 def test_readers_skip_malformed_entries(caplog: pytest.LogCaptureFixture) -> None:
