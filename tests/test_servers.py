@@ -21,6 +21,7 @@ from p2ptrain.models import build_stage
 from p2ptrain.protocol.closure import Verdict, judge
 from p2ptrain.protocol.layout import Layout, StageServers
 from p2ptrain.protocol.messages import (
+    FRONTAL_SERVER,
     GRADIENT_DEPOSITS,
     LINK_PROBE,
     Ack,
@@ -44,8 +45,10 @@ from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Kind
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
+from p2ptrain.server.feeder import DataFeeder
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.state import BackwardState, FrontalState, KeptGrads, Result
+from p2ptrain.server.watch import ServerWatch
 from p2ptrain.traffic import METER
 from p2ptrain.transport import Caller, Envelope, Refused, pack, unpack
 
@@ -753,6 +756,76 @@ def test_a_server_restored_behind_its_stage_mates_closes_the_epochs_between_and_
         assert judge(4, {"fs": reply}) == Verdict(epoch_fs=(), catch_up_to=7)
         with pytest.raises(MessageError, match="either abandoned or caught up"):
             EndEpoch.from_header({**EndEpoch(epoch=6, abandoned=True, layout=LAYOUT).to_header(), "caught_up": True})
+
+    asyncio.run(scenario())
+
+
+def test_a_server_left_out_of_some_epochs_layouts_closes_them_when_rows_of_a_later_one_come():
+    """A server lost for a while (or restarted, and told where its stage stands) is laid out again from epoch 7 on:
+    epochs 5 and 6, laid out without it, never come here. One that still holds rows of an earlier epoch waits for it."""
+    async def scenario() -> None:
+        fs, _ = servers()
+        fs.resume(epoch=5, batch=4)  # through epoch 4
+        await feed(fs, 7, commit=False)
+        assert fs.state.closed_epoch == 6 and not fs.ended(7)
+
+        fs, _ = servers()
+        fs.resume(epoch=5, batch=4)
+        await feed(fs, 5, commit=False)
+        await feed(fs, 6, commit=False)
+        assert fs.state.closed_epoch == 4
+
+    asyncio.run(scenario())
+
+
+def test_an_fs_restarted_while_its_stage_closes_an_epoch_is_told_at_once_what_it_missed_and_no_worker_waits_for_it():
+    """Epoch 0 is committed, and fsb's stage mate fs closed it; fsb died before it closed it, and epoch 1, open
+    then, was abandoned while fsb was lost. The workers step epoch 0 once every FS of its layout closed it, and a
+    restarted fsb, knowing nothing of it, would never close it (a deadlock seen in CI). The data source's watch sees
+    fsb answer again with a new start; the data source tells it at once, with no epoch of its own closing meanwhile,
+    that its stage stands past epoch 0 and that epoch 1 was abandoned."""
+    two = Layout((StageServers(fs=("fs", "fsb"), bs=("bs",)),))
+    closure = Closure(epoch=0, fs=("fs", "fsb"), group=(GroupMember(peer_id="w1", client_mode=False, rows=ROWS),))
+    mate = TaskReply(closed_epoch=0, closures=(closure,))  # what fs answers a worker of epoch 0
+
+    async def scenario() -> None:
+        source, _ = servers()  # fs: the data source's FS
+        local = source.caller.local
+        restarted = FrontalServer(peer_id="fsb", stage=0, config=CONFIG, settings=RuntimeConfig(),
+                                  caller=Caller(p2p=None, peer_id="fsb", codec="none", timeout=10.0, local=local))
+        local[("fsb", LINK_PROBE)] = LinkProbe(peer_id="fsb", started=1.0)
+        watch = ServerWatch(caller=source.caller, servers=lambda: ["fsb"], period_s=0.01, lost_s=0.05,
+                            timeout_s=0.05)
+        feeder = DataFeeder(server=source, source=None, layout=lambda: two, is_leader=lambda peer: peer == "fs",
+                            epochs=3, max_in_flight=1, watch=watch)
+        # where `_feed_epochs` stands: epoch 0 committed; epoch 1 abandoned, heard of by all but fsb
+        feeder._committed = (0, two)
+        feeder._abandoned = {1: (two, {"fs", "bs"})}
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(watch.run(stop)), asyncio.create_task(feeder._tell_returned(stop))]
+
+        async def until(ready: Callable[[], bool]) -> None:
+            deadline = time.monotonic() + 5.0
+            while not ready():
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+
+        await until(lambda: watch.started.get("fsb") == 1.0)
+        local[("fsb", LINK_PROBE)] = LinkProbe(peer_id="fsb", delay_s=10.0, started=1.0)  # silent: killed
+        await until(lambda: "fsb" in watch.lost)
+        local[("fsb", FRONTAL_SERVER)] = restarted
+        reply = await restarted.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
+        assert judge(0, {"fs": mate, "fsb": reply}) == Verdict(epoch_fs=("fs", "fsb"))  # waits for fsb
+        local[("fsb", LINK_PROBE)] = LinkProbe(peer_id="fsb", started=2.0)  # back, restarted
+        await until(lambda: restarted.state.closed_epoch == 1)
+        assert "fsb" not in watch.lost and "fsb" in feeder._abandoned[1][1]
+        reply = await restarted.take_task(TakeTask(worker="w1", compute=1.0, epoch=0), "w1")
+        assert judge(0, {"fs": mate, "fsb": reply}) == Verdict(epoch_fs=("fs", "fsb"), group=closure.group)
+        assert judge(1, {"fs": mate, "fsb": reply}).abandoned  # fsb's word suffices: fs may not have answered yet
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(scenario())
 

@@ -493,9 +493,9 @@ class EndEpoch(Request):
     at stage 0, so every FS may close it once its own rows are back, and it is never abandoned after), or
     `abandoned` (a server of the layout restarted or was lost first: every server drops what it holds of it, its
     workers drop their gradients of it, and its data is fed again as the next epoch), or `caught_up` (a server
-    restored from an older checkpoint than its stage mates': the stage stands past every epoch through this one in
-    their state, so the server closes them without a step, and its replica and workers catch up by loading a mate's
-    state)."""
+    restored from an older checkpoint than its stage mates', or restarted after the epoch: the stage stands past every
+    epoch through this one in their state, so the server closes them without a step, and its replica and workers
+    catch up by loading a mate's state)."""
 
     method: ClassVar[str] = "rpc_end_epoch"
     reply: ClassVar[type[Message]] = Ack

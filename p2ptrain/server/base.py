@@ -484,17 +484,18 @@ class StageServer(Service, Generic[S]):
         return Ack()
 
     def catch_up(self, epoch: int) -> Ack:
-        """Its stage mates' state stands past `epoch` (restored from a newer checkpoint than this server's): every
-        epoch through it closes here without a closure, so the workers polling here, this server's replica among
-        them, find the stage further on and load a mate's state, as a late joiner does (`protocol.closure`)."""
+        """Its stage stands past `epoch` (its mates restored a newer checkpoint than this server's, or this server
+        restarted after the epoch): every epoch through it closes here without a closure, so the workers polling here,
+        this server's replica among them, find the stage further on and load a mate's state, as a late joiner does
+        (`protocol.closure`); and no worker waits for this server to close an epoch it holds nothing of."""
         state = self.state
         if state.closed_epoch >= epoch:
             return Ack(again=True)
         if any(key[0] <= epoch for key in state.microbatches):
             raise Refused(f"epoch {epoch} cannot be skipped here: rows of it or of an epoch before are held")
-        logger.warning(f"{self.name}: the stage's other servers stand past epoch {epoch} (a newer checkpoint than "
-                       f"this server's, through epoch {state.closed_epoch}); closing the epochs between without a "
-                       "step, the stage's state comes from them")
+        logger.warning(f"{self.name}: the stage stands past epoch {epoch}, this server through epoch "
+                       f"{state.closed_epoch} (a newer checkpoint at its mates, or it restarted); closing the epochs "
+                       "between without a step, the stage's state comes from its mates")
         state.closed_epoch = epoch
         self.progress.moved()
         self.close_ready()
@@ -665,8 +666,11 @@ class StageServer(Service, Generic[S]):
         if mb is None:
             if self.ended(epoch):
                 raise Refused(f"epoch {epoch} ended here")
-            if self.state.closed_epoch < 0 and not self.state.microbatches:
-                self.state.closed_epoch = epoch - 1  # joined a running swarm: earlier epochs never come here
+            if self.state.closed_epoch < epoch - 1 and not any(key[0] < epoch for key in self.state.microbatches):
+                # the epochs between were laid out without this server (it joined a running swarm, restarted, or was
+                # lost for a while): none of them ever comes here, and a server of an epoch's layout holds rows of it
+                # until it closes it (no epoch is fed before the one before came back whole at stage 0)
+                self.state.closed_epoch = epoch - 1
             mb = self.state.microbatches[(epoch, microbatch)] = make()
         return mb
 

@@ -10,7 +10,10 @@ epoch's layout restarts (it lost what it held) or falls silent for good before t
 the epoch instead: every server drops it, every worker drops its gradients of it, and the same global batch of data
 is fed again as the next epoch, under a layout without the lost server. No stage can have stepped on an abandoned
 epoch, so no row is lost or counted twice. A server that did not hear of the abandon (the DHT showed it only later,
-or it restarted after the fault) hears of it before the next epoch's rows, since the epoch's workers may poll it next.
+or it was lost) hears of it before the next epoch's rows, since the epoch's workers may poll it next; one that comes
+back hears of it at once, and one that restarted also hears that its stage stands past the last committed epoch: its
+stage's workers may still wait for every FS of that epoch's layout to close it, and a restarted FS, holding nothing of
+it, would never close it.
 
 A stage-0 FS that refuses a push, or to say whether its rows are back, is a fault of the epoch too (a peer may have
 sent it a forged end of that epoch): the epoch is abandoned and its batch fed again, after a pause that doubles while
@@ -92,6 +95,10 @@ class DataFeeder:
         self.rows, self.microbatches = server.config.rows_per_microbatch, server.config.microbatches
         self.progress = FeederProgress()
         self.plan = SlotPlan(microbatches=self.microbatches, swarm=server.config.fault_policy == "swarm")
+        # the epochs abandoned since the last commit, with their layout and the servers that heard of it
+        self._abandoned: dict[int, tuple[Layout, set[str]]] = {}
+        self._committed: tuple[int, Layout] | None = None  # the last epoch committed, and its layout
+        self._telling: set[asyncio.Task] = set()
 
     @property
     def leads(self) -> bool:
@@ -103,11 +110,13 @@ class DataFeeder:
         if layout is None or not self.leads:
             return
         watching = asyncio.create_task(self.watch.run(stop))
+        telling = asyncio.create_task(self._tell_returned(stop))
         try:
             await self._feed_epochs(stop)
         finally:
-            watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            for task in (watching, telling, *self._telling):
+                task.cancel()
+            await asyncio.gather(watching, telling, *self._telling, return_exceptions=True)
 
     async def _feed_epochs(self, stop: asyncio.Event) -> None:
         layout = await self._wait_for_layout(stop)
@@ -117,8 +126,7 @@ class DataFeeder:
         self.plan.fresh = batch * self.microbatches  # policy swarm: a restarted data source lost its retrain queue
         slots: list[Slot] | None = None  # set: an abandoned epoch's data, fed again
         refusals = 0  # epochs refused in a row
-        # the epochs abandoned since the last commit, with their layout and the servers that heard of it
-        abandoned: dict[int, tuple[Layout, set[str]]] = {}
+        abandoned = self._abandoned
         while batch < self.epochs:
             layout = await self._wait_for_layout(stop)
             if layout is None:
@@ -155,6 +163,7 @@ class DataFeeder:
             elif complete.result():
                 refusals = 0
                 abandoned.clear()  # this epoch's workers hear of its end from its FS: nobody polls past it
+                self._committed = (epoch, layout)
                 await self._end(epoch, layout, abandoned=False, batch=batch, stop=stop)
                 if not await self._until(lambda: self.server.state.closed_epoch >= epoch, stop):
                     return
@@ -262,6 +271,8 @@ class DataFeeder:
                        f"resuming at epoch {top + 1}, batch {batch + 1}")
         if closed >= 0:
             abandoned = any(answer.abandoned for answer in fs.values() if answer.closed_epoch == closed)
+            if not abandoned:
+                self._committed = (closed, layout)
             await self._end(closed, layout, abandoned=abandoned, batch=batch, stop=stop)
         for epoch in range(closed + 1, top + 1):
             await self._end(epoch, layout, abandoned=True, stop=stop)
@@ -299,6 +310,31 @@ class DataFeeder:
             return peer
 
         return {peer for peer in await asyncio.gather(*(end(peer, role) for peer, role in targets)) if peer}
+
+    async def _tell_returned(self, stop: asyncio.Event) -> None:
+        """Bring each server the watch sees come back up to date, at once and each on its own (a server not yet
+        serving is asked again until it serves, or is lost again)."""
+        while True:
+            peer, restarted = await self.watch.returned.get()
+            telling = asyncio.create_task(self._tell(peer, restarted=restarted, stop=stop))
+            self._telling.add(telling)
+            telling.add_done_callback(self._telling.discard)
+
+    async def _tell(self, peer: str, *, restarted: bool, stop: asyncio.Event) -> None:
+        """Tell a server that came back the ends it missed of epochs laid out with it, whose workers may wait for its
+        word: if it `restarted`, that its stage stands past the last committed epoch (it closes every epoch through
+        it; its replica takes its mates' state); then every abandon since that it did not hear of. (A server laid out
+        only later hears of an abandon before its first rows, from `_feed_epochs`.)"""
+        def role_in(layout: Layout) -> ServerRole | None:
+            return next((role for server, role in layout.servers() if server == peer), None)
+
+        if restarted and self._committed is not None:
+            epoch, layout = self._committed
+            if (role := role_in(layout)) is not None:
+                await self._end(epoch, layout, abandoned=False, caught_up=True, stop=stop, to=[(peer, role)])
+        for ended, (ended_layout, heard) in list(self._abandoned.items()):
+            if peer not in heard and (role := role_in(ended_layout)) is not None:
+                heard |= await self._end(ended, ended_layout, abandoned=True, stop=stop, to=[(peer, role)])
 
     async def _wait_for_layout(self, stop: asyncio.Event) -> Layout | None:
         waited = 0.0

@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 class ServerWatch:
     """Pings `servers()` every `period_s`. A server that does not answer for `lost_s` is `lost` until it answers
     again; one whose start time changed restarted. Either, for a server of the `watched` set (the open epoch's
-    layout), sets `fault` with the `reason`."""
+    layout), sets `fault` with the `reason`. A lost server that answers again, or one that restarted, is put on
+    `returned` (with whether it restarted): it missed what the data source told the servers meanwhile."""
 
     def __init__(self, *, caller: Caller, servers: Callable[[], Iterable[str]], period_s: float, lost_s: float,
                  timeout_s: float, suspect: Callable[[], None] = lambda: None,
@@ -32,6 +33,7 @@ class ServerWatch:
         self.watched: frozenset[str] = frozenset()
         self.fault = asyncio.Event()
         self.reason = ""
+        self.returned: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
 
     def watch(self, servers: Iterable[str]) -> None:
         """From now on, a restart or loss of one of `servers` is a fault (and earlier ones are forgotten)."""
@@ -59,12 +61,16 @@ class ServerWatch:
                 self._fault(peer, f"silent for {asked - since:.0f} s")
             return
         self.silent_since.pop(peer, None)
-        if peer in self.lost:
+        back = peer in self.lost
+        if back:
             self.lost.discard(peer)
             logger.info(f"data source: server {peer} answers again")
         before, self.started[peer] = self.started.get(peer), echo.started
-        if before is not None and before != echo.started:
+        restarted = before is not None and before != echo.started
+        if restarted:
             self._fault(peer, "restarted")
+        if back or restarted:
+            self.returned.put_nowait((peer, restarted))
 
     def _fault(self, peer: str, what: str) -> None:
         logger.warning(f"data source: server {peer} {what}")
