@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import hivemind
 
-from p2ptrain.dht.readers import frontal_order, get_authorized_members, holding_servers, read_in_thread
+from p2ptrain.dht.readers import frontal_order, get_authorized_members, holding_servers
 from p2ptrain.protocol.layout import Layout, StageServers
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class MembershipCache:
         while not stop.is_set():
             self._begun, self._urgent = self._begun + 1, False
             try:
-                read = await read_in_thread(self.read)  # before the DHT stops under it
+                read = await asyncio.to_thread(self.read)
             except Exception as e:
                 logger.warning(f"could not read stage membership: {e!r}")
             else:

@@ -12,6 +12,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
 from p2ptrain.dht.keys import make_validators
+from p2ptrain.dht.readers import READ_TIMEOUT_S, wait_for_reads
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,11 @@ def stop_dht(dht: hivemind.DHT, *, kill_wait_s: float = 10.0) -> None:
     fallback is SIGTERM, which a peer's node ignores: forked after the peer's event loop took SIGTERM
     (`loop.add_signal_handler`), it inherits that handler, a no-op without the loop. That keeps a SIGTERM sent to the
     whole process group (pkill -f, systemd) from killing the node under its parent, which then shuts it down in
-    order; but a node that did not end in time would stay alive, and the process's exit would join it for good."""
+    order; but a node that did not end in time would stay alive, and the process's exit would join it for good.
+
+    Reads of the node under way end first (`readers.wait_for_reads`): shut down under a read, it would never answer."""
+    if not wait_for_reads(dht, READ_TIMEOUT_S):
+        logger.warning(f"reads of the DHT node still under way after {READ_TIMEOUT_S:g} s: stopping it")
     dht.shutdown()
     if dht.is_alive():
         logger.warning(f"the DHT node (pid {dht.pid}) did not shut down in {dht.shutdown_timeout:g} s: killing it")

@@ -7,8 +7,10 @@ and skip, with a warning, anything malformed or claiming a peer id its subkey do
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,7 +34,9 @@ logger = logging.getLogger(__name__)
 READ_TIMEOUT_S = 30.0
 
 R = TypeVar("R", PeerInfo, Membership, Metrics, RecipeRecord)
-T = TypeVar("T")
+
+_reads_under_way: weakref.WeakKeyDictionary[hivemind.DHT, int] = weakref.WeakKeyDictionary()
+_reads_changed = threading.Condition()
 
 
 def get_peers(dht: hivemind.DHT, run_id: str) -> list[PeerInfo]:
@@ -171,23 +175,32 @@ def _per_peer(dht: hivemind.DHT, key: str, parse: Callable[[dict[str, Any]], R],
     return [record for _, (_, record) in sorted(records.items())]
 
 
-async def read_in_thread(read: Callable[[], T]) -> T:
-    """`asyncio.to_thread(read)`, but a cancelled caller still waits for the read to end before it ends itself. A
-    thread cannot be cancelled, and a DHT shut down under a read in flight never answers it: a caller cancelled as
-    its peer stops would leave the read waiting out READ_TIMEOUT_S, and the peer's exit with it."""
-    reading = asyncio.ensure_future(asyncio.to_thread(read))
+def wait_for_reads(dht: hivemind.DHT, timeout: float) -> bool:
+    """Until no read of `dht` is under way (True), or `timeout` passes (False). `stop_dht` waits so: a node shut down
+    under a read never answers it, and the read would wait out READ_TIMEOUT_S, its thread holding its process's exit
+    (a thread cannot be cancelled: a peer that stops cancels its readers' tasks, not their reads)."""
+    with _reads_changed:
+        return _reads_changed.wait_for(lambda: not _reads_under_way.get(dht), timeout=timeout)
+
+
+@contextlib.contextmanager
+def _under_way(dht: hivemind.DHT) -> Iterator[None]:
+    with _reads_changed:
+        _reads_under_way[dht] = _reads_under_way.get(dht, 0) + 1
     try:
-        return await asyncio.shield(reading)
-    except asyncio.CancelledError:
-        await asyncio.wait([reading])
-        raise
+        yield
+    finally:
+        with _reads_changed:
+            _reads_under_way[dht] -= 1
+            _reads_changed.notify_all()
 
 
 def _live_entries(dht: hivemind.DHT, key: str) -> Iterator[tuple[bytes, Any, float]]:
     """(subkey, value, expiration time) of the unexpired, non-tombstone entries under `key`; a TimeoutError if the
     DHT process does not answer within READ_TIMEOUT_S."""
     try:
-        found = dht.get(key, latest=True, return_future=True).result(timeout=READ_TIMEOUT_S)
+        with _under_way(dht):
+            found = dht.get(key, latest=True, return_future=True).result(timeout=READ_TIMEOUT_S)
     except TimeoutError:
         raise TimeoutError(f"the DHT process did not answer a read of {key} within {READ_TIMEOUT_S:g} s") from None
     if found is None:
