@@ -156,12 +156,9 @@ def test_a_dht_node_that_does_not_shut_down_is_killed():
             dht.join(10)
 
 
-def test_a_read_in_flight_when_its_dht_node_goes_away_ends(monkeypatch):
-    """A node shut down or killed with a read in flight never answers it: the read fails after READ_TIMEOUT_S
-    instead of holding its thread for good, and with it its process's exit (a server that refused its checkpoint
-    never exited: its membership read, cancelled, still waited in a thread that asyncio.run's end joins)."""
-    monkeypatch.setattr(readers, "READ_TIMEOUT_S", 2.0)
-    dht = start_dht("gone", host_maddrs=[LOOPBACK])
+def read_runs(dht: hivemind.DHT) -> tuple[threading.Thread, list[BaseException | list[str]]]:
+    """A thread that reads the runs announced on `dht`, and what it got (its result, or the exception it raised) once
+    it ends. A daemon: a read that never ended would hang pytest's exit."""
     outcome: list[BaseException | list[str]] = []
 
     def read() -> None:
@@ -170,10 +167,20 @@ def test_a_read_in_flight_when_its_dht_node_goes_away_ends(monkeypatch):
         except BaseException as e:
             outcome.append(e)
 
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader, outcome
+
+
+def test_a_read_in_flight_when_its_dht_node_goes_away_ends(monkeypatch):
+    """A node shut down or killed with a read in flight never answers it: the read fails after READ_TIMEOUT_S
+    instead of holding its thread for good, and with it its process's exit (a server that refused its checkpoint
+    never exited: its membership read, cancelled, still waited in a thread that asyncio.run's end joins)."""
+    monkeypatch.setattr(readers, "READ_TIMEOUT_S", 2.0)
+    dht = start_dht("gone", host_maddrs=[LOOPBACK])
     try:
         os.kill(dht.pid, signal.SIGSTOP)  # it takes the read and never answers, as one shut down or killed
-        reader = threading.Thread(target=read, daemon=True)  # daemon: unbounded, it would hang pytest's exit
-        reader.start()
+        reader, outcome = read_runs(dht)
         reader.join(timeout=30)
         assert not reader.is_alive(), "a read of a DHT node that does not answer still waits"
         assert isinstance(outcome[0], TimeoutError) and "did not answer" in str(outcome[0]), outcome
@@ -186,14 +193,6 @@ def test_a_dht_node_is_stopped_only_once_its_reads_under_way_ended():
     reads in threads, which then waited out READ_TIMEOUT_S and held the process's exit with them (seen in CI, as a
     hang before the bound). stop_dht lets them end first."""
     dht = start_dht("reading", host_maddrs=[LOOPBACK])
-    outcome: list[BaseException | list[str]] = []
-
-    def read() -> None:
-        try:
-            outcome.append(readers.get_runs(dht))
-        except BaseException as e:
-            outcome.append(e)
-
     shutdown, read_ended_at_shutdown = dht.shutdown, []
 
     def recorded_shutdown() -> None:
@@ -203,8 +202,7 @@ def test_a_dht_node_is_stopped_only_once_its_reads_under_way_ended():
     dht.shutdown = recorded_shutdown
     try:
         os.kill(dht.pid, signal.SIGSTOP)  # the read waits for its answer
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        reader, outcome = read_runs(dht)
         time.sleep(0.5)
         stopper = threading.Thread(target=stop_dht, args=(dht,), daemon=True)
         stopper.start()
