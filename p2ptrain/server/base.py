@@ -472,8 +472,7 @@ class StageServer(Service, Generic[S]):
         state = self.state
         if not member and state.microbatches:
             raise Refused(f"this server took no part in epoch {epoch} but holds rows of others; it cannot close it")
-        if state.closed_epoch < epoch - 1 and not any(key[0] < epoch for key in state.microbatches):
-            state.closed_epoch = epoch - 1  # a server that took no part in the epochs before (it restarted)
+        self._skip_to(epoch)
         self.drop_epoch(epoch)
         self._forget_held(epoch)
         self.epoch_stats(epoch).abandoned = True
@@ -666,13 +665,18 @@ class StageServer(Service, Generic[S]):
         if mb is None:
             if self.ended(epoch):
                 raise Refused(f"epoch {epoch} ended here")
-            if self.state.closed_epoch < epoch - 1 and not any(key[0] < epoch for key in self.state.microbatches):
-                # the epochs between were laid out without this server (it joined a running swarm, restarted, or was
-                # lost for a while): none of them ever comes here, and a server of an epoch's layout holds rows of it
-                # until it closes it (no epoch is fed before the one before came back whole at stage 0)
-                self.state.closed_epoch = epoch - 1
+            self._skip_to(epoch)
             mb = self.state.microbatches[(epoch, microbatch)] = make()
         return mb
+
+    def _skip_to(self, epoch: int) -> None:
+        """Rows of `epoch`, or its abandon, came here while this server holds nothing of an epoch before: those
+        between its last closed one and `epoch` were laid out without it (it joined a running swarm, restarted, or was
+        lost for a while) and never come here, since a server of an epoch's layout holds rows of it until it closes
+        it (no epoch is fed before the one before came back whole at stage 0). It stands just before `epoch`."""
+        state = self.state
+        if state.closed_epoch < epoch - 1 and not any(key[0] < epoch for key in state.microbatches):
+            state.closed_epoch = epoch - 1
 
     def _forget_held(self, epoch: int) -> None:
         """Drop the epoch's microbatches and tasks (at its closure, or at once when it is abandoned)."""
