@@ -545,6 +545,28 @@ def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kic
     assert len(kicks) == 2 and all(kicked != start for start, kicked in kicks)
 
 
+@pytest.mark.parametrize("fixed_stages", [False, True])
+def test_about_half_of_a_large_swarms_kicks_change_its_stage_count_unless_it_is_forced(fixed_stages: bool) -> None:
+    """A kick changes the stage count (a split, a merge or a new stage of a device's mates), in both directions, in
+    about RESHAPE of its draws (90 of these 200; 46 where only its random moves change it, RESHAPE 0); every kicked
+    plan is feasible, and a forced count always holds."""
+    engine = large_engine(640, seed=311)
+    groups = swarm_groups(engine)
+    assert groups is not None
+    counts = []
+    for draw in range(200):
+        kicked = anytime_module._kick(engine, groups, np.random.default_rng([5, draw]), fixed_stages)
+        assert np.isfinite(engine.score(kicked, timed=True).pt)
+        placed = [x for g in kicked for x in g.workers]
+        assert len(placed) == len(set(placed)) and all(engine.reliable[x] for g in kicked for x in g.servers)
+        counts.append(len(kicked) - len(groups))
+    changed = sum(count != 0 for count in counts)
+    if fixed_stages:
+        assert changed == 0
+    else:
+        assert 0.35 * 200 <= changed <= 0.6 * 200 and min(counts) < 0 < max(counts)
+
+
 def test_a_core_is_the_members_nearest_the_clusters_medoid() -> None:
     engine = large_engine(48, seed=312)
     members = np.flatnonzero(engine.reliable)

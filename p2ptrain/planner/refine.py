@@ -39,7 +39,7 @@ from p2ptrain.planner.anytime import CORE_COVER, PATIENCE, SearchRecord, anytime
 from p2ptrain.planner.baselines import swarm_groups
 from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
-from p2ptrain.planner.search import Engine, Group, Score
+from p2ptrain.planner.search import Engine, Group, Score, merge_stages
 from p2ptrain.planner.shares import timed_layouts
 
 CORES = (8, 16)  # servers a large swarm's start keeps of each cluster (module doc)
@@ -71,12 +71,6 @@ def split_stage(engine: Engine, groups: list[Group], k: int, seed: int) -> list[
         near = [float(engine.delay[u, list(h.servers)].mean()) for h in halves]
         clients[int(np.argmin(near))].append(u)
     return groups[:k] + [Group.of(h.fs, h.bs, c) for h, c in zip(halves, clients)] + groups[k + 1:]
-
-
-def merge_stages(groups: list[Group], k: int) -> list[Group]:
-    """Stages k and k+1 as one stage; every server keeps its role (the local search flips roles as needed)."""
-    a, b = groups[k], groups[k + 1]
-    return groups[:k] + [Group.of(a.fs + b.fs, a.bs + b.bs, a.clients + b.clients)] + groups[k + 2:]
 
 
 def reshape(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, rounds: int,

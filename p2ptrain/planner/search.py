@@ -83,6 +83,12 @@ class Group:
                            clients=np.array(self.clients, dtype=int), layers=layers, shares=shares)
 
 
+def merge_stages(groups: list[Group], k: int) -> list[Group]:
+    """Stages k and k+1 as one stage; every server keeps its role (the local search flips roles as needed)."""
+    a, b = groups[k], groups[k + 1]
+    return groups[:k] + [Group.of(a.fs + b.fs, a.bs + b.bs, a.clients + b.clients)] + groups[k + 2:]
+
+
 @dataclass(frozen=True)
 class GroupStats:
     comm: float            # max over workers of the link part of T_w, compute-proportional shares
