@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,62 @@ from p2ptrain.dht import start_dht
 from p2ptrain.launch import Swarm
 from p2ptrain.live.authority import Owner
 from p2ptrain.status import History, collect
+
+SESSION_MARK = "P2PTRAIN_TEST_SESSION"  # in the environment of every process a test starts (module ``strays``)
+STRAY_GRACE_S = 10.0  # how long a module's processes may take to exit after its last test, before they are killed
+_LEFT = pytest.StashKey[list[str]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[SESSION_MARK] = str(os.getpid())
+
+
+def strays() -> dict[int, str]:
+    """Live processes started under this test session (a peer, its DHT node, a p2p daemon: anything exec'd with its
+    mark in the environment), but this one and torch's shared-memory manager, which serves this process for its
+    whole life (and ends by itself once its last client is gone): {pid: command line}."""
+    mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark in Path(entry.path, "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace").strip()
+        except OSError:  # it ended meanwhile, or is a zombie
+            continue
+    return {pid: command for pid, command in found.items() if "torch_shm_manager" not in command}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After a module's last test (its fixtures torn down), nothing it started may live on: a process left behind
+    loads the machine under every later test, and on CI's a run of them once failed one after another until the job
+    timed out. Such processes are killed and named in the output."""
+    yield
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    deadline = time.monotonic() + STRAY_GRACE_S
+    while (left := strays()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        lines = [f"{item.nodeid.split('::')[0]} left {len(left)} processes running; killed them:"]
+        lines += [f"  {pid}: {command[:200]}" for pid, command in left.items()]
+        item.config.stash.setdefault(_LEFT, []).extend(lines)
+        item.config.pluginmanager.get_plugin("terminalreporter").write_line("\n" + "\n".join(lines))
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if lines := config.stash.get(_LEFT, []):
+        terminalreporter.section("processes left running by tests")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -203,7 +203,10 @@ def test_a_dht_node_is_stopped_only_once_its_reads_under_way_ended():
     try:
         os.kill(dht.pid, signal.SIGSTOP)  # the read waits for its answer
         reader, outcome = read_runs(dht)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # a loaded machine starts the reader's thread late (seen in CI)
+        while readers.wait_for_reads(dht, timeout=0.0):
+            assert time.monotonic() < deadline and reader.is_alive(), f"the read never started: {outcome}"
+            time.sleep(0.05)
         stopper = threading.Thread(target=stop_dht, args=(dht,), daemon=True)
         stopper.start()
         time.sleep(1.0)

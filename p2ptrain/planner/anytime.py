@@ -21,9 +21,9 @@ few random moves; then a wide descent, kept if better. Each descent samples othe
 little of the next. The rounds' moves seldom change the stage count, and a changed count pays only once the devices
 settle into it, which a wide descent does: with half the kicks changing it, 10 swarms of 256 devices (seeds 500-509)
 ended at the default budget 3.1% faster in the mean, faster on 7 (by up to 10.7%) and slower on 3 (by up to 3.0%);
-most ended with more stages than the refined search started with. On 5 of 1,024 devices (seeds 600-604), where the
-race of starts (``refine``) already tries several stage counts, no change in the mean: 2 faster (by up to 4.6%), 1
-slower (by 4.9%), 2 the same. Measured at
+most ended with more stages than the refined search started with. On 5 swarms of 1,024 devices (seeds 600-604),
+where the race of starts (``refine``) already tries several stage counts, no change in the mean: 2 faster (by up to
+4.6%), 1 slower (by 4.9%), 2 the same. Measured at
 the default budget: on geo-1024-seed600 these rounds ended at 84.0 s of PT where walks after the first failed descent
 ended at 94.0 s, and without kicks they stalled at 91.5 s from a third of the way through the budget; on 256 devices
 (31 moves a device) they ended 2-6% better than walks on 5 of 6 swarms (seeds 500, 502, 600-603) and 0.8% worse on
