@@ -234,3 +234,8 @@ def test_a_server_started_with_plan_places_the_swarm_and_itself(make_swarm):
     check_trained_as_planned(report, record.plan["stages"], servers)
     logs = swarm.logs(tail=10**6)
     assert "published plan" in logs and logs.count("places this server in stage") == 4, logs[-3000:]
+    # stopped as pkill or systemd stop it, the planning server withdraws its plan and exits (it waited for the launcher's
+    # SIGKILL: its stop waited for the planner, which ends only once stopped)
+    planning = swarm.processes["server0"]
+    planning.terminate()
+    assert planning.wait(timeout=12) == 0, swarm.logs(["server0"])

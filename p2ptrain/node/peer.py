@@ -164,13 +164,15 @@ class Peer:
     async def wait(self) -> None:
         """Until stopped, or until a part fails (which raises its error instead of leaving the peer half alive)."""
         stopper = asyncio.create_task(self._stopping.wait())
-        watched = [stopper, *self._tasks, *([self._planner] if self._planner else [])]
-        done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_EXCEPTION)
-        stopper.cancel()
-        for task in done:
-            if task is not stopper and not task.cancelled() and task.exception() is not None:
-                raise task.exception()
-        await self._stopping.wait()
+        # not FIRST_EXCEPTION: that waits, once stopped, for every part to end, and a planning server's planner
+        # ends only in `stop` (a SIGTERM left it to the launcher's SIGKILL, its plan never withdrawn)
+        pending = {stopper, *self._tasks, *([self._planner] if self._planner else [])}
+        while stopper in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stopper and not task.cancelled() and task.exception() is not None:
+                    stopper.cancel()
+                    raise task.exception()
 
     async def stop(self) -> None:
         """Stop every part, withdraw this peer's records and shut its DHT node down; safe to call twice."""
