@@ -421,8 +421,8 @@ class Caller:
                             moot: Callable[[], bool] | None = None) -> Any:
         """`call`, made again after each transport failure (backing off exponentially from `backoff_s` up to
         `backoff_max_s`) up to `attempts` times in all, or until it lands if None, or until `moot()` says the call
-        no longer matters; the last failure is raised, and Refused at once. Only for idempotent requests: a retry
-        may repeat one whose reply alone was lost."""
+        no longer matters (asked after each failure and again after each back-off); the last failure is raised, and
+        Refused at once. Only for idempotent requests: a retry may repeat one whose reply alone was lost."""
         attempt = 1
         while True:
             try:
@@ -434,7 +434,10 @@ class Caller:
                     raise
                 logger.warning(f"{self.peer_id}: {what} to {peer} failed (attempt {attempt}"
                                + (f" of {attempts}" if attempts else "") + f"), again in {backoff_s:.1f} s: {e!r}")
+                failure = e
             await asyncio.sleep(backoff_s)
+            if moot is not None and moot():
+                raise failure
             backoff_s, attempt = min(2 * backoff_s, backoff_max_s), attempt + 1
 
     async def exchange(self, peer: str, service: str, method: str, envelope: Envelope, *,

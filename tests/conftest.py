@@ -97,6 +97,7 @@ class TestSwarm(Swarm):
         self.run_id, self.recipe = run_id, recipe
         self._dht = None
         self._history = History()
+        self._read_at = -float("inf")  # monotonic time of the last status read
         self.owner_key: Path | None = None  # a run with an owner: its status trusts the servers the owner authorized
 
     def peer(self, name: str, *args: str) -> None:
@@ -133,7 +134,15 @@ class TestSwarm(Swarm):
         if self._dht is None:
             self._dht = start_dht(self.run_id, initial_peers=self.initial_peers, client_mode=True)
         owner = Owner.from_file(self.owner_key) if self.owner_key else None
+        self._read_at = time.monotonic()
         return collect(self._dht, self.run_id, history=self._history, owner=owner)
+
+    def observe(self, every_s: float = 2.0) -> None:
+        """Read the status if the last read is `every_s` old, for a test that waits on logs: the reads keep each
+        epoch while the peers' records still carry it (a record holds its newest epochs only, about 45 of a
+        two-stage run's), so that a long run's report, read at its end, still has its early epochs."""
+        if time.monotonic() - self._read_at >= every_s:
+            self.status()
 
     def wait_finished(self, timeout: float) -> dict:
         """Poll until the data source has fed and closed all its epochs; then check that the status command says so

@@ -31,9 +31,13 @@ def last_logged(swarm, name: str, pattern: str) -> int:
 
 
 def wait_logged(swarm, name: str, pattern: str, *, at_least: int, timeout: float, poll_s: float = 0.5) -> None:
+    """Until a peer's log has `pattern` with a number of `at_least`; a slow poll reads the status meanwhile (a fast
+    one times a kill, which a read would delay)."""
     deadline = time.monotonic() + timeout
     while last_logged(swarm, name, pattern) < at_least:
         assert time.monotonic() < deadline and not swarm.failed(), swarm.logs()
+        if poll_s >= 0.5:
+            swarm.observe()
         time.sleep(poll_s)
 
 
@@ -74,6 +78,13 @@ def open_at_death(killed: str) -> set[int]:
     return committed - closed
 
 
+def told_of(swarm, epoch: int) -> str:
+    """The servers' log lines (of killed runs too) that name `epoch`: what a failed check shows of why."""
+    lines = [f"{path.name}: {line}" for path in sorted(swarm.workdir.glob("[fb]s*.log"))
+             for line in path.read_text().splitlines() if re.search(rf"\bepoch {epoch}\b", line)]
+    return "\n".join(lines[-80:])
+
+
 def resumed_at(swarm, timeout: float = 120) -> tuple[int, int]:
     """Where a restarted data source found the swarm: the newest epoch a server holds rows of, and the last one closed
     (the epochs between are abandoned)."""
@@ -109,8 +120,8 @@ def check_every_batch_trained_once(swarm, report: dict, *, epochs: int, dead: st
     says so) may lack its segment in the status. And the known gap: an FS lost after the data source committed an
     epoch, before it closed it, never reports its segment of that epoch (its workers average those rows in their
     stage mates' group, but no server vouches for them); the data source logs that it could not commit the epoch
-    there, or the FS logged the commit and died before its close. Either shows as rows missing from `rows_in_batch`,
-    never as rows in the batch and not averaged."""
+    there (the FS was lost, or restarted, before the commit reached it), or the FS logged the commit and died before
+    its close. Either shows as rows missing from `rows_in_batch`, never as rows in the batch and not averaged."""
     abandoned = [e for e in report["epochs"] if e["abandoned"]]
     trained = [e for e in report["epochs"] if not e["abandoned"]]
     source = (swarm.workdir / "fs0.log").read_text()
@@ -128,7 +139,8 @@ def check_every_batch_trained_once(swarm, report: dict, *, epochs: int, dead: st
             # fault of the all-reduce whose cause is not found, independent of the servers' faults tested here): that
             # worker's rows are not counted as averaged, and it reloads its mates' state
             assert counts["rows_in_batch"] == counts["rows_averaged"] or counts["rounds_failed"], epoch
-            assert counts["rows_in_batch"] == ROWS * MICROBATCHES or epoch["epoch"] in unreported, epoch
+            assert counts["rows_in_batch"] == ROWS * MICROBATCHES or epoch["epoch"] in unreported, \
+                f"{epoch}\n{told_of(swarm, epoch['epoch'])}"
     for epoch in abandoned:
         assert epoch["loss"] is None and all(counts["rows_averaged"] == 0 for counts in epoch["stages"]), epoch
     losses = [e["loss"] for e in trained]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 
 from p2ptrain.protocol.messages import LINK_PROBE, Probe
@@ -18,8 +19,9 @@ logger = logging.getLogger(__name__)
 class ServerWatch:
     """Pings `servers()` every `period_s`. A server that does not answer for `lost_s` is `lost` until it answers
     again; one whose start time changed restarted. Either, for a server of the `watched` set (the open epoch's
-    layout), sets `fault` with the `reason`. A lost server that answers again, or one that restarted, is put on
-    `returned` (with whether it restarted): it missed what the data source told the servers meanwhile."""
+    layout), sets `fault` with the `reason`, and counts in `faults`. A lost server that answers again, or one that
+    restarted, is put on `returned` (with whether it restarted): it missed what the data source told the servers
+    meanwhile."""
 
     def __init__(self, *, caller: Caller, servers: Callable[[], Iterable[str]], period_s: float, lost_s: float,
                  timeout_s: float, suspect: Callable[[], None] = lambda: None,
@@ -30,6 +32,8 @@ class ServerWatch:
         self.started: dict[str, float] = {}  # each server's process start, as last echoed
         self.silent_since: dict[str, float] = {}
         self.lost: set[str] = set()
+        # per server, the losses and restarts seen: a call made before one may reach a new process if retried after
+        self.faults: Counter[str] = Counter()
         self.watched: frozenset[str] = frozenset()
         self.fault = asyncio.Event()
         self.reason = ""
@@ -74,6 +78,7 @@ class ServerWatch:
 
     def _fault(self, peer: str, what: str) -> None:
         logger.warning(f"data source: server {peer} {what}")
+        self.faults[peer] += 1
         if peer in self.watched and not self.fault.is_set():
             self.reason = f"server {peer} {what}"
             self.fault.set()
