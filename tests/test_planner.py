@@ -13,6 +13,7 @@ from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
+from p2ptrain.planner import refine as refine_module
 from p2ptrain.planner.anytime import (
     CORE_COVER,
     DESCENT_BUDGET,
@@ -565,6 +566,16 @@ def test_about_half_of_a_large_swarms_kicks_change_its_stage_count_unless_it_is_
         assert changed == 0
     else:
         assert 0.35 * 200 <= changed <= 0.6 * 200 and min(counts) < 0 < max(counts)
+
+
+def test_a_large_swarm_whose_cores_give_no_feasible_start_is_searched_from_the_refined_starts(monkeypatch) -> None:
+    """Where no core start is feasible (cores too small to hold the model, say), the refined search's own starts
+    (levels, SWARM's layout, the paper's plan) are searched instead."""
+    engine = large_engine(640, seed=313)
+    paper = paper_plan(engine, seed=0)
+    monkeypatch.setattr(refine_module, "core_starts", lambda *args, **kwargs: [])
+    layouts, record = refine_module.refined_layouts(engine, paper, seed=0, out_of_time=lambda: False, max_rounds=1)
+    assert layouts and record is not None and record.rounds == 1
 
 
 def test_a_core_is_the_members_nearest_the_clusters_medoid() -> None:

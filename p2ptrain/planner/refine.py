@@ -168,9 +168,9 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     else:
         levels, chosen = divisive_levels(engine, reliable, stages or most, seed, reach=stages is not None), 1
     if out_of_time is not None and stages is None and thinly_walked(engine.net.size, CORE_COVER):
-        starts = core_starts(engine, levels, seed)
-        if starts:
-            return _searched(engine, race(engine, starts, seed=seed, out_of_time=out_of_time), seed=seed,
+        cores = core_starts(engine, levels, seed)
+        if cores:  # else the refined search's own starts (`starts` is their count)
+            return _searched(engine, race(engine, cores, seed=seed, out_of_time=out_of_time), seed=seed,
                              fixed_stages=False, out_of_time=out_of_time, max_rounds=max_rounds,
                              patience=anytime_patience)
     if stages is not None:
