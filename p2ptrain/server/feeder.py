@@ -299,14 +299,14 @@ class DataFeeder:
             if only is None or peer in only]
 
         async def end(peer: str, role: ServerRole) -> str | None:
-            # for the server's process of now: once it is lost or restarts, a retry could reach its next process,
-            # which held nothing of the epoch (a commit there would stand for rows it never reports); `_tell` brings
-            # a returned server up to date instead
-            faults = self.watch.faults[peer]
+            # for the server's process of now: a retry after it restarted would reach its next process, which held
+            # nothing of the epoch (a commit there would stand for rows it never reports); `_tell` brings a restarted
+            # server up to date instead
+            restarts = self.watch.restarts[peer]
             try:
                 await self.server.retrying(peer, SERVICE[role], request, attempts=None, what=f"{verb} epoch {epoch}",
-                                           moot=lambda: (peer in self.watch.lost or self.watch.faults[peer] != faults
-                                                         or stop.is_set()))
+                                           moot=lambda: (peer in self.watch.lost or stop.is_set()
+                                                         or self.watch.restarts[peer] != restarts))
             except Refused as e:
                 logger.error(f"data source: {peer} refused to {verb} epoch {epoch}: {e}")
             except Exception as e:

@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 class ServerWatch:
     """Pings `servers()` every `period_s`. A server that does not answer for `lost_s` is `lost` until it answers
     again; one whose start time changed restarted. Either, for a server of the `watched` set (the open epoch's
-    layout), sets `fault` with the `reason`, and counts in `faults`. A lost server that answers again, or one that
-    restarted, is put on `returned` (with whether it restarted): it missed what the data source told the servers
+    layout), sets `fault` with the `reason`; `restarts` counts each server's. A lost server that answers again, or one
+    that restarted, is put on `returned` (with whether it restarted): it missed what the data source told the servers
     meanwhile."""
 
     def __init__(self, *, caller: Caller, servers: Callable[[], Iterable[str]], period_s: float, lost_s: float,
@@ -32,8 +32,8 @@ class ServerWatch:
         self.started: dict[str, float] = {}  # each server's process start, as last echoed
         self.silent_since: dict[str, float] = {}
         self.lost: set[str] = set()
-        # per server, the losses and restarts seen: a call made before one may reach a new process if retried after
-        self.faults: Counter[str] = Counter()
+        # a call retried across a restart would reach a process that knows nothing of what it was about
+        self.restarts: Counter[str] = Counter()
         self.watched: frozenset[str] = frozenset()
         self.fault = asyncio.Event()
         self.reason = ""
@@ -72,13 +72,13 @@ class ServerWatch:
         before, self.started[peer] = self.started.get(peer), echo.started
         restarted = before is not None and before != echo.started
         if restarted:
+            self.restarts[peer] += 1
             self._fault(peer, "restarted")
         if back or restarted:
             self.returned.put_nowait((peer, restarted))
 
     def _fault(self, peer: str, what: str) -> None:
         logger.warning(f"data source: server {peer} {what}")
-        self.faults[peer] += 1
         if peer in self.watched and not self.fault.is_set():
             self.reason = f"server {peer} {what}"
             self.fault.set()
