@@ -778,6 +778,14 @@ def test_a_server_left_out_of_some_epochs_layouts_closes_them_when_rows_of_a_lat
     asyncio.run(scenario())
 
 
+async def until(ready: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Until `ready()`, for a scenario of live tasks (a watch pinging, a feeder telling); fails past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
 def test_an_fs_restarted_while_its_stage_closes_an_epoch_is_told_at_once_what_it_missed_and_no_worker_waits_for_it():
     """Epoch 0 is committed, and fsb's stage mate fs closed it; fsb died before it closed it, and epoch 1, open
     then, was abandoned while fsb was lost. The workers step epoch 0 once every FS of its layout closed it, and a
@@ -803,12 +811,6 @@ def test_an_fs_restarted_while_its_stage_closes_an_epoch_is_told_at_once_what_it
         feeder._abandoned = {1: (two, {"fs", "bs"})}
         stop = asyncio.Event()
         tasks = [asyncio.create_task(watch.run(stop)), asyncio.create_task(feeder._tell_returned(stop))]
-
-        async def until(ready: Callable[[], bool]) -> None:
-            deadline = time.monotonic() + 5.0
-            while not ready():
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
 
         await until(lambda: watch.started.get("fsb") == 1.0)
         local[("fsb", LINK_PROBE)] = LinkProbe(peer_id="fsb", delay_s=10.0, started=1.0)  # silent: killed
@@ -849,12 +851,6 @@ def test_a_commit_retried_while_its_fs_restarts_never_reaches_the_new_process():
                             epochs=3, max_in_flight=1, watch=watch)
         stop = asyncio.Event()
         watching = asyncio.create_task(watch.run(stop))
-
-        async def until(ready: Callable[[], bool]) -> None:
-            deadline = time.monotonic() + 5.0
-            while not ready():
-                assert time.monotonic() < deadline
-                await asyncio.sleep(0.01)
 
         await until(lambda: watch.started.get("fsb") == 1.0)
         local[("fsb", LINK_PROBE)] = LinkProbe(peer_id="fsb", delay_s=10.0, started=1.0)  # killed: no FS either
