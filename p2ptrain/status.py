@@ -39,8 +39,9 @@ JSON fields (stable; later tools and outside checks read them):
                                      steps_skipped, digests, digests_agree, averaging_bytes}]}] oldest first (lr: the
                            learning rate of its step; loss_scale: with --precision fp16, the loss scale its
                            gradients were computed at, else null),
-                           of the epochs the peers' records carry: each keeps its newest epochs that fit in a small
-                           DHT value (20 or more; a reader that polls keeps the rest, `History`):
+                           of the epochs the peers' records carry whole: each keeps its newest epochs that fit in a
+                           small DHT value (20 or more; a reader that polls keeps the rest, `History`), and an epoch
+                           older than what any record still holds is left out, not shown with some peers' counts:
                            reported: whether the stage's FS has published its counts of the epoch yet (records
                              are refreshed every few seconds, and a stage may close an epoch after the last stage
                              did): until then the stage's counts below are 0, and the table shows "-";
@@ -112,7 +113,9 @@ if TYPE_CHECKING:
 class History:
     """The epochs a reader has seen in each peer's metrics record, so that its reports keep the epochs that records
     no longer carry (a record holds its peer's newest epochs only: `node.metrics.fit`), and those of peers gone
-    since. What a peer's record says of an epoch now wins over what it said before."""
+    since. What a peer's record says of an epoch now wins over what it said before. The joined record is whole from
+    where the first one read was, unless the reads left a gap (its epochs moved on past a record's depth between
+    two reads)."""
 
     def __init__(self) -> None:
         self._seen: dict[tuple[str, str, int | None], Metrics] = {}
@@ -120,15 +123,18 @@ class History:
     def merge(self, metrics: list[Metrics]) -> list[Metrics]:
         """`metrics` with their lists of epochs joined to what was seen of them before, and the records of the peers
         seen before and not now, for their epochs."""
-        from p2ptrain.dht.records import join_epochs  # hivemind: not for --help
+        from p2ptrain.dht.records import EPOCH_LISTS, join_epochs  # hivemind: not for --help
 
         for record in metrics:
             key = (record.peer_id, record.role, record.stage)
             before = self._seen.get(key)
             if before is not None:
-                record = dataclasses.replace(record, **{
-                    name: join_epochs(getattr(before, name), getattr(record, name))
-                    for name in ("per_epoch", "worker_epochs", "source_epochs")})
+                seen_to = min((getattr(before, name)[-1].epoch for name in EPOCH_LISTS if getattr(before, name)),
+                              default=-1)
+                gap = record.complete_from is not None and record.complete_from > seen_to + 1
+                record = dataclasses.replace(
+                    record, complete_from=record.complete_from if gap else before.complete_from,
+                    **{name: join_epochs(getattr(before, name), getattr(record, name)) for name in EPOCH_LISTS})
             self._seen[key] = record
         return list(self._seen.values())
 
@@ -263,7 +269,9 @@ def _epochs(metrics: list, num_stages: int) -> list[dict]:
             retrained[entry.epoch] = entry.microbatches_retrained
             speed[entry.epoch] = entry.tokens / entry.seconds if entry.seconds else None
     abandoned -= stepped
-    all_epochs = sorted({key[0] for key in rows_in} | set(loss) | set(speed))
+    # before the newest cut of any record, some peers' counts of an epoch may be gone while others' remain
+    whole_from = max((record.complete_from for record in metrics if record.complete_from is not None), default=0)
+    all_epochs = sorted(e for e in {key[0] for key in rows_in} | set(loss) | set(speed) if e >= whole_from)
     return [
         {
             "epoch": epoch, "loss": loss.get(epoch), "tokens_per_s": speed.get(epoch), "seconds": seconds.get(epoch),

@@ -3,6 +3,7 @@ half-written, and the DHT process then exited: docs/design.md §7), and a status
 the records no longer carry."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 from p2ptrain.dht.records import EpochMetrics, Metrics
@@ -31,12 +32,35 @@ def test_the_data_sources_record_of_a_long_run_keeps_its_newest_epochs_within_th
     kept = [e.epoch for e in fitted.per_epoch]
     assert kept == list(range(HISTORY - len(kept), HISTORY)) and len(kept) >= 16
     assert [e.epoch for e in fitted.source_epochs] == kept == [e.epoch for e in fitted.worker_epochs]
+    assert fitted.complete_from == kept[0]
     assert Metrics.from_value(fitted.to_value()) == fitted
 
 
 def test_a_record_within_the_bound_is_left_whole():
     small = record(range(5))
-    assert fit(small) == small
+    assert fit(small) == small and small.complete_from is None
+
+
+def test_a_record_is_whole_from_its_newest_cut_of_any_list_or_of_what_it_carried():
+    lists = record(range(10)).newest(10)
+    assert lists.complete_from is None
+    short = Metrics(peer_id=PEER, stage=0, role="fs", epoch=9, updated=1.0, per_epoch=[entry(e) for e in range(10)],
+                    worker_epochs=[entry(e) for e in range(4, 10)])
+    assert short.newest(5).complete_from == 5 and [e.epoch for e in short.newest(5).worker_epochs] == [5, 6, 7, 8, 9]
+    assert short.newest(8).complete_from == 2 and len(short.newest(8).worker_epochs) == 6
+    carried = dataclasses.replace(short, complete_from=3)
+    assert carried.newest(10).complete_from == 3 and carried.newest(8).complete_from == 3
+    assert carried.newest(0).complete_from == 10 and not carried.newest(0).per_epoch
+
+
+def test_a_single_read_leaves_out_the_epochs_some_records_no_longer_hold_instead_of_showing_rows_lost():
+    # two FS of one stage, 8 rows each an epoch; records cut to different depths: epochs 0-5 are in fs_b's only
+    fs_a = fit(record(range(40), peer="fs_a", lists=1), max_bytes=4000)
+    fs_b = record(range(40), peer="fs_b", lists=1)
+    assert fs_a.complete_from is not None and fs_a.complete_from > 0 and fs_b.complete_from is None
+    epochs = _epochs([fs_a, fs_b], 1)
+    assert [e["epoch"] for e in epochs] == list(range(fs_a.complete_from, 40))
+    assert {e["stages"][0]["rows_in_batch"] for e in epochs} == {32}
 
 
 def test_a_history_keeps_the_epochs_a_record_dropped_and_the_newest_word_on_each():
@@ -47,6 +71,17 @@ def test_a_history_keeps_the_epochs_a_record_dropped_and_the_newest_word_on_each
     [fs] = merged
     assert [e.epoch for e in fs.per_epoch] == list(range(15)) and fs.per_epoch[-1].rows_dropped == 3
     assert [e["epoch"] for e in _epochs(merged, 1)] == list(range(15))
+
+
+def test_a_history_is_whole_from_its_first_read_unless_its_reads_left_a_gap():
+    history = History()
+    [first] = history.merge([record(range(10), lists=1)])
+    assert first.complete_from is None
+    [read] = history.merge([record(range(10), lists=1).newest(4)])  # epochs 6-9, cut at 6: all seen before
+    assert read.complete_from is None and [e.epoch for e in read.per_epoch] == list(range(10))
+    [late] = history.merge([record(range(30), lists=1).newest(4)])  # 26-29: epochs 10-25 were never read
+    assert late.complete_from == 26
+    assert [e["epoch"] for e in _epochs([late], 1)] == [26, 27, 28, 29]
 
 
 def test_a_history_keeps_the_epochs_of_peers_whose_records_are_gone():

@@ -7,7 +7,7 @@ that would be dropped by the DHT fails here instead, with pydantic's message.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Self, Tuple
 
 import pydantic.v1 as pydantic
@@ -105,6 +105,7 @@ class MetricsModel(_Strict):
     client_mode: pydantic.StrictBool = False
     bytes_sent: Dict[pydantic.constr(strict=True, max_length=16), _NonNegInt] = {}
     calls_served: Dict[pydantic.constr(strict=True, max_length=40), _NonNegInt] = {}
+    complete_from: Optional[_NonNegInt] = None
     per_epoch: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     worker_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
     source_epochs: pydantic.conlist(EpochMetricsModel, max_items=MAX_EPOCHS_KEPT)
@@ -253,6 +254,9 @@ def join_epochs(before: list[EpochMetrics], now: list[EpochMetrics]) -> list[Epo
     return [merged[epoch] for epoch in sorted(merged)]
 
 
+EPOCH_LISTS = ("per_epoch", "worker_epochs", "source_epochs")  # a metrics record's lists of epochs
+
+
 @dataclass(kw_only=True)
 class Metrics(_Record):
     schema: ClassVar[type[pydantic.BaseModel]] = MetricsModel
@@ -275,6 +279,9 @@ class Metrics(_Record):
     client_mode: bool = False  # a worker that dials out only (behind NAT): it reduces no part of its stage's rounds
     bytes_sent: dict[str, int] = field(default_factory=dict)  # what its process has sent, by kind (p2ptrain.traffic)
     calls_served: dict[str, int] = field(default_factory=dict)  # requests its process served, by method (the same)
+    # the oldest epoch from which the lists below hold every epoch the peer recorded; None: none was ever cut from them
+    # (a record keeps its newest epochs only: `node.metrics.fit`)
+    complete_from: int | None = None
     per_epoch: list[EpochMetrics] = field(default_factory=list)  # at most MAX_EPOCHS_KEPT, oldest first
     worker_epochs: list[EpochMetrics] = field(default_factory=list)  # a server that also computes
     source_epochs: list[EpochMetrics] = field(default_factory=list)  # the data source: tokens and wall time
@@ -286,6 +293,19 @@ class Metrics(_Record):
             [e if isinstance(e, EpochMetrics) else EpochMetrics(**e) for e in epochs]
             for epochs in (self.per_epoch, self.worker_epochs, self.source_epochs)
         )
+
+    def newest(self, keep: int) -> Metrics:
+        """This record with each of its lists of epochs cut to its newest ``keep`` entries, ``complete_from`` moved
+        past what was cut."""
+        lists = {name: getattr(self, name) for name in EPOCH_LISTS}
+        cut = [entries[-keep].epoch if keep else entries[-1].epoch + 1
+               for entries in lists.values() if len(entries) > keep]
+        if not cut:
+            return self
+        if self.complete_from is not None:
+            cut.append(self.complete_from)
+        return replace(self, complete_from=max(cut),
+                       **{name: entries[max(len(entries) - keep, 0):] for name, entries in lists.items()})
 
 
 

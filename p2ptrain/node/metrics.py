@@ -1,6 +1,7 @@
 """What each peer publishes about its training progress, refreshed in the DHT every few seconds.
 
-A record carries the peer's newest epochs only, as many as fit in `MAX_RECORD_BYTES`: hivemind's DHT process reads
+A record carries the peer's newest epochs only (and says from which epoch on its lists are whole, `complete_from`),
+as many as fit in `MAX_RECORD_BYTES`: hivemind's DHT process reads
 the calls of its owner from a pipe it has made non-blocking, and a call of over 16 KiB (which multiprocessing writes
 in two parts) could be read half-written; the DHT process then fails on the rest ("Ran out of input") and exits,
 taking the peer's p2p daemon with it (docs/design.md §7). The data source's record, which carries three lists of
@@ -18,7 +19,7 @@ import time
 from p2ptrain.client.worker import Worker
 from p2ptrain.config import RunConfig
 from p2ptrain.dht import MAX_EPOCHS_KEPT, Announcer, EpochMetrics, Metrics
-from p2ptrain.dht.records import join_epochs
+from p2ptrain.dht.records import EPOCH_LISTS, join_epochs
 from p2ptrain.server.backward import BackwardServer
 from p2ptrain.server.base import StageServer
 from p2ptrain.server.feeder import DataFeeder
@@ -26,7 +27,7 @@ from p2ptrain.traffic import METER
 
 logger = logging.getLogger(__name__)
 
-HISTORY = 64  # epochs a record keeps at most...
+HISTORY = 64  # epochs a record keeps at most (the lists below are built one longer, so cutting them tells where)...
 assert HISTORY <= MAX_EPOCHS_KEPT
 # ...and the most a record's value may take, pickled as it travels to the DHT process: below multiprocessing's
 # 16 KiB (past which it writes a message in two parts), with room for the key, subkey, expiration and call
@@ -47,7 +48,7 @@ def server_epochs(server: StageServer) -> list[EpochMetrics]:
             workers_lost=stats.workers_lost, workers_joined=stats.workers_joined, abandoned=stats.abandoned,
             rows_dropped=stats.rows_dropped,
         ))
-    return records[-HISTORY:]
+    return records[-HISTORY - 1:]
 
 
 def worker_epochs(worker: Worker) -> list[EpochMetrics]:
@@ -57,7 +58,7 @@ def worker_epochs(worker: Worker) -> list[EpochMetrics]:
                      lr=r.lr, grad_norm=r.grad_norm, rows_lost=r.rows_lost, unclipped=r.unclipped,
                      averaging_bytes=METER.of_epoch("averaging", r.epoch), overflow=r.overflow,
                      loss_scale=r.loss_scale)
-        for r in worker.history[-HISTORY:]
+        for r in worker.history[-HISTORY - 1:]
     ]
 
 
@@ -68,19 +69,19 @@ def feeder_epochs(feeder: DataFeeder, config: RunConfig) -> list[EpochMetrics]:
         EpochMetrics(epoch=epoch, rows_in_batch=config.rows_per_epoch, rows_averaged=0, tasks_redone=0,
                      tokens=config.tokens_per_epoch - again * tokens_per_microbatch, seconds=seconds,
                      microbatches_retrained=again, eval_loss=feeder.progress.eval_loss.get(epoch))
-        for epoch, seconds in sorted(feeder.progress.epoch_seconds.items())[-HISTORY:]
+        for epoch, seconds in sorted(feeder.progress.epoch_seconds.items())[-HISTORY - 1:]
         for again in [feeder.progress.retrained.get(epoch, 0)]
     ]
 
 
 def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | None, worker: Worker | None,
-                 feeder: DataFeeder | None, config: RunConfig, carried: list[EpochMetrics] = ()) -> Metrics:
-    """One record per peer: its server's epochs, its worker's, and the data source's if it leads stage 0.
-    `carried`: what the record of this peer's previous process said of epochs (a peer restarted with its identity
-    keeps its history in the status; what this process saw of an epoch wins)."""
+                 feeder: DataFeeder | None, config: RunConfig, previous: Metrics | None = None) -> Metrics:
+    """One record per peer: its server's epochs, its worker's, and the data source's if it leads stage 0, each its
+    newest `HISTORY`. `previous`: the record of this peer's previous process (a peer restarted with its identity
+    keeps its history of epochs in the status; what this process saw of an epoch wins)."""
     own = server_epochs(server) if server is not None else worker_epochs(worker)
-    if carried:
-        own = join_epochs(carried, own)[-HISTORY:]
+    if previous is not None:
+        own = join_epochs(previous.per_epoch, own)
     last = own[-1] if own else None
     leads = feeder is not None and feeder.leads
     source = feeder_epochs(feeder, config) if leads else []
@@ -94,21 +95,18 @@ def build_record(*, peer_id: str, stage: int, role: str, server: StageServer | N
         source_epochs=source, condition=server.condition() if server is not None else "",
         holds_state=worker is not None and worker.holds_only,
         client_mode=worker is not None and worker.client_mode, bytes_sent=METER.snapshot(),
-        calls_served=METER.served_snapshot(),
-    )
+        calls_served=METER.served_snapshot(), complete_from=previous.complete_from if previous is not None else None,
+    ).newest(HISTORY)
 
 
 def fit(record: Metrics, *, max_bytes: int = MAX_RECORD_BYTES) -> Metrics:
-    """`record` with its lists of epochs cut to their newest `keep` entries, `keep` as large as lets its value take
-    at most `max_bytes`."""
-    lists = ("per_epoch", "worker_epochs", "source_epochs")
+    """`record` with its lists of epochs cut to their newest `keep` entries (`Metrics.newest`), `keep` as large as
+    lets its value take at most `max_bytes`."""
     while (size := len(pickle.dumps(record.to_value()))) > max_bytes:
-        longest = max(len(getattr(record, name)) for name in lists)
+        longest = max(len(getattr(record, name)) for name in EPOCH_LISTS)
         if longest == 0:
             raise ValueError(f"a metrics record of no epochs takes {size} bytes, over {max_bytes}")
-        keep = min(longest - 1, longest * max_bytes // size)  # entries are about alike in size: aim, then check
-        record = dataclasses.replace(record, **{name: getattr(record, name)[max(len(getattr(record, name)) - keep, 0):]
-                                                for name in lists})
+        record = record.newest(min(longest - 1, longest * max_bytes // size))  # entries are about alike: aim, check
     return record
 
 

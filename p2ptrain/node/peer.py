@@ -24,8 +24,8 @@ from p2ptrain.config import AVERAGING_CODECS, ConfigError, RunConfig, RuntimeCon
 from p2ptrain.data import Masking, TextSource
 from p2ptrain.dht import (
     Announcer,
-    EpochMetrics,
     Membership,
+    Metrics,
     PeerInfo,
     RecipeRecord,
     get_metrics,
@@ -385,7 +385,7 @@ class Peer:
         self._spawn(publish_metrics(
             announcer=self._announcer, period_s=settings.metrics_period_s, stop=self._stopping,
             peer_id=self.peer_id, stage=stage, role=role or "worker", server=self.server, worker=self.worker,
-            feeder=self.feeder, config=config, carried=await self._previous_epochs(role or "worker", stage)))
+            feeder=self.feeder, config=config, previous=await self._previous_record(role or "worker", stage)))
         start, end = placement.layers
         logger.info(f"{options.role} {self.peer_id} up: stage {stage} layers [{start}, {end})"
                     + (f" as {role.upper()}" if role else ""))
@@ -517,20 +517,19 @@ class Peer:
             return None
         return await load_state_from_peers(worker, caller=worker.caller, servers=servers, candidates=mates)
 
-    async def _previous_epochs(self, role: str, stage: int) -> list[EpochMetrics]:
-        """What this peer's previous process published of its epochs, if its record is still in the DHT (a peer
+    async def _previous_record(self, role: str, stage: int) -> Metrics | None:
+        """The metrics this peer's previous process published, if its record is still in the DHT (a peer
         restarted with its identity, in the same role). A peer without an identity file has a new peer id each
         time, so it has no earlier record to read."""
         if self.options.network.identity_path is None:
-            return []
+            return None
         try:
             records = await asyncio.wait_for(asyncio.to_thread(get_metrics, self.dht, self.config.run_id),
                                              self.settings.rpc_timeout_s)
         except Exception as e:
             logger.warning(f"could not read this peer's earlier metrics: {e!r}")
-            return []
-        return next((r.per_epoch for r in records if r.peer_id == self.peer_id and r.role == role and r.stage == stage),
-                    [])
+            return None
+        return next((r for r in records if r.peer_id == self.peer_id and r.role == role and r.stage == stage), None)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         self._tasks.append(asyncio.create_task(coroutine))
