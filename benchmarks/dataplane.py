@@ -3,14 +3,14 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
                                    [--seq-len 64] [--epochs 12] [--warmup 2] [--keep-streams on] [--dpu off,on]
-                                   [--keep-freed-memory off,on]
+                                   [--keep-freed-memory off,on] [--overlap-epochs off,on]
 
 1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
    all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
    per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`. The swarm
-   runs once for each combination of `--keep-streams`, `--dpu` and `--keep-freed-memory` settings, one after the
-   other.
+   runs once for each combination of `--keep-streams`, `--dpu`, `--keep-freed-memory` and `--overlap-epochs` settings
+   (the last with --dpu on only: no drain at the epoch boundary), one after the other.
    The reference is a plain loop in this process (torch.set_num_threads(1)): the whole model (`build_stage` of
    all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
    same `TextSource` microbatches, summed loss / tokens, one step per global batch; where any swarm keeps freed
@@ -203,6 +203,11 @@ def call_rates(first: tuple[float, dict[str, dict[str, int]]], last: tuple[float
         for method, count in counts.items():
             rates[re.sub(r"^s\d+-", "", name)][method] += (count - before.get(method, 0)) / seconds
     return {kind: dict(methods) for kind, methods in rates.items()}
+
+
+def swarm_config(config: RunConfig, *, dpu: str, overlap: str) -> RunConfig:
+    """The benchmark's recipe with the swarm's --dpu and --overlap-epochs settings."""
+    return dataclasses.replace(config, dpu=dpu == "on", overlap_epochs=overlap == "on")
 
 
 def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str,
@@ -825,14 +830,16 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
             f"ratio {fmt(a['ideal_ratio'], '.2f')} vs the same compute on one core |", ""]
     if len(swarm_runs) > 1:
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
-                "call), of delayed parameter updates (`--dpu`) and of `--keep-freed-memory` (glibc keeps freed buffers "
-                "for reuse, `node.malloc`), one after the other in this run (the tables below are the last one's; "
-                "control plane: the FS/BS, bootstrap, DHT, p2pd and averager processes):", "",
-                "| --keep-streams | --dpu | --keep-freed-memory | s / epoch | tokens/s | ratio to one process "
-                "| control plane cores (training) | control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "call), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
+                "for reuse, `node.malloc`) and of `--overlap-epochs` (no drain at the epoch boundary), one after the "
+                "other in this run (the tables below are the last one's; control plane: the FS/BS, bootstrap, DHT, "
+                "p2pd and averager processes):", "",
+                "| --keep-streams | --dpu | --keep-freed-memory | --overlap-epochs | s / epoch | tokens/s | ratio to one "
+                "process | control plane cores (training) | control plane cores (idle) | step stall s (stage 0 / 1) "
+                "| last loss |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in swarm_runs.values():
-            out.append(f"| {run['keep_streams']} | {run['dpu']} | {run['keep_freed_memory']} | "
+            out.append(f"| {run['keep_streams']} | {run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | "
                        f"{fmt(run['swarm_s_per_epoch'])} | "
                        f"{fmt(run['swarm_tokens_per_s'], '.0f')} | {fmt(run['ratio'], '.3f')} | "
                        f"{fmt(run.get('control_cores'))} | {fmt(run.get('control_cores_idle'), '.3f')} | "
@@ -904,9 +911,12 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 f"work on the machine {g['outside']:.2f}, and {g['idle']:.2f} stayed idle. At each epoch boundary "
                 f"stage 0 waits {stall0:.2f} s "
                 f"({100 * stall0 / w:.0f}% of a {w:.2f} s epoch) between its FS closing the epoch and its client "
-                f"stepping{' (with --dpu on it steps in the background)' if config.dpu else ''}, and the data "
-                "source feeds nothing of the next epoch until the last microbatch's backward "
-                "is back at stage 0, so the pipeline drains and refills once per epoch."]
+                f"stepping{' (with --dpu on it steps in the background)' if config.dpu else ''}, and "
+                + ("with --overlap-epochs on the data source feeds the next epoch's microbatches as soon as the last "
+                   "ones of the epoch are out, and workers with nothing left of the epoch compute them, so the "
+                   "pipeline does not drain at the boundary." if config.overlap_epochs else
+                   "the data source feeds nothing of the next epoch until the last microbatch's backward is back at "
+                   "stage 0, so the pipeline drains and refills once per epoch.")]
     if swarm.get("calls_training") or swarm.get("calls_idle"):
         training, idle = swarm.get("calls_training", {}), swarm.get("calls_idle", {})
         rows = sorted({(kind, method) for rates in (training, idle) for kind, methods in rates.items()
@@ -1009,6 +1019,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dpu", default="off,on", type=lambda text: text.split(","),
                         help="the swarm's --dpu settings, run one after the other (default off,on; the detailed "
                              "tables are the last swarm's)")
+    parser.add_argument("--overlap-epochs", default="off,on", type=lambda text: text.split(","),
+                        help="the swarm's --overlap-epochs settings, each run with every --dpu on setting (default "
+                             "off,on; on needs --dpu on)")
     parser.add_argument("--keep-streams", default="on", type=lambda text: text.split(","),
                         help="the swarm's --keep-streams settings, each run with every --dpu setting (default on)")
     parser.add_argument("--keep-freed-memory", default="off,on", type=lambda text: text.split(","),
@@ -1037,7 +1050,7 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
     for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams),
-                         ("--keep-freed-memory", args.keep_freed_memory)):
+                         ("--keep-freed-memory", args.keep_freed_memory), ("--overlap-epochs", args.overlap_epochs)):
         if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):
             parser.error(f"{flag} takes off, on or both (comma-separated, each once), not {','.join(values)}")
     config = RunConfig(run_id=RUN_ID, model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
@@ -1085,14 +1098,18 @@ def main(argv: list[str] | None = None) -> None:
     if "swarm" in parts:
         log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
         single, state = single_process(config, range(0, half), None)
-        for keep, dpu, freed in itertools.product(args.keep_streams, args.dpu, args.keep_freed_memory):
-            log(f"[5/5] swarm with --keep-streams {keep} --dpu {dpu} --keep-freed-memory {freed}: {args.epochs} epochs")
-            name = f"keep-{keep}-dpu-{dpu}-freed-{freed}"
+        for keep, dpu, freed, overlap in itertools.product(args.keep_streams, args.dpu, args.keep_freed_memory,
+                                                           args.overlap_epochs):
+            if dpu == "off" and overlap == "on":
+                continue  # the next epoch may start early only with delayed updates
+            log(f"[5/5] swarm with --keep-streams {keep} --dpu {dpu} --keep-freed-memory {freed} --overlap-epochs "
+                f"{overlap}: {args.epochs} epochs")
+            name = f"keep-{keep}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
             (workdir / name).mkdir()
-            swarms[name] = run_swarm(args, dataclasses.replace(config, dpu=dpu == "on"), workdir / name,
+            swarms[name] = run_swarm(args, swarm_config(config, dpu=dpu, overlap=overlap), workdir / name,
                                      keep_streams=keep, keep_freed_memory=freed)
-            swarms[name].update(keep_streams=keep, dpu=dpu, keep_freed_memory=freed)
-        swarm = swarms[f"keep-{args.keep_streams[-1]}-dpu-{args.dpu[-1]}-freed-{args.keep_freed_memory[-1]}"]
+            swarms[name].update(keep_streams=keep, dpu=dpu, keep_freed_memory=freed, overlap_epochs=overlap)
+        swarm = list(swarms.values())[-1]
         if "profile" in parts and args.profile_s > 0 and Profiler.available():
             # long enough to cover the recording at the shown swarm's pace, slowed by the recording
             epoch_s = analyse(args, config, timings, single, swarm).get("swarm_s_per_epoch") or 1.0
@@ -1100,7 +1117,8 @@ def main(argv: list[str] | None = None) -> None:
             log(f"  profile: the same swarm for {epochs} epochs, its FS/BS processes recorded by py-spy for "
                 f"{args.profile_s:.0f} s")
             (workdir / "profile").mkdir()
-            profiled = run_swarm(args, dataclasses.replace(config, dpu=swarm["dpu"] == "on"), workdir / "profile",
+            profiled = run_swarm(args, swarm_config(config, dpu=swarm["dpu"], overlap=swarm["overlap_epochs"]),
+                                 workdir / "profile",
                                  keep_streams=swarm["keep_streams"], keep_freed_memory=swarm["keep_freed_memory"],
                                  epochs=epochs, profile_s=args.profile_s)
         elif "profile" in parts and args.profile_s > 0:
@@ -1117,9 +1135,11 @@ def main(argv: list[str] | None = None) -> None:
     info["runtime_s"] = time.monotonic() - began
     analysis = analyse(args, config, timings, single, swarm)
     swarm_runs = {name: {**analyse(args, config, timings, single, run), "keep_streams": run["keep_streams"],
-                         "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"]}
+                         "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"],
+                         "overlap_epochs": run["overlap_epochs"]}
                   for name, run in swarms.items()}
-    shown = dataclasses.replace(config, dpu=args.dpu[-1] == "on")  # the swarm whose tables are shown
+    shown = swarm_config(config, dpu=swarm.get("dpu", args.dpu[-1]),  # the swarm whose tables are shown
+                         overlap=swarm.get("overlap_epochs", "off"))
     causes = profile_causes(profiled["profile"], profiled["roles"]) if profiled and profiled.get("profile") else None
     split = planes(causes, profiled, rpc, args.warmup) if causes else None
     text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs,

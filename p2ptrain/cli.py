@@ -88,7 +88,7 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "seed": "--seed", "optimizer": "--optimizer", "lr": "--lr", "warmup_epochs": "--warmup-epochs",
                 "decay_epochs": "--decay-epochs", "min_lr": "--min-lr", "weight_decay": "--weight-decay",
                 "clip_norm": "--clip-norm", "dpu": "--dpu", "dpu_lookahead": "--dpu-lookahead",
-                "precision": "--precision",
+                "overlap_epochs": "--overlap-epochs", "precision": "--precision",
                 "loss_scale": "--loss-scale", "loss_scale_growth": "--loss-scale-growth",
                 "offload_optimizer": "--offload-optimizer",
                 "averaging_codec": "--averaging-codec",
@@ -97,11 +97,11 @@ RECIPE_FLAGS = {"run_id": "--run-id", "model": "--model", "num_stages": "--num-s
                 "tokenizer": "--tokenizer", "init_from": "--init-from",
                 "fault_policy": "--fault-policy", "stage": "--stage"}
 OPTIMIZATION_FIELDS = ("optimizer", "lr", "warmup_epochs", "decay_epochs", "min_lr", "weight_decay", "clip_norm", "dpu",
-                       "dpu_lookahead", "precision", "loss_scale", "loss_scale_growth", "offload_optimizer", "averaging_codec",
+                       "dpu_lookahead", "overlap_epochs", "precision", "loss_scale", "loss_scale_growth", "offload_optimizer", "averaging_codec",
                        "average_every", "outer_lr", "outer_momentum")
 SWITCH = {"on": True, "off": False}
 # the on/off fields of OPTIMIZATION_FIELDS (None where the flag is absent and the field decides its default)
-SWITCHES = ("dpu", "dpu_lookahead", "offload_optimizer")
+SWITCHES = ("dpu", "dpu_lookahead", "overlap_epochs", "offload_optimizer")
 
 
 def flag_value(value: object) -> str:
@@ -138,6 +138,10 @@ def add_optimization_flags(parser: argparse.ArgumentParser, *, defaults: RunConf
                             "gradient (from the server holding the stage's deposits) would take the stage, instead "
                             "of on the parameters before the step in flight; the stage still steps on the round's "
                             "average")
+    group.add_argument("--overlap-epochs", choices=tuple(SWITCH), default=flag_value(defaults.overlap_epochs),
+                       help="with --dpu on: no drain at the epoch boundary; the data source feeds the next epoch while "
+                            "the last microbatches of this one are still in backward, and workers with nothing left of "
+                            "this epoch compute the next one's on the parameters delayed updates give it")
     group.add_argument("--precision", choices=PRECISIONS, default=defaults.precision,
                        help="what the stages compute in: fp32, or bf16 or fp16 under autocast (fp16 with a dynamic "
                             "loss scale); master weights, optimizer state and the wire stay fp32 either way")

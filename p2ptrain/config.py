@@ -82,6 +82,10 @@ class RunConfig:
     # its deposits) takes the stage's parameters, not on the parameters before the step in flight (which steps on the
     # round's average); off, delayed updates cost 1.22x one process's held-out loss on the convergence benchmark
     dpu_lookahead: bool = True
+    # with dpu: no drain at the epoch boundary. The data source feeds the next epoch while the current one's last
+    # microbatches are still in backward, and a worker with no task of its epoch takes the next one's, on the parameters
+    # delayed updates give that epoch (its stage's step before last, one epoch stale, as dpu allows)
+    overlap_epochs: bool = False
     precision: str = "fp32"  # what the stages compute in: one of PRECISIONS
     loss_scale: float = 2.0**16  # fp16: the loss scale the run starts at (torch's GradScaler's)
     loss_scale_growth: int = 100  # fp16: the loss scale doubles after this many epochs in a row without overflow
@@ -179,9 +183,16 @@ class RunConfig:
                                                                    "when averaged at every epoch; use 1")
         if self.average_every > 1 and self.dpu:
             raise ConfigError("dpu", self.dpu, "delayed updates are for average_every = 1; turn one of them off")
+        if self.overlap_epochs and not self.dpu:
+            # without delayed updates the next epoch computes on the step of this one, which is not taken yet
+            raise ConfigError("overlap_epochs", self.overlap_epochs, "the next epoch may start before this one steps "
+                                                                     "only with delayed updates; turn dpu on")
         if self.fault_policy not in FAULT_POLICIES:
             raise ConfigError("fault_policy", self.fault_policy,
                               f"unknown policy; choose one of {', '.join(FAULT_POLICIES)}")
+        if self.overlap_epochs and self.fault_policy != "taskpool":
+            raise ConfigError("overlap_epochs", self.overlap_epochs, "fault policy swarm feeds lost rows again in a "
+                                                                     "later epoch, one epoch at a time; use taskpool")
         if self.tokenizer is not None:
             tokens = vocab_size(self.tokenizer)  # a ConfigError if it is no tokenizer
             if tokens > self.model_config.vocab_size:

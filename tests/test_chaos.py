@@ -60,14 +60,16 @@ def start_swarm(make_swarm, run_id: str, recipe: list[str], *, epochs: int):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("dpu", ["off", "on"])
+@pytest.mark.parametrize("dpu", ["off", "on", "overlap"])
 def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm, dpu: str):
     """With delayed parameter updates too (issue 21), and their look-ahead on the stage's deposited gradients: a
     worker killed while its step runs in the background loses nothing either, and its restart loads the stage's
-    state from a mate whose update in flight settled first."""
+    state from a mate whose update in flight settled first. And with epochs that overlap (`--overlap-epochs on`): a
+    worker killed while it holds gradients of two epochs has the rows of both redone."""
     rng = random.Random(7)
-    lookahead = ["--dpu-lookahead", "on"] if dpu == "on" else []
-    swarm = start_swarm(make_swarm, f"chaos-dpu-{dpu}", [*RECIPE, "--dpu", dpu, *lookahead], epochs=EPOCHS)
+    lookahead = ["--dpu-lookahead", "on"] if dpu != "off" else []
+    flags = ["--dpu", "off"] if dpu == "off" else ["--dpu", "on", "--overlap-epochs", "on" if dpu == "overlap" else "off"]
+    swarm = start_swarm(make_swarm, f"chaos-dpu-{dpu}", [*RECIPE, *flags, *lookahead], epochs=EPOCHS)
 
     kills: list[tuple[str, int]] = []  # (client, epoch closed when it died)
     joined, restarts = set(), 0

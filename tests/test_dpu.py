@@ -8,13 +8,16 @@ DPU saves on an ordinary swarm is benchmarks/dataplane.py's to say)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from p2ptrain.client.worker import SLOW_AVERAGING_S
 from p2ptrain.config import RunConfig
+from p2ptrain.protocol.rows import Rows
 from tests.lone import give_gradients, lone_worker, step_alone
 
 EPOCHS = 7
@@ -84,3 +87,61 @@ def test_a_worker_computes_the_epoch_after_a_delayed_step_before_it_or_looking_a
     assert all(torch.equal(mine, param) for mine, param in zip(computes_on, stepped if lookahead else before))
     assert not any(torch.equal(old, new) for old, new in zip(before, stepped))
     assert steps == ([] if lookahead else [0])
+
+
+def test_a_worker_that_begins_the_next_epoch_early_keeps_backpropagating_this_one_through_its_own_parameters():
+    """`--overlap-epochs on`: the model takes the next epoch's parameters while forward states of this epoch await
+    their backward; those still differentiate by the parameters they were computed on, and the next epoch's
+    gradients and forward states become the worker's own when it moves on."""
+    config = RunConfig(num_stages=2, rows_per_microbatch=2, microbatches=1, seq_len=8, dpu=True, dpu_lookahead=False,
+                       overlap_epochs=True)
+    worker = lone_worker(config)
+    inputs = torch.randint(0, config.model_config.vocab_size, (2, config.seq_len))
+    reference = copy.deepcopy(worker.model)
+    state = asyncio.run(worker._forward_state(SimpleNamespace(epoch=0, rows=Rows(0, 2)), inputs))
+    worker.cache["0:0:0:F1"] = state
+    grad = torch.randn_like(state.outputs)
+    expected = torch.autograd.grad(reference(inputs), [p for p in reference.parameters() if p.requires_grad],
+                                   grad_outputs=grad)
+    computed_on = [param.detach().clone() for param in state.params]
+    give_gradients(worker, seed=3)
+    worker.master.step(worker._mean_gradients(), epoch=0)  # the step of the epoch before, landed meanwhile
+
+    asyncio.run(worker._begin_next())
+    assert all(torch.equal(mine, master) for mine, master in zip(worker.model.parameters(),
+                                                                  worker.master.module.parameters()))
+    assert not any(torch.equal(new, old) for new, old in zip(worker.params, computed_on))
+    assert all(torch.equal(param, old) for param, old in zip(state.params, computed_on))
+    got = worker._backward_compute(state, grad)
+    assert all(torch.allclose(a, b) for a, b in zip(got, expected))
+
+    worker._next.sums[0].fill_(1.0)
+    worker._next.rows = 2
+    next_state = asyncio.run(worker._forward_state(SimpleNamespace(epoch=1, rows=Rows(0, 2)), inputs))
+    worker.cache["1:0:0:F2"] = next_state
+    worker._advance(1)
+    assert worker.epoch == 1 and worker.rows_accumulated == 2 and bool((worker.accumulated[0] == 1.0).all())
+    assert list(worker.cache) == ["1:0:0:F2"] and worker._next is None
+
+
+@pytest.mark.timeout(600)
+def test_epochs_overlap_without_a_drain_average_every_row_once_keep_replicas_equal_and_the_loss_falls(make_swarm):
+    swarm = make_swarm("overlap", [*RECIPE, "--dpu", "on", "--overlap-epochs", "on"])
+    for stage in ("0", "1"):
+        swarm.peer(f"fs{stage}", "--role", "server", "--stage", stage, "--server-role", "fs")
+        swarm.peer(f"bs{stage}", "--role", "server", "--stage", stage, "--server-role", "bs")
+        swarm.peer(f"client{stage}", "--role", "client", "--stage", stage)
+    report = swarm.wait_finished(timeout=300)
+    swarm.stop()
+    client0 = (swarm.workdir / "client0.log").read_text()
+    assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
+    epochs = [e for e in report["epochs"] if not e["abandoned"]]
+    assert len(epochs) == EPOCHS
+    for epoch in epochs:
+        for stage in epoch["stages"]:
+            assert stage["rows_in_batch"] == 8 * 4 == stage["rows_averaged"], epoch
+            assert stage["rounds_failed"] == 0 and stage["digests_agree"] is not False, epoch
+    losses = [e["loss"] for e in epochs]
+    assert losses[-1] < losses[0] - 0.3, losses
+    # the next epoch did begin before the stage closed the last one
+    assert "before its stage closed epoch" in client0, client0[-3000:]

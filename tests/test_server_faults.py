@@ -148,8 +148,12 @@ def check_every_batch_trained_once(swarm, report: dict, *, epochs: int, dead: st
 
 
 @pytest.mark.timeout(480)
-def test_a_lone_bs_killed_pauses_the_swarm_and_restarted_with_its_identity_takes_its_role_back(make_swarm):
-    swarm = make_swarm("bsfault", RECIPE)
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_lone_bs_killed_pauses_the_swarm_and_restarted_with_its_identity_takes_its_role_back(make_swarm,
+                                                                                               overlap: str):
+    """With `--overlap-epochs on` too: the kill finds two epochs open, both are abandoned, and both batches come
+    again."""
+    swarm = make_swarm(f"bsfault-{overlap}", [*RECIPE, "--overlap-epochs", overlap])
     bs0 = ["--role", "server", "--stage", "0", "--server-role", "bs",
            "--identity-path", str(swarm.workdir / "bs0.key")]
     swarm.peer("bs0", *bs0)

@@ -18,6 +18,10 @@ from the last step's global norm, and what the deposits miss (a codec's error, a
 gradient, the gap between it and the stage's is late too, which at 2 workers a stage cost 3.7% of held-out loss.
 Where the worker's rows are its stage's only ones, the round's average is its own gradient and the look-ahead's step
 is the step in flight's, bit for bit: the update takes it (`StageParams.adopt`) instead of stepping again.
+With `RunConfig.overlap_epochs` (no drain at the boundary) a worker with no task of its epoch left takes tasks of the
+next one, before its stage closed this one: their gradients are kept apart (`EpochGradients`), and the model takes
+the parameters delayed updates give the next epoch (the master's after the update in flight, which it waits for) as
+new tensors, so that what it computed of this epoch still backpropagates through the parameters it was computed on.
 Why it matters: in a linear model, Adam's momentum (β1 0.9) is stable up to a curvature of 38/lr with fresh
 gradients and only about 1/lr with gradients one step late, and Adam trains near that edge.
 With `RunConfig.average_every` H > 1 (DiLoCo) a worker steps the master copy on its own gradients at every epoch, and
@@ -114,9 +118,22 @@ class Averaged:
 
 @dataclass
 class ForwardState:
+    epoch: int
     rows: Rows
     inputs: torch.Tensor
     outputs: torch.Tensor
+    params: list[torch.Tensor]  # the parameters the outputs were computed on, which its backward differentiates by
+
+
+@dataclass
+class EpochGradients:
+    """The parameter gradients a worker counted of one epoch (their results accepted), summed, and their rows."""
+
+    epoch: int
+    sums: list[torch.Tensor]
+    rows: int = 0
+    overflowed: bool = False  # fp16: some of them overflowed (module doc)
+    fs: tuple[str, ...] = ()  # the FS of the stage in the epoch's layout, once known
 
 
 class Worker:
@@ -177,6 +194,7 @@ class Worker:
         self.accumulated = [torch.zeros_like(p) for p in self.master.trainable]
         self.rows_accumulated = 0
         self.overflowed = False  # fp16: gradients of some rows it counted this epoch overflowed (module doc)
+        self._next: EpochGradients | None = None  # overlap_epochs: of the next epoch, begun before this one closed
         self.epoch = 0
         self.cache: dict[str, ForwardState] = {}
         self.epoch_fs: tuple[str, ...] = ()  # the FS of this stage in the current epoch's layout, once known
@@ -237,7 +255,7 @@ class Worker:
         self.master.load(model_state=model_state, optimizer_state=optimizer_state, epoch=epoch)
         self._interval_rows = 0  # with an outer optimizer, its parameters are the anchor now
         if self._update is None:  # not loaded by the update in flight, whose parameters the model takes at `settle`
-            self.master.copy_to(self.model)
+            self._take_master()
             if epoch > self.epoch:  # never backwards: the stage may have closed the epoch a lagging mate served
                 self._advance(epoch)
 
@@ -265,7 +283,38 @@ class Worker:
         update, self._update = self._update, None
         if update is not None:
             await update
-            self.master.copy_to(self.model)
+            self._take_master()
+
+    async def _begin_next(self) -> None:
+        """Its first task of the next epoch, before its stage closed this one (module doc): the gradients of the next
+        epoch are kept apart, and the model takes the master's parameters after the update in flight."""
+        update, self._update = self._update, None
+        if update is not None:
+            await update
+        self._next = EpochGradients(epoch=self.epoch + 1, sums=[torch.zeros_like(a) for a in self.accumulated])
+        self._take_master()
+        logger.info(f"worker {self.worker_id}: beginning epoch {self.epoch + 1} before its stage closed epoch "
+                    f"{self.epoch}")
+
+    def _take_master(self) -> None:
+        """The model takes the master's parameters, as new tensors where graphs it computed await backward."""
+        self._fork_params()
+        self.master.copy_to(self.model)
+
+    def _fork_params(self) -> None:
+        """Give the model new parameter tensors, equal to its own, if it computed forward states that still await
+        backward: their graphs keep the tensors they were computed on, which a write of the model would change under
+        them. A tensor the model holds in several places (tied weights) stays one."""
+        if not self.cache:
+            return
+        fresh: dict[int, torch.nn.Parameter] = {}
+        with torch.no_grad():
+            for module in self.model.modules():
+                for name, param in list(module.named_parameters(recurse=False)):
+                    if id(param) not in fresh:
+                        fresh[id(param)] = torch.nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+                    module.register_parameter(name, fresh[id(param)])
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
     async def _take(self, fs_list: list[str], bs_list: list[str]
                     ) -> tuple[TaskReply | None, dict[str, TaskReply | None]]:
@@ -279,7 +328,7 @@ class Worker:
         idle_wait_s = self.settings.idle_poll_wait_s if len(fs_list) == 1 else 0.0
         poll = TakeTask(worker=self.worker_id, compute=self.compute, epoch=self.epoch, client_mode=self.client_mode,
                         holds_state=self.holds_only, deposited=self.rows_accumulated if current else 0,
-                        idle_wait_s=idle_wait_s)
+                        idle_wait_s=idle_wait_s, ahead=self.may_overlap)
         # after a quiet FS's answer no backward task can be waiting: the next one follows the FS's next rows; and the
         # last stage's BS issues none (its workers take forward, loss and backward as one task from the FS)
         bs_wait_s = self.settings.bs_poll_wait_s
@@ -350,7 +399,20 @@ class Worker:
             await asyncio.sleep(self.settings.unreachable_backoff_s)
         return reply
 
+    @property
+    def may_overlap(self) -> bool:
+        """Whether it may take tasks of the next epoch while its stage has not closed this one (module doc). A model
+        that recomputes its forward in backward would recompute on the next epoch's parameters, and a holder that
+        takes no tasks has nothing to overlap."""
+        return self.config.overlap_epochs and not (self.holds_only or self.model.recompute)
+
     async def _run_task(self, reply: TaskReply) -> None:
+        if reply.task.epoch == self.epoch + 1 and self._next is None:
+            await self._begin_next()
+        elif reply.task.epoch not in (self.epoch, self.epoch + 1) or (reply.task.epoch > self.epoch
+                                                                        and not self.may_overlap):
+            raise RuntimeError(f"worker {self.worker_id} at epoch {self.epoch} was offered a task of epoch "
+                               f"{reply.task.epoch}")
         inputs, labels, grad = (to_device(t, self.device) for t in (reply.inputs, reply.labels, reply.grad))
         if reply.task.kind == Kind.FORWARD:
             await self._forward(reply.task, inputs, labels)
@@ -378,7 +440,10 @@ class Worker:
         return 1.0 if scale is None else scale.value / (len(offer.rows) * self.config.seq_len)
 
     async def _forward(self, offer: TaskOffer, inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        self.epoch_fs = offer.layout.stages[self.stage].fs
+        if offer.epoch == self.epoch:
+            self.epoch_fs = offer.layout.stages[self.stage].fs
+        else:
+            self._next.fs = offer.layout.stages[self.stage].fs
         if self.is_last:
             await self._loss_task(offer, inputs, labels)
             return
@@ -403,8 +468,9 @@ class Worker:
         """The stage's forward pass on some inputs, kept for the backward pass."""
         if not self.is_first:
             inputs.requires_grad_(True)
+        params = self.params
         outputs = await asyncio.to_thread(self._forward_compute, inputs)
-        return ForwardState(rows=offer.rows, inputs=inputs, outputs=outputs)
+        return ForwardState(epoch=offer.epoch, rows=offer.rows, inputs=inputs, outputs=outputs, params=params)
 
     def _outputs(self, offer: TaskOffer, **tensors: torch.Tensor) -> PushOutputs:
         return PushOutputs(task=offer.task, worker=self.worker_id, epoch=offer.epoch, microbatch=offer.microbatch,
@@ -443,7 +509,7 @@ class Worker:
         return await self._forward_state(offer, to_device(stored.inputs, self.device))
 
     def _backward_compute(self, state: ForwardState, grad: torch.Tensor) -> list[torch.Tensor]:
-        targets = self.params + ([] if self.is_first else [state.inputs])
+        targets = state.params + ([] if self.is_first else [state.inputs])
         return list(torch.autograd.grad(state.outputs, targets, grad_outputs=grad))
 
     async def _push_input_grads(self, offer: TaskOffer, grads: list[torch.Tensor], *, issuer: str) -> bool:
@@ -461,16 +527,20 @@ class Worker:
                                  grad=None if self.is_first else self._corrupt(to_host(grads[-1])))
         if await self._call(offer.fs, FRONTAL_SERVER, request, attempts=self.settings.push_attempts) is None:
             return False
-        if offer.epoch != self.epoch:
-            raise RuntimeError(f"task of epoch {offer.epoch} computed at epoch {self.epoch}")
         factor = self._loss_factor(offer)
-        for accumulated, param_grad in zip(self.accumulated, param_grads):
+        if offer.epoch == self.epoch:
+            sums, self.rows_accumulated = self.accumulated, self.rows_accumulated + len(offer.rows)
+            overflowed, self.overflowed = self.overflowed, self.overflowed or overflow
+        elif self._next is not None and offer.epoch == self._next.epoch:
+            sums, self._next.rows = self._next.sums, self._next.rows + len(offer.rows)
+            overflowed, self._next.overflowed = self._next.overflowed, self._next.overflowed or overflow
+        else:
+            raise RuntimeError(f"task of epoch {offer.epoch} computed at epoch {self.epoch}")
+        for accumulated, param_grad in zip(sums, param_grads):
             accumulated.add_(param_grad.to(accumulated.device, torch.float32), alpha=1.0 / factor)
-        self.rows_accumulated += len(offer.rows)
-        if overflow and not self.overflowed:
+        if overflow and not overflowed:
             logger.warning(f"worker {self.worker_id}: fp16 gradients of epoch {offer.epoch} overflowed at loss scale "
                            f"{self.master.loss_scale.value:g}; its stage will skip the step")
-        self.overflowed |= overflow
         return True
 
     def _overflows(self, grads: list[torch.Tensor], *, epoch: int) -> bool:
@@ -543,7 +613,7 @@ class Worker:
             self._update = asyncio.create_task(update)
         else:
             await update
-            self.master.copy_to(self.model)
+            self._take_master()
 
     async def _look_ahead(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                           group: tuple[GroupMember, ...]) -> None:
@@ -561,6 +631,7 @@ class Worker:
         # with the server holding its deposit, `StageAllReduce.average`): then the step in flight is the look-ahead's,
         # kept to be taken instead of stepping twice
         alone = not any(member.rows for member in group if member.peer_id != self.worker_id)
+        self._fork_params()
         self._ahead = self.master.look_ahead([grad * self._clip_scale for grad in ahead], epoch=epoch,
                                              into=self.model, keep=alone)
 
@@ -585,7 +656,7 @@ class Worker:
                                             seconds=seconds, digest=self.master.digest(), lr=lr))
             if self.after_step is not None:
                 await self.after_step(self)
-        self.master.copy_to(self.model)
+        self._take_master()
 
     def _mean_gradients(self) -> list[torch.Tensor]:
         """What this worker hands in for its epoch (to the round, and deposited before it), on the host: its mean
@@ -781,7 +852,14 @@ class Worker:
 
     def _advance(self, epoch: int) -> None:
         """Move to `epoch`, dropping what this worker holds of the current one: averaged by a step just taken, or
-        never to be averaged (a worker that catches up or was left out)."""
+        never to be averaged (a worker that catches up or was left out); what it computed of `epoch` already, begun
+        before its stage closed this one, is its epoch's now."""
+        began, self._next = self._next, None
+        if began is not None and began.epoch == epoch:
+            self.accumulated, self.rows_accumulated, self.overflowed = began.sums, began.rows, began.overflowed
+            self.cache = {task: state for task, state in self.cache.items() if state.epoch == epoch}
+            self.epoch, self.epoch_fs = epoch, began.fs
+            return
         for accumulated in self.accumulated:
             accumulated.zero_()
         self.rows_accumulated, self.overflowed = 0, False

@@ -306,6 +306,8 @@ class TakeTask(Request):
     # the rows of `epoch` that the gradients this worker deposited cover, as they stand (0: none deposited, or it
     # computed more rows since)
     deposited: Annotated[int, Between(0, MAX_ROWS)] = 0
+    # it may take a task of the next epoch where none of `epoch` is left for it (`RunConfig.overlap_epochs`)
+    ahead: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -144,7 +144,7 @@ class StageServer(Service, Generic[S]):
         record.deposited = request.deposited
         self.tick()
         task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s,
-                                         idle_wait_s=request.idle_wait_s)
+                                         idle_wait_s=request.idle_wait_s, ahead=request.ahead)
         if task is not None:
             return self.offer(task)
         return dataclasses.replace(self.no_task(epoch=request.epoch),
@@ -251,9 +251,11 @@ class StageServer(Service, Generic[S]):
             self.tick()
         return Ack()
 
-    async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float, idle_wait_s: float) -> Task | None:
+    async def long_poll_task(self, worker: str, *, epoch: int, wait_s: float, idle_wait_s: float,
+                             ahead: bool = False) -> Task | None:
         """Take a task for `worker`, waiting up to `wait_s` for one to appear, or up to `idle_wait_s` while the stage
-        is `quiet` (then only news ends the wait: a poll answered sooner would only be asked again)."""
+        is `quiet` (then only news ends the wait: a poll answered sooner would only be asked again). `ahead`: one of
+        the next epoch if none of `epoch` is left and nothing of `epoch` is `due` (`RunConfig.overlap_epochs`)."""
         record = self.state.workers.get(worker)
         holds_state = record is not None and record.holds_state  # its poll only keeps it in the averaging group
         if not holds_state and ((record is not None and self.excluded(record)) or not self.may_work(worker, epoch)):
@@ -271,6 +273,11 @@ class StageServer(Service, Generic[S]):
                     return task
             if self.due(worker, epoch):
                 return None  # holding the poll would only delay what its reply tells the worker to do
+            if ahead and not holds_state and self.may_work(worker, epoch + 1):
+                task = self.state.pool.take(worker, now=self.clock(), epoch=epoch + 1,
+                                            lease_s=lambda task: self.lease_for(worker, task))
+                if task is not None:
+                    return task
             held = max(wait_s, idle_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
             remaining = start + held - loop.time()
             if remaining <= 0:

@@ -19,6 +19,11 @@ A stage-0 FS that refuses a push, or to say whether its rows are back, is a faul
 sent it a forged end of that epoch): the epoch is abandoned and its batch fed again, after a pause that doubles while
 refusals go on. Nothing a server answers ends the data source.
 
+With `RunConfig.overlap_epochs` there is no drain at the boundary (`_feed_overlapped`): once an epoch's microbatches
+are all out, the next epoch's follow while it completes, commits and closes; the one after waits for it to close here,
+so at most two epochs are open. A fault or a refusal then abandons both open epochs, unless the earlier one was
+committed already, and their batches are fed again in order.
+
 Under fault policy swarm (SWARM's way, for comparison) the stages drop the rows a vanished worker held instead of
 redoing them, and the data source feeds those microbatches' data again from stage 0 in a later epoch (`SlotPlan`).
 """
@@ -71,6 +76,21 @@ class FeederProgress:
     finished: bool = False
 
 
+@dataclass
+class Fed:
+    """An epoch whose microbatches are all out, completing (`DataFeeder._feed_overlapped`)."""
+
+    epoch: int
+    batch: int
+    layout: Layout
+    started: float
+    committed: bool = False
+
+
+class Faulted(Exception):
+    """A server of an open epoch's layout restarted or fell silent (`ServerWatch.fault`)."""
+
+
 @dataclass(frozen=True)
 class HeldOut:
     """Held-out (token ids, labels) windows the data source evaluates the swarm's parameters on, through the
@@ -98,6 +118,7 @@ class DataFeeder:
         # the epochs abandoned since the last commit, with their layout and the servers that heard of it
         self._abandoned: dict[int, tuple[Layout, set[str]]] = {}
         self._committed: tuple[int, Layout] | None = None  # the last epoch committed, and its layout
+        self._last_closed = 0.0  # when the last committed epoch closed here (monotonic)
         self._telling: set[asyncio.Task] = set()
 
     @property
@@ -112,7 +133,10 @@ class DataFeeder:
         watching = asyncio.create_task(self.watch.run(stop))
         telling = asyncio.create_task(self._tell_returned(stop))
         try:
-            await self._feed_epochs(stop)
+            if self.server.config.overlap_epochs:
+                await self._feed_overlapped(stop)
+            else:
+                await self._feed_epochs(stop)
         finally:
             for task in (watching, telling, *self._telling):
                 task.cancel()
@@ -132,10 +156,7 @@ class DataFeeder:
             if layout is None:
                 return
             self.watch.watch(peer for peer, _ in layout.servers())
-            for ended, (ended_layout, heard) in abandoned.items():
-                unheard = [(peer, role) for peer, role in layout.servers() if peer not in heard]
-                if unheard:
-                    heard |= await self._end(ended, ended_layout, abandoned=True, stop=stop, to=unheard)
+            await self._tell_abandoned(layout, stop)
             started = time.monotonic()
             if slots is None:
                 if self.plan.swarm:
@@ -162,27 +183,139 @@ class DataFeeder:
                 await asyncio.sleep(pause)
             elif complete.result():
                 refusals = 0
-                abandoned.clear()  # this epoch's workers hear of its end from its FS: nobody polls past it
-                self._committed = (epoch, layout)
-                await self._end(epoch, layout, abandoned=False, batch=batch, stop=stop)
-                if not await self._until(lambda: self.server.state.closed_epoch >= epoch, stop):
+                if not await self._commit(Fed(epoch=epoch, batch=batch, layout=layout, started=started), stop):
                     return
-                self.progress.epoch_seconds[epoch] = time.monotonic() - started
-                self.progress.retrained[epoch] = self.plan.retrained[epoch]
                 slots = None
                 batch += 1
-                if self.held_out is not None and batch % self.held_out.every == 0:
-                    evaluation = asyncio.create_task(self._evaluate(epoch))
-                    self._evaluations.add(evaluation)
-                    evaluation.add_done_callback(self._evaluations.discard)
             else:
                 return  # stopped
             epoch += 1
+        await self._finish()
+
+    async def _feed_overlapped(self, stop: asyncio.Event) -> None:
+        """Feed every epoch without a drain at the boundary (module doc): while epoch E's microbatches go out, E - 1
+        completes, commits and closes; E + 1 follows once both are done. Fault policy taskpool only (`RunConfig`):
+        an abandoned batch is fed again whole."""
+        layout = await self._wait_for_layout(stop)
+        if layout is None:
+            return
+        epoch, batch = await self._resume(layout, stop)
+        committed, fresh = batch, batch  # global batches trained; the next batch never fed
+        again: list[int] = []  # batches of abandoned epochs, fed again first, in order
+        closing: Fed | None = None
+        refusals = 0
+        while committed < self.epochs:
+            if fresh < self.epochs or again:
+                layout = await self._wait_for_layout(stop)
+                if layout is None:
+                    return
+                servers = {peer for peer, _ in layout.servers()}
+                if closing is None:
+                    self.watch.watch(servers)
+                elif not self.watch.fault.is_set():  # a fault of the completing epoch stays set for the race below
+                    self.watch.watch(servers | {peer for peer, _ in closing.layout.servers()})
+                await self._tell_abandoned(layout, stop)
+                batch = again.pop(0) if again else fresh
+                fresh = max(fresh, batch + 1)
+                feeding: Fed | None = Fed(epoch=epoch, batch=batch, layout=layout, started=time.monotonic())
+                pushing = asyncio.create_task(self._push_all(epoch, self.plan.slots(epoch, batch), layout, stop))
+            else:
+                feeding, pushing = None, None
+            completing = asyncio.create_task(self._complete_and_commit(closing, stop)) if closing else None
+            running = [task for task in (pushing, completing) if task is not None]
+            fault = asyncio.create_task(self.watch.fault.wait())
+            try:
+                while not all(task.done() for task in running):
+                    await asyncio.wait([*(task for task in running if not task.done()), fault],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if fault.done() or any(task.done() and not task.cancelled() and task.exception() is not None
+                                           for task in running):
+                        break
+            finally:
+                fault.cancel()
+            failure = self._failure(running)
+            if failure is None and not all(task.result() for task in running):
+                return  # stopped
+            if failure is None:
+                refusals = 0
+                if closing is not None:
+                    committed += 1
+                closing, epoch = feeding, epoch + (feeding is not None)
+                continue
+            # abandon every open epoch the commit did not reach yet, oldest first, and feed their batches again
+            if pushing is not None:
+                pushing.cancel()
+            if completing is not None and not (closing is not None and closing.committed):
+                completing.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            if closing is not None and closing.committed:
+                committed += 1
+            lost = [fed for fed in (closing, feeding) if fed is not None and not fed.committed]
+            for fed in lost:
+                self._abandoned[fed.epoch] = (fed.layout, await self._end(fed.epoch, fed.layout, abandoned=True,
+                                                                          stop=stop))
+            again = sorted({*again, *(fed.batch for fed in lost)})
+            cause = failure if isinstance(failure, FeedRefused) else f"{self.watch.reason} before it was complete"
+            for fed in lost:
+                logger.warning(f"data source: {cause}; epoch {fed.epoch} is abandoned, and its batch is fed again")
+            if isinstance(failure, FeedRefused):
+                pause = min(REFEED_PAUSE_S[0] * 2 ** refusals, REFEED_PAUSE_S[1])
+                refusals += 1
+                logger.error(f"data source: {failure}; feeding again in {pause:.1f} s")
+                await asyncio.sleep(pause)
+            closing, epoch = None, epoch + (feeding is not None)
+        await self._finish()
+
+    def _failure(self, running: list[asyncio.Task]) -> Exception | None:
+        """What ended a round of `_feed_overlapped` early: a refusal (`FeedRefused`), or a fault of the watch."""
+        for task in running:
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                if isinstance(error, (FeedRefused, Faulted)):
+                    return error
+                raise error
+        return Faulted(self.watch.reason) if self.watch.fault.is_set() else None
+
+    async def _complete_and_commit(self, fed: Fed, stop: asyncio.Event) -> bool:
+        """Wait until every stage-0 FS has all of `fed`'s rows back, then commit it, unless a fault came first
+        (`Faulted`); False if stopped."""
+        if not await self._complete(fed.epoch, fed.layout, stop):
+            return False
+        if self.watch.fault.is_set():
+            raise Faulted(self.watch.reason)
+        return await self._commit(fed, stop)
+
+    async def _commit(self, fed: Fed, stop: asyncio.Event) -> bool:
+        """Commit an epoch whose rows are all back at stage 0, wait until it closed here, and count it; False if
+        stopped first."""
+        fed.committed = True
+        self._abandoned.clear()  # this epoch's workers hear of its end from its FS: nobody polls past it
+        self._committed = (fed.epoch, fed.layout)
+        await self._end(fed.epoch, fed.layout, abandoned=False, batch=fed.batch, stop=stop)
+        if not await self._until(lambda: self.server.state.closed_epoch >= fed.epoch, stop):
+            return False
+        closed = time.monotonic()
+        self.progress.epoch_seconds[fed.epoch] = closed - max(fed.started, self._last_closed)
+        self._last_closed = closed
+        self.progress.retrained[fed.epoch] = self.plan.retrained[fed.epoch]
+        if self.held_out is not None and (fed.batch + 1) % self.held_out.every == 0:
+            evaluation = asyncio.create_task(self._evaluate(fed.epoch))
+            self._evaluations.add(evaluation)
+            evaluation.add_done_callback(self._evaluations.discard)
+        return True
+
+    async def _finish(self) -> None:
         await asyncio.gather(*self._evaluations)
         if self.at_end is not None:
             await self.at_end()
         self.progress.finished = True
         logger.info(f"data source: all {self.epochs} epochs done")
+
+    async def _tell_abandoned(self, layout: Layout, stop: asyncio.Event) -> None:
+        """Tell the servers of `layout` that did not hear of an abandon since the last commit (module doc)."""
+        for ended, (ended_layout, heard) in self._abandoned.items():
+            unheard = [(peer, role) for peer, role in layout.servers() if peer not in heard]
+            if unheard:
+                heard |= await self._end(ended, ended_layout, abandoned=True, stop=stop, to=unheard)
 
     async def _evaluate(self, epoch: int) -> None:
         """The held-out loss of the parameters after `epoch`'s step, through every stage (`server.evaluation`)."""
@@ -203,10 +336,19 @@ class DataFeeder:
     async def _feed(self, epoch: int, slots: list[Slot], layout: Layout, stop: asyncio.Event) -> bool:
         """Push the epoch's microbatches (the data of `slots`), then wait until every stage-0 FS has all its rows
         back; False if stopped."""
+        return await self._push_all(epoch, slots, layout, stop) and await self._complete(epoch, layout, stop)
+
+    async def _push_all(self, epoch: int, slots: list[Slot], layout: Layout, stop: asyncio.Event) -> bool:
+        """Push the epoch's microbatches (the data of `slots`), at most `max_in_flight` at stage 0 at a time; False
+        if stopped."""
         for index, slot in enumerate(slots):
             if not await self._until(lambda: self.server.in_flight() < self.max_in_flight, stop):
                 return False
             await self._push(epoch, slot, index, layout)
+        return True
+
+    async def _complete(self, epoch: int, layout: Layout, stop: asyncio.Event) -> bool:
+        """Wait until every stage-0 FS has all the epoch's rows back; False if stopped."""
         state = self.server.state
         if not await self._until(lambda: len(state.completed.get(epoch, ())) >= self.microbatches
                                  or state.closed_epoch >= epoch, stop):
