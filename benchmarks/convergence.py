@@ -23,6 +23,8 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
   default); dpu-lookahead (on request) is the same run under its earlier name;
 - dpu-plain (on request): the same without the look-ahead (`--dpu-lookahead off`): the next epoch computes on the
   parameters before the step in flight;
+- dpu-overlap (on request): dpu with no drain at the epoch boundary (`--overlap-epochs on`): the next epoch's first
+  microbatches compute before the look-ahead, on the parameters after the step before last;
 - one-late, one-late-from-N, one-predict-A (on request): one process that computes each epoch's gradient on the
   parameters from before the last step, as a worker with delayed updates does: from the start, from epoch N on, or
   with those parameters extrapolated by A times the last update (weight prediction); what staleness alone costs;
@@ -60,8 +62,8 @@ from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
 
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
-RUNS = ("one", "swarm", "int8", "churn", "dpu", "dpu-lookahead", "dpu-plain", "int8-averaging", "fp16-averaging",
-        "average-every-8")
+RUNS = ("one", "swarm", "int8", "churn", "dpu", "dpu-lookahead", "dpu-plain", "dpu-overlap", "int8-averaging",
+        "fp16-averaging", "average-every-8")
 DEFAULT_RUNS = ("one", "swarm", "dpu", "int8", "churn")
 STALE_RUNS = ("one-late", "one-late-from-N", "one-predict-A")
 
@@ -272,7 +274,8 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                  "churn = the swarm with clients SIGKILLed and restarted; dpu, dpu-lookahead = the swarm as it ships, "
                  "with delayed parameter updates, each worker computing the "
                  "next epoch where a step on the mean of its stage's deposited gradients takes the stage; dpu-plain = "
-                 "the same without that look-ahead, on the parameters before the step in flight; int8-averaging, fp16-averaging = the "
+                 "the same without that look-ahead, on the parameters before the step in flight; dpu-overlap = dpu "
+                 "with no drain at the epoch boundary (--overlap-epochs on); int8-averaging, fp16-averaging = the "
                  "swarm whose stages average in int8 or fp16; average-every-8 = the swarm whose stages average once every 8 "
                  f"epochs (DiLoCo, outer lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}), "
                  "unclipped.")
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             config = RunConfig(**{**vars(base), "run_id": f"convergence-{name}",
                                   "dpu": name.startswith("dpu"), "dpu_lookahead": name != "dpu-plain",
+                                  "overlap_epochs": name == "dpu-overlap",
                                   "compression": "int8" if name == "int8" else "none",
                                   "averaging_codec": name.removesuffix("-averaging") if name.endswith("-averaging")
                                   else "fp32",

@@ -5,7 +5,8 @@
 
 For each cap (Mbit/s; `none`: no namespace, no cap) and each variant (how the stages average: `fp32`, `fp16`,
 `int8`, the recipe's `--averaging-codec`; `h8`, `int8-h8`: once every 8 epochs, `--average-every 8`, in fp32 or
-int8), one run of the README's hand-started swarm
+int8; `overlap`: fp32 with no drain at the epoch boundary, `--overlap-epochs on`), one run of the README's
+hand-started swarm
 shape: 2 stages, an FS and a BS (with --keep-state) per stage, --clients clients per stage, on
 `../shared/data/wikitext-2/valid.txt`. A capped run goes on in a network namespace of its own
 (`python -m p2ptrain.links`), where every peer listens on its own loopback address with its own egress cap, as on
@@ -53,7 +54,8 @@ CAPS = ("none", "100", "40", "20", "10", "5")
 # name -> RunConfig fields that differ from the base recipe
 VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}, "fp16": {"averaging_codec": "fp16"},
                                        "int8": {"averaging_codec": "int8"}, "h8": {"average_every": 8},
-                                       "int8-h8": {"averaging_codec": "int8", "average_every": 8}}
+                                       "int8-h8": {"averaging_codec": "int8", "average_every": 8},
+                                       "overlap": {"overlap_epochs": True}}
 POLL_S = 2.0
 # how a server's log says it judged a worker gone (p2ptrain/server/base.py, frontal.py)
 GONE = re.compile(r"gone \(silent for|; gone$|gone with the parameter gradients", re.MULTILINE)

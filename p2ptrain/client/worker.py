@@ -407,12 +407,13 @@ class Worker:
         return self.config.overlap_epochs and not (self.holds_only or self.model.recompute)
 
     async def _run_task(self, reply: TaskReply) -> None:
-        if reply.task.epoch == self.epoch + 1 and self._next is None:
+        if reply.task.epoch != self.epoch and not (reply.task.epoch == self.epoch + 1 and self.may_overlap):
+            # a server's fault: the task's lease runs out and another worker takes it
+            logger.warning(f"worker {self.worker_id}: at epoch {self.epoch}, it was offered task {reply.task.task} "
+                           f"of epoch {reply.task.epoch}; not taking it")
+            return
+        if reply.task.epoch > self.epoch and self._next is None:
             await self._begin_next()
-        elif reply.task.epoch not in (self.epoch, self.epoch + 1) or (reply.task.epoch > self.epoch
-                                                                        and not self.may_overlap):
-            raise RuntimeError(f"worker {self.worker_id} at epoch {self.epoch} was offered a task of epoch "
-                               f"{reply.task.epoch}")
         inputs, labels, grad = (to_device(t, self.device) for t in (reply.inputs, reply.labels, reply.grad))
         if reply.task.kind == Kind.FORWARD:
             await self._forward(reply.task, inputs, labels)
