@@ -36,6 +36,21 @@ def run(make_swarm, dpu: str) -> dict:
     return report
 
 
+def check_every_row_averaged_once(report: dict) -> list[dict]:
+    """Every epoch closed with every row averaged once at each stage, no round failed, the replicas' parameters
+    agree with the workers', and the loss fell; the epochs."""
+    assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
+    epochs = [e for e in report["epochs"] if not e["abandoned"]]
+    assert len(epochs) == EPOCHS
+    for epoch in epochs:
+        for stage in epoch["stages"]:
+            assert stage["rows_in_batch"] == 8 * 4 == stage["rows_averaged"], epoch
+            assert stage["rounds_failed"] == 0 and stage["digests_agree"] is not False, epoch
+    losses = [e["loss"] for e in epochs]
+    assert losses[-1] < losses[0] - 0.3, losses
+    return epochs
+
+
 def steady_seconds(report: dict) -> float:
     """The median of the data source's seconds per epoch after the first (which includes the workers' start)."""
     return statistics.median(e["seconds"] for e in report["epochs"] if e["epoch"] > 0 and not e["abandoned"])
@@ -45,16 +60,8 @@ def steady_seconds(report: dict) -> float:
 def test_delayed_updates_hide_slow_averaging_average_every_row_keep_replicas_equal_and_the_loss_falls(make_swarm):
     without = run(make_swarm, "off")
     report = run(make_swarm, "on")
-    assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
-    epochs = [e for e in report["epochs"] if not e["abandoned"]]
-    assert len(epochs) == EPOCHS
-    for epoch in epochs:
-        for stage in epoch["stages"]:
-            assert stage["rows_in_batch"] == 8 * 4 == stage["rows_averaged"], epoch
-            assert stage["rounds_failed"] == 0 and stage["digests_agree"] is not False, epoch
+    epochs = check_every_row_averaged_once(report)
     assert sum(stage["digests_agree"] is True for epoch in epochs for stage in epoch["stages"]) >= len(epochs)
-    losses = [e["loss"] for e in epochs]
-    assert losses[-1] < losses[0] - 0.3, losses
     on, off = steady_seconds(report), steady_seconds(without)
     print(f"seconds per epoch (median after the first), slow averaging +{SLOW_AVERAGING_S} s per round: "
           f"dpu off {off:.2f}, dpu on {on:.2f}")
@@ -134,14 +141,6 @@ def test_epochs_overlap_without_a_drain_average_every_row_once_keep_replicas_equ
     report = swarm.wait_finished(timeout=300)
     swarm.stop()
     client0 = (swarm.workdir / "client0.log").read_text()
-    assert all(stage["digests_agree"] for stage in report["stages"]), report["stages"]
-    epochs = [e for e in report["epochs"] if not e["abandoned"]]
-    assert len(epochs) == EPOCHS
-    for epoch in epochs:
-        for stage in epoch["stages"]:
-            assert stage["rows_in_batch"] == 8 * 4 == stage["rows_averaged"], epoch
-            assert stage["rounds_failed"] == 0 and stage["digests_agree"] is not False, epoch
-    losses = [e["loss"] for e in epochs]
-    assert losses[-1] < losses[0] - 0.3, losses
+    check_every_row_averaged_once(report)
     # the next epoch did begin before the stage closed the last one
     assert "before its stage closed epoch" in client0, client0[-3000:]
