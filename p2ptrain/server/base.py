@@ -264,20 +264,20 @@ class StageServer(Service, Generic[S]):
         idle_s = min(idle_wait_s, self.settings.worker_lost_s / 2)
         loop = asyncio.get_running_loop()  # the hold is a wait of this loop, whatever clock the server keeps
         start = loop.time()
+
+        def take(of: int) -> Task | None:
+            return self.state.pool.take(worker, now=self.clock(), epoch=of,
+                                        lease_s=lambda task: self.lease_for(worker, task))
+
         while True:
             if not holds_state:
                 self.expire_leases()
-                task = self.state.pool.take(worker, now=self.clock(), epoch=epoch,
-                                            lease_s=lambda task: self.lease_for(worker, task))
-                if task is not None:
+                if (task := take(epoch)) is not None:
                     return task
             if self.due(worker, epoch):
                 return None  # holding the poll would only delay what its reply tells the worker to do
-            if ahead and not holds_state and self.may_work(worker, epoch + 1):
-                task = self.state.pool.take(worker, now=self.clock(), epoch=epoch + 1,
-                                            lease_s=lambda task: self.lease_for(worker, task))
-                if task is not None:
-                    return task
+            if ahead and not holds_state and self.may_work(worker, epoch + 1) and (task := take(epoch + 1)) is not None:
+                return task
             held = max(wait_s, idle_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
             remaining = start + held - loop.time()
             if remaining <= 0:
