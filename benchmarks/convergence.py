@@ -24,7 +24,8 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
 - dpu-plain (on request): the same without the look-ahead (`--dpu-lookahead off`): the next epoch computes on the
   parameters before the step in flight;
 - dpu-overlap (on request): dpu with no drain at the epoch boundary (`--overlap-epochs on`): the next epoch's first
-  microbatches compute before the look-ahead, on the parameters after the step before last;
+  microbatches compute before the look-ahead on the stage's mean, where a step on the worker's own gradient so far
+  takes the stage;
 - one-late, one-late-from-N, one-predict-A (on request): one process that computes each epoch's gradient on the
   parameters from before the last step, as a worker with delayed updates does: from the start, from epoch N on, or
   with those parameters extrapolated by A times the last update (weight prediction); what staleness alone costs;

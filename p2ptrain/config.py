@@ -84,7 +84,8 @@ class RunConfig:
     dpu_lookahead: bool = True
     # with dpu: no drain at the epoch boundary. The data source feeds the next epoch while the current one's last
     # microbatches are still in backward, and a worker with no task of its epoch takes the next one's, on the parameters
-    # delayed updates give that epoch (its stage's step before last, one epoch stale, as dpu allows)
+    # delayed updates give that epoch (its stage's step before last, one epoch stale, as dpu allows), or with the
+    # look-ahead where a step on its own gradient so far takes them, until the look-ahead on the stage's mean lands
     overlap_epochs: bool = False
     precision: str = "fp32"  # what the stages compute in: one of PRECISIONS
     loss_scale: float = 2.0**16  # fp16: the loss scale the run starts at (torch's GradScaler's)

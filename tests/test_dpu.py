@@ -131,6 +131,25 @@ def test_a_worker_that_begins_the_next_epoch_early_keeps_backpropagating_this_on
     assert list(worker.cache) == ["1:0:0:F2"] and worker._next is None
 
 
+def test_a_worker_that_begins_the_next_epoch_early_computes_it_where_a_step_on_its_own_gradient_so_far_lands():
+    """`--overlap-epochs on` with the look-ahead: before its stage's mean gradient of this epoch exists, the next
+    epoch's first microbatches compute where a step on the worker's own gradient (clipped as the last step was)
+    takes the master copy, which keeps its parameters and optimizer state."""
+    config = RunConfig(num_stages=2, rows_per_microbatch=2, microbatches=1, seq_len=8, dpu=True, dpu_lookahead=True,
+                       overlap_epochs=True)
+    worker, reference = lone_worker(config), lone_worker(config)
+    give_gradients(worker, seed=3)
+    worker._clip_scale = 0.5
+    before = [param.detach().clone() for param in worker.master.trainable]
+
+    asyncio.run(worker._begin_next())
+    reference.master.step([grad * 0.5 for grad in worker._mean_gradients()], epoch=0)
+    assert all(torch.equal(mine, stepped) for mine, stepped in zip(worker.model.parameters(),
+                                                                    reference.master.module.parameters()))
+    assert all(torch.equal(param, old) for param, old in zip(worker.master.trainable, before))
+    assert worker.master.epoch == 0 and not worker.master.optimizer.state
+
+
 @pytest.mark.timeout(600)
 def test_epochs_overlap_without_a_drain_average_every_row_once_keep_replicas_equal_and_the_loss_falls(make_swarm):
     swarm = make_swarm("overlap", [*RECIPE, "--dpu", "on", "--overlap-epochs", "on"])

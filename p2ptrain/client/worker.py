@@ -20,8 +20,9 @@ Where the worker's rows are its stage's only ones, the round's average is its ow
 is the step in flight's, bit for bit: the update takes it (`StageParams.adopt`) instead of stepping again.
 With `RunConfig.overlap_epochs` (no drain at the boundary) a worker with no task of its epoch left takes tasks of the
 next one, before its stage closed this one: their gradients are kept apart (`EpochGradients`), and the model takes
-the parameters delayed updates give the next epoch (the master's after the update in flight, which it waits for) as
 new tensors, so that what it computed of this epoch still backpropagates through the parameters it was computed on.
+They hold, after the update in flight (which it waits for), where a step on its own gradient of this epoch so far
+takes the master, with the look-ahead (the stage's mean comes only after the close), else the master's parameters.
 Why it matters: in a linear model, Adam's momentum (β1 0.9) is stable up to a curvature of 38/lr with fresh
 gradients and only about 1/lr with gradients one step late, and Adam trains near that edge.
 With `RunConfig.average_every` H > 1 (DiLoCo) a worker steps the master copy on its own gradients at every epoch, and
@@ -292,9 +293,17 @@ class Worker:
         if update is not None:
             await update
         self._next = EpochGradients(epoch=self.epoch + 1, sums=[torch.zeros_like(a) for a in self.accumulated])
-        self._take_master()
+        if self.config.dpu_lookahead and self.rows_accumulated:
+            # the stage's mean gradient of this epoch comes only after its close: until then, a step on this worker's
+            # own gradient so far predicts where the stage's step takes the master, closer than the master itself
+            self._fork_params()
+            self.master.look_ahead([grad * self._clip_scale for grad in self._mean_gradients()], epoch=self.epoch,
+                                   into=self.model)
+        else:
+            self._take_master()
         logger.info(f"worker {self.worker_id}: beginning epoch {self.epoch + 1} before its stage closed epoch "
-                    f"{self.epoch}")
+                    f"{self.epoch}" + (f", looking ahead on its own gradient over {self.rows_accumulated} rows"
+                                       if self.config.dpu_lookahead and self.rows_accumulated else ""))
 
     def _take_master(self) -> None:
         """The model takes the master's parameters, as new tensors where graphs it computed await backward."""
