@@ -83,13 +83,14 @@ from harness import (
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from p2ptrain.cli import LOOPBACK, positive
+from p2ptrain.cli import LOOPBACK, flag_value, positive
 from p2ptrain.compression import deserialize, encoded_nbytes, serialize
-from p2ptrain.config import CODECS, RunConfig
+from p2ptrain.config import CODECS, RunConfig, RuntimeConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import make_validators
 from p2ptrain.models import TRAINABLE, build_stage
 from p2ptrain.node.malloc import keep_freed_memory
+from p2ptrain.node.options import NodeOptions
 from p2ptrain.transport import LINGER_S, Caller, Envelope, KeptCall, Service, pack, unpack
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -203,6 +204,16 @@ def call_rates(first: tuple[float, dict[str, dict[str, int]]], last: tuple[float
         for method, count in counts.items():
             rates[re.sub(r"^s\d+-", "", name)][method] += (count - before.get(method, 0)) / seconds
     return {kind: dict(methods) for kind, methods in rates.items()}
+
+
+def shown_swarm(runs: list[dict]) -> dict:
+    """The swarm whose tables the report shows and the profile runs again: the one with the settings p2ptrain ships
+    with (its peers' defaults), where the run has it; else the last."""
+    ships = RunConfig()
+    shipped = {"keep_streams": flag_value(RuntimeConfig.keep_streams), "dpu": flag_value(ships.dpu),
+               "keep_freed_memory": flag_value(NodeOptions.keep_freed_memory),
+               "overlap_epochs": flag_value(ships.overlap_epochs)}
+    return next((run for run in reversed(runs) if all(run[key] == value for key, value in shipped.items())), runs[-1])
 
 
 def swarm_config(config: RunConfig, *, dpu: str, overlap: str) -> RunConfig:
@@ -832,7 +843,8 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
                 "call), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
                 "for reuse, `node.malloc`) and of `--overlap-epochs` (no drain at the epoch boundary), one after the "
-                "other in this run (the tables below are the last one's; control plane: the FS/BS, bootstrap, DHT, "
+                "other in this run (the tables below are the one's that runs as p2ptrain ships, where the run has it, "
+                "else the last one's; control plane: the FS/BS, bootstrap, DHT, "
                 "p2pd and averager processes):", "",
                 "| --keep-streams | --dpu | --keep-freed-memory | --overlap-epochs | s / epoch | tokens/s | ratio to one "
                 "process | control plane cores (training) | control plane cores (idle) | step stall s (stage 0 / 1) "
@@ -1109,7 +1121,7 @@ def main(argv: list[str] | None = None) -> None:
             swarms[name] = run_swarm(args, swarm_config(config, dpu=dpu, overlap=overlap), workdir / name,
                                      keep_streams=keep, keep_freed_memory=freed)
             swarms[name].update(keep_streams=keep, dpu=dpu, keep_freed_memory=freed, overlap_epochs=overlap)
-        swarm = list(swarms.values())[-1]
+        swarm = shown_swarm(list(swarms.values()))
         if "profile" in parts and args.profile_s > 0 and Profiler.available():
             # long enough to cover the recording at the shown swarm's pace, slowed by the recording
             epoch_s = analyse(args, config, timings, single, swarm).get("swarm_s_per_epoch") or 1.0

@@ -83,3 +83,15 @@ def test_the_split_by_plane_charges_the_daemons_for_the_bytes_at_their_measured_
     assert split["control_calls_per_s"] == 10.0 and abs(split["control_calls_cores"] - 0.02) < 1e-9
     assert abs(split["control_estimate"] - (0.16 + 0.02)) < 1e-9
     assert dataplane.planes(causes, profiled, {"transfers": []}, warmup=1) is None
+
+
+def test_the_dataplane_report_shows_the_swarm_that_runs_as_p2ptrain_ships_where_the_run_has_it():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import dataplane
+    finally:
+        sys.path.pop(0)
+    runs = [{"keep_streams": "on", "dpu": dpu, "keep_freed_memory": freed, "overlap_epochs": overlap}
+            for dpu, freed, overlap in (("off", "on", "off"), ("on", "on", "off"), ("on", "on", "on"))]
+    assert dataplane.shown_swarm(runs) is runs[1]  # dpu on, no overlap: the defaults
+    assert dataplane.shown_swarm([runs[0], runs[2]]) is runs[2]  # none as shipped: the last
