@@ -843,8 +843,8 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
                 "call), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
                 "for reuse, `node.malloc`) and of `--overlap-epochs` (no drain at the epoch boundary), one after the "
-                "other in this run (the tables below are the one's that runs as p2ptrain ships, where the run has it, "
-                "else the last one's; control plane: the FS/BS, bootstrap, DHT, "
+                "other in this run (the tables below are those of the swarm that runs as p2ptrain ships, where the run has "
+                "it, else the last one's; control plane: the FS/BS, bootstrap, DHT, "
                 "p2pd and averager processes):", "",
                 "| --keep-streams | --dpu | --keep-freed-memory | --overlap-epochs | s / epoch | tokens/s | ratio to one "
                 "process | control plane cores (training) | control plane cores (idle) | step stall s (stage 0 / 1) "

@@ -288,7 +288,8 @@ class Worker:
 
     async def _begin_next(self) -> None:
         """Its first task of the next epoch, before its stage closed this one (module doc): the gradients of the next
-        epoch are kept apart, and the model takes the master's parameters after the update in flight."""
+        epoch are kept apart, and after the update in flight the model takes, as new tensors, where a step on its own
+        gradient of this epoch so far takes the master (with the look-ahead and any rows), else the master's."""
         update, self._update = self._update, None
         if update is not None:
             await update
