@@ -294,17 +294,23 @@ class Worker:
         if update is not None:
             await update
         self._next = EpochGradients(epoch=self.epoch + 1, sums=[torch.zeros_like(a) for a in self.accumulated])
-        if self.config.dpu_lookahead and self.rows_accumulated:
+        predict = bool(self.config.dpu_lookahead and self.rows_accumulated)
+        if predict:
             # the stage's mean gradient of this epoch comes only after its close: until then, a step on this worker's
             # own gradient so far predicts where the stage's step takes the master, closer than the master itself
-            self._fork_params()
-            self.master.look_ahead([grad * self._clip_scale for grad in self._mean_gradients()], epoch=self.epoch,
-                                   into=self.model)
+            self._model_ahead(self._mean_gradients(), epoch=self.epoch)
         else:
             self._take_master()
         logger.info(f"worker {self.worker_id}: beginning epoch {self.epoch + 1} before its stage closed epoch "
                     f"{self.epoch}" + (f", looking ahead on its own gradient over {self.rows_accumulated} rows"
-                                       if self.config.dpu_lookahead and self.rows_accumulated else ""))
+                                       if predict else ""))
+
+    def _model_ahead(self, grads: list[torch.Tensor], *, epoch: int, keep: bool = False) -> LookAhead | None:
+        """The model takes, as new tensors, where a step on `grads` of `epoch` takes the master; the last step's
+        clipping factor estimates the global norm's. With `keep`, returns the step for `adopt`."""
+        self._fork_params()
+        return self.master.look_ahead([grad * self._clip_scale for grad in grads], epoch=epoch, into=self.model,
+                                      keep=keep)
 
     def _take_master(self) -> None:
         """The model takes the master's parameters, as new tensors where graphs it computed await backward."""
@@ -629,8 +635,7 @@ class Worker:
     async def _look_ahead(self, grads: list[torch.Tensor], *, epoch: int, rows: int,
                           group: tuple[GroupMember, ...]) -> None:
         """With DPU: compute the next epoch where a step on the stage's mean gradient of `epoch`, from its deposits,
-        or else on this worker's own, takes the master copy (module doc); the last step's clipping estimates the
-        global norm's."""
+        or else on this worker's own, takes the master copy (module doc)."""
         asked = time.monotonic()
         stage_mean = await self.averager.stage_mean(grads, epoch=epoch, group=group)
         ahead = stage_mean[0] if stage_mean is not None else grads
@@ -642,9 +647,7 @@ class Worker:
         # with the server holding its deposit, `StageAllReduce.average`): then the step in flight is the look-ahead's,
         # kept to be taken instead of stepping twice
         alone = not any(member.rows for member in group if member.peer_id != self.worker_id)
-        self._fork_params()
-        self._ahead = self.master.look_ahead([grad * self._clip_scale for grad in ahead], epoch=epoch,
-                                             into=self.model, keep=alone)
+        self._ahead = self._model_ahead(ahead, epoch=epoch, keep=alone)
 
     async def _local_step(self, grads: list[torch.Tensor], *, epoch: int, rows: int, group: tuple[GroupMember, ...],
                           seconds: float) -> None:
