@@ -240,6 +240,57 @@ def test_results_are_refused_unless_their_issuer_confirms_them_and_a_worker_spea
     asyncio.run(scenario())
 
 
+def test_the_last_stages_bs_counts_a_loss_whose_issuer_died_once_the_data_source_commits_its_epoch():
+    """The last stage's FS completes a task when it accepts the input gradients; the loss reaches the BS after, and
+    the BS confirms it with that FS. An FS killed in between confirms nothing, and its rows were counted nowhere at
+    the BS: that epoch and every one after stayed open there, with no loss, for the rest of the run (seen in CI: the
+    status stood at the epoch before the kill while the swarm trained on). The data source's commit proves that every
+    row passed its FS: the BS counts such rows then, without the loss it could not confirm."""
+    def commit(epoch: int) -> EndEpoch:
+        return EndEpoch(epoch=epoch, abandoned=False, layout=LAYOUT)
+
+    async def scenario() -> None:
+        fs, bs = servers()
+        local = bs.caller.local
+        await feed(fs, 0, commit=False)
+        task = await take(fs, "w1", 0)
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        issuer = local.pop(("fs", FRONTAL_SERVER))  # killed once it accepted the input gradients
+        assert await handled(bs, bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
+        assert await bs.push_outputs(loss(task, "w1"), "w1") == Ack(again=True)  # held once
+        assert bs.state.closed_epoch == -1 and bs.epoch_stats(0).tokens == 0  # not before the commit
+        with pytest.raises(Refused, match="duplicate"):  # another worker's loss of the same rows
+            await bs.push_outputs(loss(task, "w2"), "w2")
+        assert await bs.end_epoch(commit(0), "fs") == Ack()
+        assert bs.state.closed_epoch == 0 and bs.epoch_stats(0).rows == ROWS
+        assert bs.epoch_stats(0).tokens == 0 and bs.epoch_stats(0).loss_sum == 0.0  # no loss it could not confirm
+
+        # the commit may come first (a one-stage swarm): such a loss counts as soon as it comes
+        local[("fs", FRONTAL_SERVER)] = issuer
+        await deposited(fs, "w1", 0)
+        assert await fs.end_epoch(commit(0), "fs") == Ack() and fs.state.closed_epoch == 0
+        await feed(fs, 1)
+        task = await take(fs, "w1", 1)
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await bs.end_epoch(commit(1), "fs") == Ack() and bs.state.closed_epoch == 0
+        local.pop(("fs", FRONTAL_SERVER))
+        assert await handled(bs, bs.push_outputs(loss(task, "w1"), "w1")) == Ack()
+        assert bs.state.closed_epoch == 1 and bs.epoch_stats(1).tokens == 0
+
+        # a live issuer that does not confirm is still a refusal, committed or not
+        local[("fs", FRONTAL_SERVER)] = issuer
+        await deposited(fs, "w1", 1)
+        await feed(fs, 2)
+        assert await bs.end_epoch(commit(2), "fs") == Ack()
+        with pytest.raises(Refused, match="does not confirm"):
+            await bs.push_outputs(PushOutputs(task="2:0:0:F99", worker="w1", epoch=2, microbatch=0,
+                                              rows=Rows(0, ROWS), total_rows=ROWS, layout=LAYOUT, fs="fs",
+                                              loss=torch.tensor(3.0)), "w1")
+        assert bs.state.closed_epoch == 1
+
+    asyncio.run(scenario())
+
+
 def test_a_confirmation_asked_again_after_a_lost_reply_is_confirmed_again_for_the_same_worker_only():
     async def scenario() -> None:
         fs, _ = servers()

@@ -2,7 +2,10 @@
 and sends it on to the frontal servers of the next stage; in the backward pass it cuts the incoming output
 gradients along the ledger into backward tasks, each meant for the worker that did those forward rows.
 
-In the last stage the workers compute the loss and backward at once; the BS then only records the loss rows.
+In the last stage the workers compute the loss and backward at once; the BS then only records the loss rows. The FS
+completed such a task when it accepted the input gradients, before the loss comes here: an FS killed in between
+cannot confirm the loss. The BS holds those rows until the data source commits their epoch, which proves every row
+passed its FS, and counts them then, without the loss it could not confirm (else the epoch never closed here).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from p2ptrain.protocol.messages import (
 )
 from p2ptrain.protocol.rows import Rows
 from p2ptrain.protocol.taskpool import Kind, Task
-from p2ptrain.server.base import StageServer
+from p2ptrain.server.base import IssuerUnreachable, StageServer
 from p2ptrain.server.state import BackwardState, BackwardWork, EpochProgress, KeptGrads, MicrobatchOutputs
 from p2ptrain.transport import Forbidden, Refused, Requests, Responses
 
@@ -83,8 +86,13 @@ class BackwardServer(StageServer[BackwardState]):
         """Confirm the result with its issuer and count its rows; the segment goes on once they are all in."""
         epoch, index, rows = request.epoch, request.microbatch, request.rows
         ledger = self.state.ledger
-        await self.confirm_result(request.fs, task=request.task, worker=request.worker, epoch=epoch, microbatch=index,
-                                  rows=rows, taken=ledger.rows(epoch=epoch, microbatch=index))
+        try:
+            await self.confirm_result(request.fs, task=request.task, worker=request.worker, epoch=epoch,
+                                      microbatch=index, rows=rows, taken=ledger.rows(epoch=epoch, microbatch=index))
+        except IssuerUnreachable as e:
+            if not self.is_last:
+                raise
+            return self._unconfirmed(request, segment, reason=str(e))
         if self.ended(epoch):
             raise Refused(f"epoch {epoch} was abandoned while the result was confirmed")
         if ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
@@ -109,6 +117,41 @@ class BackwardServer(StageServer[BackwardState]):
         mb.labels[window] = request.labels
         if ledger.covered(epoch=epoch, microbatch=index) == len(mb.segment):
             self.spawn(self._forward(epoch, index, mb), what=f"forwarding microbatch {epoch}:{index}")
+        return Ack()
+
+    def _unconfirmed(self, request: PushOutputs, segment: Rows, *, reason: str) -> Ack:
+        """The last stage: a loss whose issuer is gone. Its rows are held (no other result takes them) and count,
+        without the loss, once the data source commits the epoch (`commit`); at once if it did already."""
+        epoch, index, rows = request.epoch, request.microbatch, request.rows
+        if self.ended(epoch):
+            raise Refused(f"epoch {epoch} was abandoned while the result was confirmed")
+        if rows.intersect(request.layout.segment(self.stage, "fs", request.fs, request.total_rows)) != rows:
+            raise Refused(f"rows {rows} are not {request.fs}'s to issue: {reason}")
+        ledger = self.state.ledger
+        if ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
+            return Ack(again=True)
+        self.open_microbatch(epoch, index, lambda: MicrobatchOutputs(segment=segment, total_rows=request.total_rows,
+                                                                     layout=request.layout))
+        ledger.record(epoch=epoch, microbatch=index, worker=request.worker, rows=rows, task_id=request.task)
+        self.epoch_stats(epoch).rows += len(rows)
+        progress = self._progress(epoch)
+        if progress.committed:
+            progress.rows_recorded += len(rows)
+            self.close_ready()
+        else:
+            progress.rows_unconfirmed += len(rows)
+        logger.warning(f"{self.name}: rows {rows} of {epoch}:{index} from {request.worker} count without their loss "
+                       f"once the data source commits the epoch{' (it did)' if progress.committed else ''}: {reason}")
+        return Ack()
+
+    def commit(self, epoch: int, *, batch: int) -> Ack:
+        """The last stage: every row of `epoch` passed its FS; those held for an issuer that is gone count now."""
+        if self.is_last and not self.ended(epoch):
+            progress = self._progress(epoch)
+            progress.committed = True
+            progress.rows_recorded += progress.rows_unconfirmed
+            progress.rows_unconfirmed = 0
+            self.close_ready()
         return Ack()
 
     def rpc_drop_result(self, requests: Requests, context: P2PContext) -> Responses:

@@ -49,6 +49,10 @@ SPEED_MEMORY = 0.7  # weight of a worker's past tasks in its measured time per r
 M = TypeVar("M", MicrobatchInputs, MicrobatchOutputs)
 
 
+class IssuerUnreachable(Refused):
+    """A result's issuer could not be reached to confirm it (killed, or its link is down), as against refusing it."""
+
+
 class Progress:
     """Wakes whoever waits on a server's progress (the data source beside the stage-0 FS) as it happens, instead of
     letting it look every few milliseconds: a microbatch done, an epoch closed or its rows dropped (`moved`)."""
@@ -402,7 +406,7 @@ class StageServer(Service, Generic[S]):
 
     async def confirm(self, issuer: str, *, task: str, worker: str, epoch: int) -> None:
         """Have `issuer` complete the task in its pool before this server counts the result; Refused if it will not
-        (the task is unknown to it, or done by another worker) or cannot be reached. Asks again when the transport
+        (the task is unknown to it, or done by another worker), IssuerUnreachable if it cannot be reached. Asks again when the transport
         fails: the issuer may have completed the task and only the reply been lost, and then it confirms again."""
         service = self.service if issuer == self.peer_id else self.other_service
         report = ReportTask(task=task, worker=worker, epoch=epoch, ok=True)
@@ -412,7 +416,7 @@ class StageServer(Service, Generic[S]):
         except Refused as e:
             raise Refused(f"{issuer} does not confirm task {task} of {worker}: {e}") from None
         except Exception as e:
-            raise Refused(f"could not confirm task {task} with {issuer}: {e!r}") from None
+            raise IssuerUnreachable(f"could not confirm task {task} with {issuer}: {e!r}") from None
 
     async def retrying(self, peer: str, service: str, request: Request, *, attempts: int | None, what: str,
                        moot: Callable[[], bool] | None = None) -> Any:

@@ -429,15 +429,16 @@ class DataFeeder:
     async def _end(self, epoch: int, layout: Layout, *, abandoned: bool, stop: asyncio.Event, batch: int = -1,
                    only: set[str] | None = None, caught_up: bool = False,
                    to: list[tuple[str, ServerRole]] | None = None) -> set[str]:
-        """Tell the servers of the epoch's layout (those in `only`, if given) that it is committed (every FS; `batch`:
-        its global batch of data), abandoned (every server), or that their stage mates' state stands past it
+        """Tell the servers of the epoch's layout (those in `only`, if given) that it is committed (every FS, and the
+        last stage's BS, which may hold rows of an FS gone since; `batch`: its global batch of data), abandoned (every server), or that their stage mates' state stands past it
         (`caught_up`: every server); a server lost for good is skipped. `to`: the servers told instead, of an
         abandon: those that did not hear of it (laid out later, or back from the fault), whose start would otherwise
         stand past it (`StageServer.end_epoch`). The servers that answered."""
         request = EndEpoch(epoch=epoch, abandoned=abandoned, caught_up=caught_up, layout=layout, batch=batch)
         verb = "abandon" if abandoned else "catch up through" if caught_up else "commit"
         targets = to if to is not None else [
-            (peer, role) for peer, role in (layout.servers() if abandoned or caught_up else layout.servers("fs"))
+            (peer, role) for peer, role in (layout.servers() if abandoned or caught_up else
+                                            layout.servers("fs") + [(bs, "bs") for bs in layout.stages[-1].bs])
             if only is None or peer in only]
 
         async def end(peer: str, role: ServerRole) -> str | None:
