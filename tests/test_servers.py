@@ -291,6 +291,29 @@ def test_the_last_stages_bs_counts_a_loss_whose_issuer_died_once_the_data_source
     asyncio.run(scenario())
 
 
+def test_the_last_stages_bs_closes_an_epoch_committed_a_while_ago_without_the_loss_of_a_worker_killed_after_its_fs_accepted():
+    """A worker killed after the last stage's FS accepted its input gradients never sends its loss: the BS closes
+    the committed epoch `worker_lost_s` after the commit without it, at a poll, and not before."""
+    clock = Clock()
+
+    async def scenario() -> None:
+        fs, bs = servers(clock=clock)
+        await feed(fs, 0, commit=False)
+        task = await take(fs, "w1", 0)
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        assert await bs.end_epoch(EndEpoch(epoch=0, abandoned=False, layout=LAYOUT), "fs") == Ack()
+        poll = TakeTask(worker="w2", compute=1.0, epoch=0)
+        await bs.take_task(poll, "w2")
+        assert bs.state.closed_epoch == -1  # its loss may still be on its way
+        clock.now += bs.settings.worker_lost_s
+        await bs.take_task(poll, "w2")
+        assert bs.state.closed_epoch == 0 and bs.epoch_stats(0).tokens == 0 and not bs.state.microbatches
+        with pytest.raises(Refused, match="ended"):  # a loss that comes after all counts nowhere
+            await bs.push_outputs(loss(task, "w1"), "w1")
+
+    asyncio.run(scenario())
+
+
 def test_a_confirmation_asked_again_after_a_lost_reply_is_confirmed_again_for_the_same_worker_only():
     async def scenario() -> None:
         fs, _ = servers()

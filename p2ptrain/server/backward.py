@@ -4,18 +4,22 @@ gradients along the ledger into backward tasks, each meant for the worker that d
 
 In the last stage the workers compute the loss and backward at once; the BS then only records the loss rows. The FS
 completed such a task when it accepted the input gradients, before the loss comes here: an FS killed in between
-cannot confirm the loss. The BS holds those rows until the data source commits their epoch, which proves every row
-passed its FS, and counts them then, without the loss it could not confirm (else the epoch never closed here).
+cannot confirm the loss, and a worker killed in between sends none. The data source's commit of the epoch proves
+every row passed its FS: the BS counts rows held for a gone issuer then, without the loss it could not confirm, and
+closes an epoch committed `worker_lost_s` ago without the losses still missing (else the epoch, and every one after,
+never closed here).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import torch
 from hivemind.p2p import P2PContext
 
 from p2ptrain.compression import BadTensorError, check_tensor
+from p2ptrain.protocol.layout import Layout
 from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
@@ -47,6 +51,11 @@ class BackwardServer(StageServer[BackwardState]):
     service = BACKWARD_SERVER
     other_service = FRONTAL_SERVER
     state_type = BackwardState
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # the last stage: when this process learnt that an epoch not closed here was committed (`tick`)
+        self._committed_at: dict[int, float] = {}
 
     # -- forward results in --------------------------------------------------------------------------------------
 
@@ -135,24 +144,57 @@ class BackwardServer(StageServer[BackwardState]):
         ledger.record(epoch=epoch, microbatch=index, worker=request.worker, rows=rows, task_id=request.task)
         self.epoch_stats(epoch).rows += len(rows)
         progress = self._progress(epoch)
-        if progress.committed:
+        committed = progress.committed
+        if committed:
             progress.rows_recorded += len(rows)
             self.close_ready()
         else:
             progress.rows_unconfirmed += len(rows)
         logger.warning(f"{self.name}: rows {rows} of {epoch}:{index} from {request.worker} count without their loss "
-                       f"once the data source commits the epoch{' (it did)' if progress.committed else ''}: {reason}")
+                       f"once the data source commits the epoch{' (it did)' if committed else ''}: {reason}")
         return Ack()
 
-    def commit(self, epoch: int, *, batch: int) -> Ack:
-        """The last stage: every row of `epoch` passed its FS; those held for an issuer that is gone count now."""
+    def commit(self, epoch: int, *, batch: int, layout: Layout) -> Ack:
+        """The last stage: every row of `epoch` passed its FS; those held for an issuer that is gone count now, and
+        every microbatch is held, so that the epoch may close without the losses that never come (`tick`)."""
         if self.is_last and not self.ended(epoch):
+            segment = self.check_layout(layout, epoch=epoch, microbatch=0, total_rows=self.config.rows_per_microbatch)
+            for index in range(self.config.microbatches):
+                self.open_microbatch(epoch, index, lambda: MicrobatchOutputs(
+                    segment=segment, total_rows=self.config.rows_per_microbatch, layout=layout))
             progress = self._progress(epoch)
             progress.committed = True
             progress.rows_recorded += progress.rows_unconfirmed
             progress.rows_unconfirmed = 0
             self.close_ready()
+            if not self.ended(epoch):
+                self._committed_at.setdefault(epoch, self.clock())
         return Ack()
+
+    def tick(self) -> None:
+        """The last stage: an epoch the data source committed `worker_lost_s` ago closes without the losses still
+        missing (their workers were killed after their FS accepted the input gradients)."""
+        if not self.is_last:
+            return
+        now = self.clock()
+        for epoch in [epoch for epoch in self._committed_at if epoch <= self.state.closed_epoch]:
+            del self._committed_at[epoch]
+        while True:
+            epoch = self.state.closed_epoch + 1
+            progress = self.state.progress.get(epoch)
+            if progress is None or not progress.committed:
+                return
+            # from a restored state, the grace starts when this process first looks
+            since = now - self._committed_at.setdefault(epoch, now)
+            if since < self.settings.worker_lost_s:
+                return
+            expected = sum(len(mb.segment) for key, mb in self.state.microbatches.items() if key[0] == epoch)
+            logger.warning(f"{self.name}: epoch {epoch} closes without the loss of {expected - progress.rows_recorded} "
+                           f"of its rows: committed {since:.0f} s ago, they never came")
+            progress.rows_recorded = expected
+            self.close_ready()
+            if self.state.closed_epoch < epoch:
+                return
 
     def rpc_drop_result(self, requests: Requests, context: P2PContext) -> Responses:
         """From an FS of this stage, the last (fault policy swarm): a gone worker's result is dropped, not redone."""

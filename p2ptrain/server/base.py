@@ -470,7 +470,7 @@ class StageServer(Service, Generic[S]):
         if request.caught_up:
             return self.catch_up(epoch)
         if not request.abandoned:
-            return self.commit(epoch, batch=request.batch)
+            return self.commit(epoch, batch=request.batch, layout=layout)
         if self.ended(epoch):
             if not member:
                 return Ack(again=True)
@@ -519,9 +519,9 @@ class StageServer(Service, Generic[S]):
         data through global batch `batch` trained)."""
         self.state.closed_epoch = epoch - 1
 
-    def commit(self, epoch: int, *, batch: int) -> Ack:
-        """The data source committed `epoch` (which trained on global batch `batch`): every row of it came back at
-        stage 0, so it is never abandoned."""
+    def commit(self, epoch: int, *, batch: int, layout: Layout) -> Ack:
+        """The data source committed `epoch` (which trained on global batch `batch`, under `layout`): every row of it
+        came back at stage 0, so it is never abandoned."""
         return Ack()
 
     def rpc_ask_epoch(self, requests: Requests, context: P2PContext) -> Responses:

@@ -452,7 +452,7 @@ class FrontalServer(StageServer[FrontalState]):
         super().resume(epoch=epoch, batch=batch)
         self.state.batch = batch
 
-    def commit(self, epoch: int, *, batch: int) -> Ack:
+    def commit(self, epoch: int, *, batch: int, layout: Layout) -> Ack:
         self.state.batch = max(self.state.batch, batch)
         if self.ended(epoch):
             return Ack(again=True)

@@ -135,7 +135,7 @@ class EpochProgress:
     rows_recorded: int = 0
     rows_backward: int = 0
     # the last stage's BS: rows whose loss came but whose issuer was gone to confirm it, counted once the data source
-    # committed the epoch (`committed`), which proves they passed their FS
+    # `committed` the epoch, which proves they passed their FS
     rows_unconfirmed: int = 0
     committed: bool = False
 
