@@ -291,7 +291,7 @@ def test_the_last_stages_bs_counts_a_loss_whose_issuer_died_once_the_data_source
     asyncio.run(scenario())
 
 
-def test_the_last_stages_bs_closes_an_epoch_committed_a_while_ago_without_the_loss_of_a_worker_killed_after_its_fs_accepted():
+def test_the_last_stages_bs_closes_a_committed_epoch_without_the_loss_of_a_worker_killed_after_its_fs_accepted():
     """A worker killed after the last stage's FS accepted its input gradients never sends its loss: the BS closes
     the committed epoch `worker_lost_s` after the commit without it, at a poll, and not before."""
     clock = Clock()

@@ -406,8 +406,9 @@ class StageServer(Service, Generic[S]):
 
     async def confirm(self, issuer: str, *, task: str, worker: str, epoch: int) -> None:
         """Have `issuer` complete the task in its pool before this server counts the result; Refused if it will not
-        (the task is unknown to it, or done by another worker), IssuerUnreachable if it cannot be reached. Asks again when the transport
-        fails: the issuer may have completed the task and only the reply been lost, and then it confirms again."""
+        (the task is unknown to it, or done by another worker), IssuerUnreachable if it cannot be reached. Asks again
+        when the transport fails: the issuer may have completed the task and only the reply been lost, and then it
+        confirms again."""
         service = self.service if issuer == self.peer_id else self.other_service
         report = ReportTask(task=task, worker=worker, epoch=epoch, ok=True)
         try:

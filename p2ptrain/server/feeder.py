@@ -430,8 +430,9 @@ class DataFeeder:
                    only: set[str] | None = None, caught_up: bool = False,
                    to: list[tuple[str, ServerRole]] | None = None) -> set[str]:
         """Tell the servers of the epoch's layout (those in `only`, if given) that it is committed (every FS, and the
-        last stage's BS, which may hold rows of an FS gone since; `batch`: its global batch of data), abandoned (every server), or that their stage mates' state stands past it
-        (`caught_up`: every server); a server lost for good is skipped. `to`: the servers told instead, of an
+        last stage's BS, which may wait for losses that never come; `batch`: its global batch of data), abandoned
+        (every server), or that their stage mates' state stands past it (`caught_up`: every server); a server lost
+        for good is skipped. `to`: the servers told instead, of an
         abandon: those that did not hear of it (laid out later, or back from the fault), whose start would otherwise
         stand past it (`StageServer.end_epoch`). The servers that answered."""
         request = EndEpoch(epoch=epoch, abandoned=abandoned, caught_up=caught_up, layout=layout, batch=batch)
