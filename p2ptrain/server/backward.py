@@ -92,16 +92,21 @@ class BackwardServer(StageServer[BackwardState]):
         return await self.unbroken(self._accept(request, segment))
 
     async def _accept(self, request: PushOutputs, segment: Rows) -> Ack:
-        """Confirm the result with its issuer and count its rows; the segment goes on once they are all in."""
+        """Confirm the result with its issuer and count its rows; the segment goes on once they are all in. The last
+        stage: a loss whose issuer is gone is held (no other result takes its rows), and its rows count without it
+        once the data source commits the epoch (`commit`), at once if it did already."""
         epoch, index, rows = request.epoch, request.microbatch, request.rows
         ledger = self.state.ledger
+        unconfirmed = None
         try:
             await self.confirm_result(request.fs, task=request.task, worker=request.worker, epoch=epoch,
                                       microbatch=index, rows=rows, taken=ledger.rows(epoch=epoch, microbatch=index))
         except IssuerUnreachable as e:
             if not self.is_last:
                 raise
-            return self._unconfirmed(request, segment, reason=str(e))
+            if rows.intersect(request.layout.segment(self.stage, "fs", request.fs, request.total_rows)) != rows:
+                raise Refused(f"rows {rows} are not {request.fs}'s to issue: {e}") from None
+            unconfirmed = str(e)
         if self.ended(epoch):
             raise Refused(f"epoch {epoch} was abandoned while the result was confirmed")
         if ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
@@ -112,10 +117,19 @@ class BackwardServer(StageServer[BackwardState]):
         ledger.record(epoch=epoch, microbatch=index, worker=request.worker, rows=rows, task_id=request.task)
         stats = self.epoch_stats(epoch)
         stats.rows += len(rows)
-        self._progress(epoch).rows_recorded += len(rows)
+        progress = self._progress(epoch)
+        if unconfirmed is None or progress.committed:
+            progress.rows_recorded += len(rows)
+        else:
+            progress.rows_unconfirmed += len(rows)
+        if unconfirmed is not None:
+            logger.warning(f"{self.name}: rows {rows} of {epoch}:{index} from {request.worker} count without their "
+                           f"loss once the data source commits the epoch{' (it did)' if progress.committed else ''}: "
+                           f"{unconfirmed}")
         if self.is_last:
-            stats.loss_sum += float(request.loss)
-            stats.tokens += len(rows) * self.config.seq_len
+            if unconfirmed is None:
+                stats.loss_sum += float(request.loss)
+                stats.tokens += len(rows) * self.config.seq_len
             self.close_ready()
             return Ack()
         if mb.outputs is None:
@@ -126,32 +140,6 @@ class BackwardServer(StageServer[BackwardState]):
         mb.labels[window] = request.labels
         if ledger.covered(epoch=epoch, microbatch=index) == len(mb.segment):
             self.spawn(self._forward(epoch, index, mb), what=f"forwarding microbatch {epoch}:{index}")
-        return Ack()
-
-    def _unconfirmed(self, request: PushOutputs, segment: Rows, *, reason: str) -> Ack:
-        """The last stage: a loss whose issuer is gone. Its rows are held (no other result takes them) and count,
-        without the loss, once the data source commits the epoch (`commit`); at once if it did already."""
-        epoch, index, rows = request.epoch, request.microbatch, request.rows
-        if self.ended(epoch):
-            raise Refused(f"epoch {epoch} was abandoned while the result was confirmed")
-        if rows.intersect(request.layout.segment(self.stage, "fs", request.fs, request.total_rows)) != rows:
-            raise Refused(f"rows {rows} are not {request.fs}'s to issue: {reason}")
-        ledger = self.state.ledger
-        if ledger.holds(epoch=epoch, microbatch=index, task_id=request.task, worker=request.worker):
-            return Ack(again=True)
-        self.open_microbatch(epoch, index, lambda: MicrobatchOutputs(segment=segment, total_rows=request.total_rows,
-                                                                     layout=request.layout))
-        ledger.record(epoch=epoch, microbatch=index, worker=request.worker, rows=rows, task_id=request.task)
-        self.epoch_stats(epoch).rows += len(rows)
-        progress = self._progress(epoch)
-        committed = progress.committed
-        if committed:
-            progress.rows_recorded += len(rows)
-            self.close_ready()
-        else:
-            progress.rows_unconfirmed += len(rows)
-        logger.warning(f"{self.name}: rows {rows} of {epoch}:{index} from {request.worker} count without their loss "
-                       f"once the data source commits the epoch{' (it did)' if committed else ''}: {reason}")
         return Ack()
 
     def commit(self, epoch: int, *, batch: int, layout: Layout) -> Ack:
