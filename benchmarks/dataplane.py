@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, AsyncIterator  # typing's: hivemind registers rpc_* handlers as streaming only by it
 
@@ -71,6 +72,7 @@ from harness import (
     command_line,
     consumer_cores,
     cpu_window,
+    cpu_windows,
     fmt,
     load,
     log,
@@ -206,6 +208,38 @@ def call_rates(first: tuple[float, dict[str, dict[str, int]]], last: tuple[float
     return {kind: dict(methods) for kind, methods in rates.items()}
 
 
+def outside(start: float, end: float, pauses: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of [start, end] that no pause covers."""
+    segments, at = [], start
+    for began, ended in sorted(pauses):
+        if began > at:
+            segments.append((at, min(began, end)))
+        at = max(at, ended)
+    if at < end:
+        segments.append((at, end))
+    return [(a, b) for a, b in segments if b > a]
+
+
+def disturbed(epochs: list[dict], closed_at: dict[int, float], pauses: list[tuple[float, float]]) -> set[int]:
+    """The epochs a pause of the swarm touched: those running while it stood still, and the first one after each
+    pause (it starts with the queues the pause left)."""
+    hit = set()
+    for began, ended in pauses:
+        after = []
+        for e in epochs:
+            if e["epoch"] not in closed_at or not e["seconds"]:
+                continue
+            end = closed_at[e["epoch"]]
+            start = end - e["seconds"]
+            if start < ended and end > began:
+                hit.add(e["epoch"])
+            elif start >= ended:
+                after.append(e["epoch"])
+        if after:
+            hit.add(min(after))
+    return hit
+
+
 def shown_swarm(runs: list[dict]) -> dict:
     """The swarm whose tables the report shows and the profile runs again: the one with the settings p2ptrain ships
     with (its peers' defaults), where the run has it; else the last."""
@@ -222,11 +256,15 @@ def swarm_config(config: RunConfig, *, dpu: str, overlap: str) -> RunConfig:
 
 
 def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str,
-              keep_freed_memory: str, epochs: int | None = None, profile_s: float = 0.0) -> dict:
+              keep_freed_memory: str, epochs: int | None = None, profile_s: float = 0.0,
+              reference: Callable[[int, int], list[dict]] | None = None) -> dict:
     """Train the swarm for `epochs` epochs (default `args.epochs`), reading every process's CPU time meanwhile,
     then the idle swarm's; with `profile_s`, py-spy records its FS/BS processes for that long from the first steady
-    epoch on (`profile`: samples per cause of each, and every process's CPU over the recording). A failure is
-    reported (`error`) with what the logs show, not raised."""
+    epoch on (`profile`: samples per cause of each, and every process's CPU over the recording). With `reference`,
+    every `args.interleave_every` epochs after the warm-up the swarm stands still (`LocalSwarm.paused`) while
+    `reference(args.interleave_epochs, warm)` trains the one process, after `warm` epochs it does not time
+    (`paired`: its epochs; `pauses`: when), so both are timed under the machine's load of the same minute; the CPU
+    window leaves the pauses out. A failure is reported (`error`) with what the logs show, not raised."""
     node_flags = ["--keep-streams", keep_streams, "--keep-freed-memory", keep_freed_memory]
     if args.metrics_period is not None:
         node_flags += ["--metrics-period", str(args.metrics_period)]
@@ -250,6 +288,8 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
             last_epoch = (epochs or args.epochs) - 1
             profiler = Profiler(workdir, duration_s=profile_s) if profile_s > 0 else None
             profiled_from: list[float] = []
+            paired: list[dict] = []
+            next_pause = [args.warmup - 1]
 
             def at_close(closed: int) -> None:
                 if closed >= args.warmup - 1 and "start" not in served:  # a quick epoch may close between reads
@@ -259,6 +299,13 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
                 if profiler is not None and closed >= args.warmup - 1 and not profiled_from:
                     profiled_from.append(time.time())
                     profiler.start({name: pid for name, pid in roots.items() if swarm.roles.get(name) == "server"})
+                # not in the last epochs, which would have no undisturbed epoch after the pause
+                if reference is not None and next_pause[0] <= closed < last_epoch - 2:
+                    with swarm.paused():
+                        # the first pause's first epoch is not timed: after the swarm's start, the one process's first
+                        # took 1.6x the next ones (its first microbatches and its step, at full CPU), later ones not
+                        paired.extend(reference(args.interleave_epochs, 0 if swarm.pauses else 1))
+                    next_pause[0] = closed + args.interleave_every
 
             with Sampler() as sampler:
                 progress = swarm.follow(deadline=swarm.started + args.swarm_timeout, poll_s=args.poll_s,
@@ -268,6 +315,7 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
                     pair = sampler.around(profiled_from[0], profiled_from[0] + profile_s)
                     result["profile"] = {"samples": samples, "seconds": profile_s, "rate": profiler.rate,
                                          "cpu": cpu_window(*pair, roots) if pair else None}
+            result["paired"], result["pauses"] = paired, swarm.pauses
             if "start" in served:  # with no read between the two, until now
                 result["calls_training"] = call_rates(served["start"],
                                                       served.get("end") or (time.monotonic(), swarm.served_calls()))
@@ -285,11 +333,14 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
             steady = [e for e in sorted(closed_at) if e >= args.warmup and e in epochs]
             if steady:
                 start = closed_at[steady[0]] - epochs[steady[0]]["seconds"]
-                pair = sampler.around(start, closed_at[steady[-1]])
-                if pair is not None:
-                    result["cpu"] = cpu_window(*pair, roots)
+                segments = outside(start, closed_at[steady[-1]], swarm.pauses)
+                pairs = ([sampler.within(*segment) for segment in segments] if swarm.pauses
+                         else [sampler.around(start, closed_at[steady[-1]])])
+                window = cpu_windows([pair for pair in pairs if pair is not None], roots)
+                if window is not None:
+                    result["cpu"] = window
                     result["cpu"]["epochs"] = [steady[0], steady[-1]]
-                    result["cpu"]["window_wanted_s"] = closed_at[steady[-1]] - start
+                    result["cpu"]["window_wanted_s"] = sum(end - begin for begin, end in segments)
             if not progress.timed_out and args.idle_s > 0 and not profile_s:  # the runs compared say it
                 # the same swarm with nothing to train and nobody reading its status: its background cost, once the
                 # records and closures of the last epoch are stored and read
@@ -666,24 +717,36 @@ def planes(causes: dict, profiled: dict, rpc: dict | None, warmup: int) -> dict 
 
 
 def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: list[dict], swarm: dict) -> dict:
-    """The report's numbers: steady-epoch speeds and their ratio, the ideal pipeline, step stalls, CPU per group."""
+    """The report's numbers: steady-epoch speeds and their ratio, the ideal pipeline, step stalls, CPU per group.
+
+    The swarm's steady epochs are those after the warm-up that no pause touched (`disturbed`). Where the swarm
+    paused for the one process (`paired`), the ratio compares those epochs with the one process's in the pauses;
+    else with its epochs before and after the swarms (`ratio_apart`, given either way)."""
     tokens = config.tokens_per_epoch
     steady_single = [r for r in single if r["epoch"] >= args.warmup]
+    paired = swarm.get("paired") or []
+    reference = paired or steady_single
     epochs = swarm.get("report", {}).get("epochs", []) if swarm.get("report") else []
-    steady = [e for e in epochs if e["epoch"] >= args.warmup and e["seconds"]]
-    single_s = mean([r["seconds"] for r in steady_single])
+    after_warmup = [e for e in epochs if e["epoch"] >= args.warmup and e["seconds"]]
+    hit = disturbed(after_warmup, swarm.get("boundaries", {}).get("closed", {}).get(0, {}), swarm.get("pauses") or [])
+    steady = [e for e in after_warmup if e["epoch"] not in hit]
+    single_s = mean([r["seconds"] for r in reference])
     swarm_s = mean([e["seconds"] for e in steady])
     out = {"tokens_per_epoch": tokens, "steady_epochs_single": [r["epoch"] for r in steady_single],
-           "steady_epochs_swarm": [e["epoch"] for e in steady]}
+           "steady_epochs_swarm": [e["epoch"] for e in steady], "paused_epochs_swarm": sorted(hit),
+           "paired_epochs_single": len(paired), "pauses": len(swarm.get("pauses") or [])}
     out["single_s_per_epoch"] = single_s
     out["single_tokens_per_s"] = tokens / single_s if single_s else None
-    out["single_tokens_per_cpu_s"] = tokens / mean([r["cpu_s"] for r in steady_single]) if steady_single else None
+    out["single_tokens_per_cpu_s"] = tokens / mean([r["cpu_s"] for r in reference]) if reference else None
     out["swarm_s_per_epoch"] = swarm_s
     out["swarm_tokens_per_s"] = tokens / swarm_s if swarm_s else None
     out["ratio"] = (out["swarm_tokens_per_s"] / out["single_tokens_per_s"]
                     if out["swarm_tokens_per_s"] and out["single_tokens_per_s"] else None)
+    apart_s = mean([r["seconds"] for r in steady_single])
+    out["single_apart_s_per_epoch"] = apart_s
+    out["ratio_apart"] = apart_s / swarm_s if apart_s and swarm_s else None
     # the fastest steady epoch of each: the least disturbed by other work on the machine
-    out["single_best_s"] = min((r["seconds"] for r in steady_single), default=None)
+    out["single_best_s"] = min((r["seconds"] for r in reference), default=None)
     out["swarm_best_s"] = min((e["seconds"] for e in steady), default=None)
     out["ratio_best"] = (out["single_best_s"] / out["swarm_best_s"]
                          if out["single_best_s"] and out["swarm_best_s"] else None)
@@ -714,7 +777,7 @@ def analyse(args: argparse.Namespace, config: RunConfig, timings: dict, single: 
         g = out["cpu_cores"]
         control = control_cores(g)
         clients_cpu = g["client"] * swarm_s
-        single_cpu = mean([r["cpu_s"] for r in steady_single])
+        single_cpu = mean([r["cpu_s"] for r in reference])
         out["control_cores"] = control
         out["clients_cpu_s_per_epoch"] = clients_cpu
         out["single_cpu_s_per_epoch"] = single_cpu
@@ -827,18 +890,33 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
     for s in timings["stages"]:
         out.append(f"| {s['stage']} | {s['layers'][0]}..{s['layers'][1]} | {s['median_ms']:.1f} | {s['min_ms']:.1f} | "
                    f"{fmt(s.get('median_ms_after'), '.1f')} | {fmt(s.get('min_ms_after'), '.1f')} |")
+    paired = a["paired_epochs_single"]
+    where = (f"in the swarm's {a['pauses']} pauses ({paired} epochs)" if paired
+             else "before and after the swarms")
     out += ["", "| | s / epoch (steady mean) | tokens/s | tokens per CPU-second |", "|---|---|---|---|",
-            f"| one process, whole model, 1 thread | {fmt(a['single_s_per_epoch'])} | "
+            f"| one process, whole model, 1 thread, {where} | {fmt(a['single_s_per_epoch'])} | "
             f"{fmt(a['single_tokens_per_s'], '.0f')} | {fmt(a['single_tokens_per_cpu_s'], '.0f')} |",
-            f"| swarm, 7 processes (status `seconds`) | {fmt(a['swarm_s_per_epoch'])} | "
+            f"| swarm, 7 processes (status `seconds`, {len(a['steady_epochs_swarm'])} epochs no pause touched) | "
+            f"{fmt(a['swarm_s_per_epoch'])} | "
             f"{fmt(a['swarm_tokens_per_s'], '.0f')} | {fmt(a.get('swarm_tokens_per_cpu_s'), '.0f')} "
             "(all swarm processes) |",
             f"| **ratio swarm / one process** (mean steady epochs) | | **{fmt(a['ratio'], '.3f')}** | |",
+            *([f"| ratio to the one process's epochs before and after the swarms ({fmt(a['single_apart_s_per_epoch'])}"
+               f" s) | | {fmt(a['ratio_apart'], '.3f')} | |"] if paired else []),
             f"| ratio of the fastest steady epochs (one process {fmt(a['single_best_s'])} s, swarm "
             f"{fmt(a['swarm_best_s'])} s) | | {fmt(a['ratio_best'], '.3f')} | |",
             f"| ideal 2-stage pipeline on 2 free cores (compute only: d x max stage + min stage) | "
             f"{fmt(a['ideal_pipeline_s'])} | {fmt(a['tokens_per_epoch'] / a['ideal_pipeline_s'], '.0f')} | "
             f"ratio {fmt(a['ideal_ratio'], '.2f')} vs the same compute on one core |", ""]
+    if args.interleave_every:
+        out += [f"Side by side: every {args.interleave_every} epochs after the warm-up, each swarm stood still (SIGSTOP "
+                f"to every peer's process group, its daemon and DHT process with it) while the one process trained "
+                f"{args.interleave_epochs} epochs, a model of its own, then went on (SIGCONT); so the two are timed "
+                "under the machine's load of the same minute, which moved the ratio by 0.1 from run to run when "
+                "the one process ran only before and after the swarms. The swarm's mean leaves out the epochs a pause "
+                "touched (running across it, or the first after it): here "
+                f"{', '.join(str(e) for e in a['paused_epochs_swarm']) or 'none'}. The CPU tables leave the pauses "
+                "out.", ""]
     if len(swarm_runs) > 1:
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
                 "call), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
@@ -847,13 +925,14 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 "it, else the last one's; control plane: the FS/BS, bootstrap, DHT, "
                 "p2pd and averager processes):", "",
                 "| --keep-streams | --dpu | --keep-freed-memory | --overlap-epochs | s / epoch | tokens/s | ratio to one "
-                "process | control plane cores (training) | control plane cores (idle) | step stall s (stage 0 / 1) "
-                "| last loss |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "process | ratio to its epochs before and after | control plane cores (training) | control plane cores "
+                "(idle) | step stall s (stage 0 / 1) | last loss |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in swarm_runs.values():
             out.append(f"| {run['keep_streams']} | {run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | "
                        f"{fmt(run['swarm_s_per_epoch'])} | "
                        f"{fmt(run['swarm_tokens_per_s'], '.0f')} | {fmt(run['ratio'], '.3f')} | "
+                       f"{fmt(run['ratio_apart'], '.3f')} | "
                        f"{fmt(run.get('control_cores'))} | {fmt(run.get('control_cores_idle'), '.3f')} | "
                        f"{' / '.join(fmt(v) for v in run['step_stall_s'].values())} | {fmt(run['last_loss'], '.4f')} |")
         out.append("")
@@ -875,7 +954,9 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
         for stage in range(config.num_stages):
             c, st = b["closed"].get(stage, {}), b["stepped"].get(stage, {})
             stall.append(fmt(st[e["epoch"]] - c[e["epoch"]]) if e["epoch"] in c and e["epoch"] in st else "-")
-        out.append(f"| {e['epoch']}{'' if e['epoch'] >= args.warmup else ' (warm-up)'} | {fmt(e['seconds'])} | "
+        note = (" (warm-up)" if e["epoch"] < args.warmup else " (paused)" if e["epoch"] in a["paused_epochs_swarm"]
+                else "")
+        out.append(f"| {e['epoch']}{note} | {fmt(e['seconds'])} | "
                    f"{fmt(e['tokens_per_s'], '.0f')} | {fmt(e['loss'], '.4f')} | {fmt(s.get('seconds'))} | "
                    f"{fmt(s.get('loss'), '.4f')} | {'/'.join(str(x['rows_averaged']) for x in e['stages'])} | "
                    f"{' | '.join(stall)} |")
@@ -1009,12 +1090,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per epoch (default 8; quick 4)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=None,
-                        help="global batches (default 12, 10 of them steady: 4 swung the ratio by 0.1 from run to run; "
-                             "quick 3)")
+                        help="global batches (default 20, with --interleave-every 0 12: 10 steady epochs, where 4 "
+                             "swung the ratio by 0.1 from run to run; quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="epochs skipped as warm-up (default 2; quick 1)")
     parser.add_argument("--swarm-timeout", type=float, default=None,
                         help="give the swarm at most this many seconds (default 210; quick 150)")
     parser.add_argument("--poll-s", type=float, default=2.0, help="seconds between status reads of the swarm")
+    parser.add_argument("--interleave-every", type=int, default=None,
+                        help="every this many epochs after the warm-up, the swarm stands still (SIGSTOP) while the one "
+                             "process trains --interleave-epochs epochs, and the ratio compares those with the "
+                             "swarm's epochs that no pause touched (default 4; 0: the one process runs only before "
+                             "and after the swarms, whose ratios then moved by 0.1 with the machine's load)")
+    parser.add_argument("--interleave-epochs", type=int, default=2,
+                        help="one-process epochs in each pause of the swarm")
     parser.add_argument("--idle-s", type=float, default=None,
                         help="after training, measure the idle swarm's CPU use for this long (0: skip; default 60, "
                              "quick 20): 60 s spans two of the peers' 30 s record periods, where a shorter window "
@@ -1055,12 +1143,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.batch_rows = args.batch_rows or 4
     args.microbatches = args.microbatches or (4 if args.quick else 8)
-    args.epochs = args.epochs or (3 if args.quick else 12)
+    args.interleave_every = args.interleave_every if args.interleave_every is not None else (0 if args.quick else 4)
+    args.epochs = args.epochs or (3 if args.quick else 20 if args.interleave_every else 12)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.swarm_timeout = args.swarm_timeout or (150.0 if args.quick else 210.0)
     args.idle_s = args.idle_s if args.idle_s is not None else (20.0 if args.quick else 60.0)
     if not 0 <= args.warmup < args.epochs:
         parser.error("--warmup must be smaller than --epochs")
+    if args.interleave_every < 0 or args.interleave_epochs < 1:
+        parser.error("--interleave-every takes 0 (off) or more epochs, --interleave-epochs 1 or more")
     for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams),
                          ("--keep-freed-memory", args.keep_freed_memory), ("--overlap-epochs", args.overlap_epochs)):
         if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):
@@ -1110,6 +1201,14 @@ def main(argv: list[str] | None = None) -> None:
     if "swarm" in parts:
         log(f"[4/5] one process, epochs 0..{half - 1} (before the swarm)")
         single, state = single_process(config, range(0, half), None)
+        # the one process trained in the swarms' pauses: a model of its own, its epochs numbered on from the last
+        paced: dict[str, Any] = {"state": None, "next": args.epochs}
+
+        def reference(count: int, warm: int) -> list[dict]:
+            records, paced["state"] = single_process(config, range(paced["next"], paced["next"] + warm + count),
+                                                     paced["state"])
+            paced["next"] += warm + count
+            return records[warm:]
         for keep, dpu, freed, overlap in itertools.product(args.keep_streams, args.dpu, args.keep_freed_memory,
                                                            args.overlap_epochs):
             if dpu == "off" and overlap == "on":
@@ -1119,7 +1218,8 @@ def main(argv: list[str] | None = None) -> None:
             name = f"keep-{keep}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
             (workdir / name).mkdir()
             swarms[name] = run_swarm(args, swarm_config(config, dpu=dpu, overlap=overlap), workdir / name,
-                                     keep_streams=keep, keep_freed_memory=freed)
+                                     keep_streams=keep, keep_freed_memory=freed,
+                                     reference=reference if args.interleave_every else None)
             swarms[name].update(keep_streams=keep, dpu=dpu, keep_freed_memory=freed, overlap_epochs=overlap)
         swarm = shown_swarm(list(swarms.values()))
         if "profile" in parts and args.profile_s > 0 and Profiler.available():

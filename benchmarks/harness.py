@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,12 @@ class Sampler:
         after = [x for x in self.snapshots if x.t >= end] or self.snapshots[-1:]
         return (before[-1], after[0]) if after[0].t > before[-1].t else None
 
+    def within(self, start: float, end: float) -> tuple[Snapshot, Snapshot] | None:
+        """The first snapshot at or after wall-clock time `start` and the last at or before `end`: a window that holds
+        nothing from outside [start, end]; None if no two snapshots lie within."""
+        inside = [x for x in self.snapshots if start <= x.t <= end]
+        return (inside[0], inside[-1]) if len(inside) >= 2 else None
+
 
 def classify(table: ProcTable, roots: dict[str, int]) -> dict[int, tuple[str, str]]:
     """pid -> (owner, kind) for the process trees of `roots` (owner -> pid of its main process).
@@ -249,6 +255,22 @@ def cpu_window(first: Snapshot, last: Snapshot, roots: dict[str, int]) -> dict[s
     return {"wall_s": wall, "cores": {k: v / wall for k, v in sorted(used.items())},
             "ours_cores": ours / wall, "machine_cores": machine / wall,
             "others_cores": max(0.0, machine - ours) / wall}
+
+
+def cpu_windows(pairs: Iterable[tuple[Snapshot, Snapshot]], roots: dict[str, int]) -> dict[str, Any] | None:
+    """`cpu_window` over several windows as one: the CPU each used, over their wall time together (a run cut by
+    pauses); None if there is none."""
+    windows = [cpu_window(first, last, roots) for first, last in pairs]
+    wall = sum(w["wall_s"] for w in windows)
+    if not wall:
+        return None
+    cores: dict[str, float] = defaultdict(float)
+    for w in windows:
+        for key, value in w["cores"].items():
+            cores[key] += value * w["wall_s"] / wall
+    merged = {key: sum(w[key] * w["wall_s"] for w in windows) / wall
+              for key in ("ours_cores", "machine_cores", "others_cores")}
+    return {"wall_s": wall, "cores": dict(sorted(cores.items())), **merged}
 
 
 def consumer_cores(window: dict[str, Any], roles: dict[str, str]) -> dict[str, float]:
@@ -309,6 +331,7 @@ class LocalSwarm:
         self.flags += ["--epochs", str(epochs), "--threads", str(threads), "--host-maddrs", LOOPBACK, *node_flags]
         self.roles: dict[str, str] = {}  # peer name -> its --role
         self.started = time.monotonic()  # what `follow`'s progress lines count from
+        self.pauses: list[tuple[float, float]] = []  # wall-clock (time.time()) intervals the swarm stood still (`paused`)
         self._swarm = Swarm(workdir=workdir)
         self._dht: hivemind.DHT | None = None
         self._history = History()  # the epochs the peers' records no longer carry
@@ -365,6 +388,27 @@ class LocalSwarm:
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every peer stands still in the block: SIGSTOP to each one's process group (its p2p daemon and hivemind's
+        DHT process with it), SIGCONT on leaving. Its wall-clock interval goes to `pauses`; `follow`'s deadline
+        moves by it."""
+        groups = [p.pid for p in self._swarm.processes.values() if p.poll() is None]
+        began = time.time()
+        for pid in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in groups:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGCONT)
+            self.pauses.append((began, time.time()))
+
+    def _paused_s(self) -> float:
+        return sum(end - began for began, end in self.pauses)
+
     def _start(self, name: str, role: str, args: list[str]) -> str:
         self.roles[name] = role
         self._swarm.start(name, [*self.flags, "--role", role, *args, "--initial-peers",
@@ -410,8 +454,8 @@ class LocalSwarm:
     def follow(self, *, deadline: float, poll_s: float,
                on_closed: Callable[[int], None] | None = None) -> Progress:
         """Read the status every `poll_s` seconds, logging each epoch that closes (and calling `on_closed` with it),
-        until the data source has fed and closed all its epochs or time.monotonic() passes `deadline`. RuntimeError
-        if a peer exits with an error."""
+        until the data source has fed and closed all its epochs or time.monotonic() passes `deadline` (moved by the
+        time the swarm stood `paused`). RuntimeError if a peer exits with an error."""
         seen, report, reads = -2, None, []
         while True:
             failed = self.failed()
@@ -424,7 +468,7 @@ class LocalSwarm:
             except Exception as e:  # a slow DHT read under load: try again until the deadline
                 log(f"  status read failed: {e!r}")
                 time.sleep(1.0)
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline + self._paused_s():
                     return Progress(report, timed_out=True, read_s=reads)
                 continue
             closed = report["epoch"]
@@ -436,7 +480,7 @@ class LocalSwarm:
                     on_closed(closed)
             if report["finished"] and closed + 1 >= self.epochs:
                 return Progress(report, timed_out=False, read_s=reads)
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline + self._paused_s():
                 log(f"  swarm: deadline of {deadline - self.started:.0f} s reached at epoch {closed}; "
                     "reporting what closed")
                 return Progress(report, timed_out=True, read_s=reads)

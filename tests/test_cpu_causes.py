@@ -95,3 +95,20 @@ def test_the_dataplane_report_shows_the_swarm_that_runs_as_p2ptrain_ships_where_
             for dpu, freed, overlap in (("off", "on", "off"), ("on", "on", "off"), ("on", "on", "on"))]
     assert dataplane.shown_swarm(runs) is runs[1]  # dpu on, no overlap: the defaults
     assert dataplane.shown_swarm([runs[0], runs[2]]) is runs[2]  # none as shipped: the last
+
+
+def test_the_dataplane_ratio_leaves_out_the_swarms_epochs_that_a_pause_for_the_one_process_touched():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    try:
+        import dataplane
+    finally:
+        sys.path.pop(0)
+    # epochs of 1 s closing at 11, 12, ...; the swarm stood still over [13.5, 15.5], so epoch 3 (12-13) ran before it,
+    # epoch 4 (its 3 s run from 13 to 16) across it, epoch 5 (16-17) is the first after it, epoch 6 undisturbed
+    epochs = [{"epoch": e, "seconds": 3.0 if e == 4 else 1.0} for e in range(2, 7)]
+    closed_at = {2: 11.0, 3: 12.0, 4: 16.0, 5: 17.0, 6: 18.0}
+    assert dataplane.disturbed(epochs, closed_at, [(13.5, 15.5)]) == {4, 5}
+    assert dataplane.disturbed(epochs, closed_at, []) == set()
+    assert dataplane.outside(10.0, 18.0, [(13.5, 15.5)]) == [(10.0, 13.5), (15.5, 18.0)]
+    assert dataplane.outside(10.0, 18.0, [(9.0, 11.0), (17.0, 19.0)]) == [(11.0, 17.0)]
+    assert dataplane.outside(10.0, 18.0, []) == [(10.0, 18.0)]
