@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "stop finding better plans)")
     parser.add_argument("--rounds", type=index, metavar="N",
                         help="instead of a time budget, run N rounds of the anytime search (fewer if they stop "
-                             "finding better plans): the plan a budget gave, again on any machine (its `search` "
-                             "says how many rounds it ran)")
+                             "finding better plans): the plan a budget gave, again (its `search` says how many "
+                             "rounds it ran), on a machine with the same numerics: another CPU's rounding may lead "
+                             "the search elsewhere")
     parser.add_argument("--json", type=writable_file, help="write the plan as JSON to this file")
     live = parser.add_argument_group("live planning (plan what the peers of a running swarm announced)")
     live.add_argument("--initial-peers", nargs="+", help="multiaddrs of peers of the swarm, instead of a swarm file")

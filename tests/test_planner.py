@@ -77,20 +77,24 @@ def test_p_counts_the_bytes_the_runs_averaging_codec_sends() -> None:
 
 def test_averaging_every_h_batches_carries_a_round_over_h_batches_and_plans_no_worse() -> None:
     """`--average-every H`: a stage's round comes once every H global batches, so each batch carries AR_k / H; the
-    same layouts score no worse, and a plan made for H = 8 is no slower under H = 8 than the H = 1 plan is."""
+    same layouts score no worse, and a plan made for H = 8 is no slower under H = 8 than the H = 1 plan is. Both are
+    planned as the CLI plans, with rounds of the anytime phase (by count, not time): with the quick search alone, the
+    H = 8 plan ended 8% slower than the H = 1 plan on an AMD EPYC machine, whose rounding led the search elsewhere
+    than on an Intel one; with 5 rounds it is 19% faster on both."""
     swarm = geo_swarm(32, seed=5)
     model = model_spec("llama-33b", precision="fp16", offload="optimizer")
-    kwargs = {"batch_tokens": 2048 * 512, "microbatches": 64}
+    kwargs = {"batch_tokens": 2048 * 512, "microbatches": 64, "rounds": 5}
     every = make_plan(swarm, model, **kwargs)
     layouts, net = every.layouts(swarm.ids), swarm.network()
-    once, eighth = (evaluate(net, Workload(model=model, average_every=h, **kwargs), layouts) for h in (1, 8))
+    workload = {"batch_tokens": kwargs["batch_tokens"], "microbatches": kwargs["microbatches"]}
+    once, eighth = (evaluate(net, Workload(model=model, average_every=h, **workload), layouts) for h in (1, 8))
     assert any(once.averaging_s)
     assert eighth.averaging_s == pytest.approx(tuple(a / 8 for a in once.averaging_s))
     assert eighth.stage_times_s == once.stage_times_s and eighth.batch_time_s <= once.batch_time_s
     sparse = make_plan(swarm, model, average_every=8, **kwargs)
     assert sparse.predicted.batch_time_s <= eighth.batch_time_s
     with pytest.raises(ValueError, match="average_every"):
-        Workload(model=model, average_every=0, **kwargs)
+        Workload(model=model, average_every=0, **workload)
 
 
 def test_albert_and_offload_modes() -> None:

@@ -32,11 +32,12 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
     the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
-    anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving), the
-    same on any machine; ``patience``: the anytime phase ends once that many rounds in a row found no better plan.
+    anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving);
+    ``patience``: the anytime phase ends once that many rounds in a row found no better plan.
 
     Deterministic for a given seed (and, with a budget, the number of rounds the anytime phase completed, which the
-    plan records). Raises ``PlanningError`` when no valid plan is found.
+    plan records) on the same numerics: another CPU's rounding (a BLAS kernel, a vector width) may lead the search
+    elsewhere, as it decides on scores equal to the last bit. Raises ``PlanningError`` when no valid plan is found.
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
