@@ -2,8 +2,9 @@
 the RPC round trip and throughput of one hop, and the activation codecs, all in one run on the same cores.
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
-                                   [--seq-len 64] [--epochs 12] [--warmup 2] [--keep-streams on] [--dpu off,on]
-                                   [--keep-freed-memory off,on] [--overlap-epochs off,on]
+                                   [--seq-len 64] [--epochs 20] [--warmup 2] [--keep-streams on] [--dpu off,on]
+                                   [--keep-freed-memory off,on] [--overlap-epochs off,on] [--interleave-every 4]
+                                   [--interleave-epochs 2]
 
 1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
@@ -15,7 +16,9 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
    all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
    same `TextSource` microbatches, summed loss / tokens, one step per global batch; where any swarm keeps freed
    memory (`node.malloc`), so does this process, for the whole run. Half of its
-   epochs run before the swarm and half after, so both see the machine's load of the moment. While the swarm
+   epochs run before the swarms and half after (the loss columns); and every `--interleave-every` epochs each swarm
+   stands still (SIGSTOP) while a second model of it trains `--interleave-epochs` epochs, which the ratio compares
+   with the swarm's epochs no pause touched, so both see the machine's load of the same minute. While the swarm
    trains, the CPU time of every process on the machine is read from /proc, so the report says where the two
    cores went (the clients' compute, the servers, hivemind's DHT and averager processes, the p2pd daemons,
    and processes that are not part of this benchmark) and how long each stage waited at the epoch boundary
@@ -1090,7 +1093,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, default=None, help="microbatches per epoch (default 8; quick 4)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=None,
-                        help="global batches (default 20, with --interleave-every 0 12: 10 steady epochs, where 4 "
+                        help="global batches (default 20; 12 with --interleave-every 0, 10 of them steady, where 4 "
                              "swung the ratio by 0.1 from run to run; quick 3)")
     parser.add_argument("--warmup", type=int, default=None, help="epochs skipped as warm-up (default 2; quick 1)")
     parser.add_argument("--swarm-timeout", type=float, default=None,
