@@ -83,10 +83,10 @@ def test_averaging_every_h_batches_carries_a_round_over_h_batches_and_plans_no_w
     than on an Intel one; with 5 rounds it is 19% faster on both."""
     swarm = geo_swarm(32, seed=5)
     model = model_spec("llama-33b", precision="fp16", offload="optimizer")
-    kwargs = {"batch_tokens": 2048 * 512, "microbatches": 64, "rounds": 5}
+    workload = {"batch_tokens": 2048 * 512, "microbatches": 64}
+    kwargs = {**workload, "rounds": 5}
     every = make_plan(swarm, model, **kwargs)
     layouts, net = every.layouts(swarm.ids), swarm.network()
-    workload = {"batch_tokens": kwargs["batch_tokens"], "microbatches": kwargs["microbatches"]}
     once, eighth = (evaluate(net, Workload(model=model, average_every=h, **workload), layouts) for h in (1, 8))
     assert any(once.averaging_s)
     assert eighth.averaging_s == pytest.approx(tuple(a / 8 for a in once.averaging_s))
