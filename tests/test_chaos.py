@@ -97,8 +97,9 @@ def test_clients_killed_at_random_and_restarted_lose_no_rows(make_swarm, dpu: st
         process = swarm.processes[victim]
         time.sleep(rng.uniform(0.0, 1.0))  # anywhere in an epoch (about 1-2 s), not only just after one closed
         if len(kills) % 3 == 2:  # now and then a client that stops on SIGTERM, telling its servers it leaves
-            # and exits while the swarm goes on: its interpreter's teardown took 3-7 s on 2 busy cores, and a loop
-            # that waited for it saw 10 epochs of a fast machine go by (3 kills in 17 epochs on CI)
+            # and exits while the swarm goes on: a loop that waited for its exit (3-7 s on 2 busy cores, before
+            # `p2ptrain.peer` froze the collector for the teardown) saw 10 epochs of a fast machine go by (3 kills in
+            # 17 epochs on CI)
             process.terminate()
             swarm.processes[f"{victim}.{len(kills) + 1}"] = process  # the swarm stops it if it outlives the test
         else:
