@@ -13,6 +13,7 @@ from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
+from p2ptrain.planner import paper as paper_module
 from p2ptrain.planner import refine as refine_module
 from p2ptrain.planner.anytime import (
     CORE_COVER,
@@ -34,7 +35,7 @@ from p2ptrain.planner.cost import (
     memory_lower_bound,
 )
 from p2ptrain.planner.generate import geo_swarm
-from p2ptrain.planner.paper import paper_plan
+from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.refine import CORES, core, core_starts, race
 from p2ptrain.planner.search import Engine, Group, allocate
@@ -580,6 +581,48 @@ def test_a_large_swarm_whose_cores_give_no_feasible_start_is_searched_from_the_r
     monkeypatch.setattr(refine_module, "core_starts", lambda *args, **kwargs: [])
     layouts, record = refine_module.refined_layouts(engine, paper, seed=0, out_of_time=lambda: False, max_rounds=1)
     assert layouts and record is not None and record.rounds == 1
+
+
+def other_kernels_eigh(rng: np.random.Generator):
+    """``np.linalg.eigh`` as another LAPACK kernel may answer: every eigenvector's sign flipped at random and each
+    repeated eigenvalue's eigenspace given in another orthonormal basis."""
+    real = np.linalg.eigh
+
+    def eigh(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        values, vectors = real(matrix)
+        vectors = vectors * rng.choice([-1.0, 1.0], size=len(values))
+        start = 0
+        while start < len(values):
+            end = start + 1
+            while end < len(values) and values[end] - values[start] < 1e-12:
+                end += 1
+            rotation, _ = np.linalg.qr(rng.normal(size=(end - start, end - start)))
+            vectors[:, start:end] = vectors[:, start:end] @ rotation
+            start = end
+        return values, vectors
+    return eigh
+
+
+def test_the_spectral_cut_does_not_depend_on_the_basis_or_signs_lapack_returns(monkeypatch) -> None:
+    """Two sites of alike devices (their Laplacian's second eigenvalue repeats) and a swarm of random geo links
+    are cut the same, and the Fiedler vector is the same to the bit, whichever answer the kernel gives."""
+    sites = np.array([0] * 6 + [1] * 5)
+    alike = np.where(sites[:, None] == sites[None, :], 0.01, 0.2)
+    np.fill_diagonal(alike, 0.0)
+    geo = large_engine(40, seed=316).delay
+    cases = [(alike, np.arange(len(sites))), (alike, np.arange(6)), (geo, np.arange(0, 40, 2))]
+    expected = [spectral_bisection(delay, members, seed=3) for delay, members in cases]
+    laplacian = np.eye(6) - np.full((6, 6), 0.2) + np.diag(np.full(6, 0.2))
+    vector = fiedler_vector(laplacian)
+    assert len(set(np.round(vector, 6))) == 6, "a repeated eigenvalue still gets a vector that orders the devices"
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        monkeypatch.setattr(paper_module.np.linalg, "eigh", other_kernels_eigh(rng))
+        assert np.array_equal(fiedler_vector(laplacian), vector)
+        for (delay, members), (left, right) in zip(cases, expected):
+            got_left, got_right = spectral_bisection(delay, members, seed=3)
+            assert np.array_equal(got_left, left) and np.array_equal(got_right, right)
+        monkeypatch.undo()
 
 
 def test_a_core_is_the_members_nearest_the_clusters_medoid() -> None:

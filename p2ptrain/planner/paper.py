@@ -39,6 +39,26 @@ class PaperResult:
     chosen: int                      # K from the stopping rule (before the memory adaptation)
 
 
+EIGEN_TIE = 1e-8  # normalised-Laplacian eigenvalues lie in [0, 2]; kernels differ near 1e-15
+
+
+def fiedler_vector(laplacian: np.ndarray) -> np.ndarray:
+    """The Laplacian's second eigenvector, the same on every machine.
+
+    LAPACK kernels (OpenBLAS picks one per CPU) return it with either sign and last bits of their own, and where
+    the second eigenvalue is repeated (devices of one site are alike) any vector of its eigenspace; sorting that
+    put the cut, and every plan after it, where the kernel chose. So the eigenspace's projection of a fixed ramp
+    is taken, rounded, with the sign that makes its first non-zero entry positive."""
+    values, vectors = np.linalg.eigh(laplacian)
+    space = vectors[:, np.abs(values - values[1]) <= EIGEN_TIE]
+    vector = space @ (space.T @ np.arange(len(laplacian), dtype=float))
+    if np.abs(vector).max() <= EIGEN_TIE:
+        vector = vectors[:, 1]
+    rounded = np.round(vector / np.abs(vector).max(), 9)
+    first = np.flatnonzero(rounded)
+    return -rounded if len(first) and rounded[first[0]] < 0 else rounded
+
+
 def spectral_bisection(delay: np.ndarray, members: np.ndarray, seed: int,
                        even: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Split ``members`` in two parts of >= 2 devices (of even sizes if ``even``) with a small normalised cut of
@@ -51,8 +71,7 @@ def spectral_bisection(delay: np.ndarray, members: np.ndarray, seed: int,
     degree = w.sum(axis=1)
     scale = 1.0 / np.sqrt(degree)
     laplacian = np.eye(len(members)) - scale[:, None] * w * scale[None, :]
-    _, vectors = np.linalg.eigh(laplacian)
-    order = np.argsort(vectors[:, 1] * scale, kind="stable")
+    order = np.argsort(np.round(fiedler_vector(laplacian) * scale, 9), kind="stable")
     wp = w[np.ix_(order, order)]
     inner = wp.cumsum(axis=0).cumsum(axis=1).diagonal()
     volume = degree[order].cumsum()
