@@ -14,8 +14,15 @@ import pytest
 import torch
 from hivemind.compression import Uniform8BitQuantization
 from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 
-from p2ptrain.client.averaging import GradientDeposits, StageAllReduce, missing_parts, reducer_modes
+from p2ptrain.client.averaging import (
+    CodecAllReduceRunner,
+    GradientDeposits,
+    StageAllReduce,
+    missing_parts,
+    reducer_modes,
+)
 from p2ptrain.compression import decode, encode, int8_error_bound
 from p2ptrain.config import AVERAGING_CODECS, WIRE_BYTES, RunConfig
 from p2ptrain.live.probe import LinkProbe
@@ -310,6 +317,29 @@ def assert_averaged(results: list, grads: list[list[torch.Tensor]], rows: list[i
         assert result.ok and result.group_size == len(results) and result.rows_lost == rows_lost
         for tensor, want in zip(averaged, expected):
             assert torch.allclose(tensor, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_a_part_that_arrives_after_its_round_ended_is_dropped_without_an_error():
+    """A groupmate's part still on its way when the round fails reaches a reducer hivemind has finalized (its
+    accumulator gone): the stream ends quietly and the sender counts as failed, with no AttributeError for the log."""
+    async def scenario() -> None:
+        async with members(2) as averagers:
+            p2p = averagers[0].p2p
+            peers = [a.p2p.peer_id for a in averagers]
+            runner = CodecAllReduceRunner(
+                epoch=3, p2p=p2p, servicer_type=StageAllReduce, prefix="late-part", group_id=b"late-part",
+                tensors=[torch.zeros(8)], ordered_peer_ids=peers, peer_fractions=(1.0, 1.0), part_size_bytes=2 ** 20)
+            runner.tensor_part_reducer.finalize()
+
+            async def late_part() -> AsyncIterator[averaging_pb2.AveragingData]:
+                yield averaging_pb2.AveragingData(tensor_part=encode(torch.ones_like(runner.parts_for_local_averaging[0]), "none"), weight=1.0)
+
+            sender = runner.sender_peer_ids.index(peers[1])
+            answered = [reply async for reply in runner._accumulate_parts_streaming(late_part(), sender)]
+            assert answered == [] and peers[1] in runner.banned_senders
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.timeout(120)

@@ -233,6 +233,10 @@ class CodecAllReduceRunner(AllReduceRunner):
         try:
             async for message in stream:
                 part = await asyncio.get_running_loop().run_in_executor(None, self._checked_part, message, part_index)
+                if self.tensor_part_reducer.finished.is_set():
+                    # the round ended (failed) while this part was on its way: hivemind's reducer has dropped its
+                    # accumulator and would fail on it with an AttributeError, logged as the sender's fault
+                    break
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
                                                                               weight=message.weight)
