@@ -333,7 +333,8 @@ def test_a_part_that_arrives_after_its_round_ended_is_dropped_without_an_error()
             runner.tensor_part_reducer.finalize()
 
             async def late_part() -> AsyncIterator[averaging_pb2.AveragingData]:
-                yield averaging_pb2.AveragingData(tensor_part=encode(torch.ones_like(runner.parts_for_local_averaging[0]), "none"), weight=1.0)
+                part = torch.ones_like(runner.parts_for_local_averaging[0])
+                yield averaging_pb2.AveragingData(tensor_part=encode(part, "none"), weight=1.0)
 
             sender = runner.sender_peer_ids.index(peers[1])
             answered = [reply async for reply in runner._accumulate_parts_streaming(late_part(), sender)]
