@@ -201,6 +201,24 @@ class RestartableSwarm(Swarm):
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text()
 
+    def disagreement(self, report: dict) -> str:
+        """Why `report`'s stages whose holders' digests disagree do: each holder's digest of the first and the last
+        epoch that disagreed, and what the incarnation's logs say of restoring, loading and failed rounds."""
+        records = self._history.merge([])
+        lines = []
+        for stage in (s["stage"] for s in report["stages"] if s["digests_agree"] is False):
+            bad = [e["epoch"] for e in report["epochs"] if e["stages"][stage]["digests_agree"] is False]
+            for epoch in sorted({bad[0], bad[-1]}):
+                lines.append(f"stage {stage} epoch {epoch}:")
+                lines += [f"  {r.role} {r.peer_id}: {e.digest}" for r in records if r.stage == stage
+                          for e in (r.per_epoch if r.role == "worker" else r.worker_epochs)
+                          if e.epoch == epoch and e.digest]
+        said = re.compile(r"restored|loaded the state|no stage mate|stands past|failed|not stepping|took a mate|"
+                          r"skipping|abandoned|does not serve|catch")
+        for log in sorted(self.workdir.glob("*.1.log")):
+            lines += [f"{log.stem}: {line}" for line in log.read_text().splitlines() if said.search(line)][-15:]
+        return "\n".join(lines)
+
 
 def remove_newest(folder: Path) -> None:
     epoch, manifest = manifests(folder)[0]
@@ -278,7 +296,7 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         for epoch in range(resume, resume + 3):
             assert resumed[epoch] < sum(last_before) / len(last_before) + 0.5, (resumed, losses)
             assert resumed[epoch] < losses[min(losses)] - 0.5, (resumed, losses)
-        assert all(stage["digests_agree"] is not False for stage in after["stages"]), after["stages"]
+        assert all(stage["digests_agree"] is not False for stage in after["stages"]), swarm.disagreement(after)
 
         command = with_flag(with_flag(swarm.commands["fs1"], "--checkpoint-dir", str(damaged)),
                             "--identity-path", str(tmp_path / "other.key"))
