@@ -296,7 +296,9 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         for epoch in range(resume, resume + 3):
             assert resumed[epoch] < sum(last_before) / len(last_before) + 0.5, (resumed, losses)
             assert resumed[epoch] < losses[min(losses)] - 0.5, (resumed, losses)
-        assert all(stage["digests_agree"] is not False for stage in after["stages"]), swarm.disagreement(after)
+        assert all(stage["digests_agree"] is not False for stage in after["stages"]), (
+            "before the kill, epochs that disagreed per stage: "
+            f"{[stage['digests_disagreed'] for stage in before['stages']]}\n" + swarm.disagreement(after))
 
         command = with_flag(with_flag(swarm.commands["fs1"], "--checkpoint-dir", str(damaged)),
                             "--identity-path", str(tmp_path / "other.key"))
