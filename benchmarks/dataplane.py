@@ -2,7 +2,8 @@
 the RPC round trip and throughput of one hop, and the activation codecs, all in one run on the same cores.
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
-                                   [--seq-len 64] [--epochs 20] [--warmup 2] [--keep-streams on] [--dpu off,on]
+                                   [--seq-len 64] [--epochs 20] [--warmup 2] [--keep-streams on] [--push-behind on]
+                                   [--dpu off,on]
                                    [--keep-freed-memory off,on] [--overlap-epochs off,on] [--interleave-every 4]
                                    [--interleave-epochs 2]
 
@@ -10,7 +11,8 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
    all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
    per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`. The swarm
-   runs once for each combination of `--keep-streams`, `--dpu`, `--keep-freed-memory` and `--overlap-epochs` settings
+   runs once for each combination of `--keep-streams`, `--push-behind`, `--dpu`, `--keep-freed-memory` and
+   `--overlap-epochs` settings
    (the last with --dpu on only: no drain at the epoch boundary), one after the other.
    The reference is a plain loop in this process (torch.set_num_threads(1)): the whole model (`build_stage` of
    all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
@@ -247,7 +249,8 @@ def shown_swarm(runs: list[dict]) -> dict:
     """The swarm whose tables the report shows and the profile runs again: the one with the settings p2ptrain ships
     with (its peers' defaults), where the run has it; else the last."""
     ships = RunConfig()
-    shipped = {"keep_streams": flag_value(RuntimeConfig.keep_streams), "dpu": flag_value(ships.dpu),
+    shipped = {"keep_streams": flag_value(RuntimeConfig.keep_streams), "push_behind": flag_value(RuntimeConfig.push_behind),
+               "dpu": flag_value(ships.dpu),
                "keep_freed_memory": flag_value(NodeOptions.keep_freed_memory),
                "overlap_epochs": flag_value(ships.overlap_epochs)}
     return next((run for run in reversed(runs) if all(run[key] == value for key, value in shipped.items())), runs[-1])
@@ -258,7 +261,7 @@ def swarm_config(config: RunConfig, *, dpu: str, overlap: str) -> RunConfig:
     return dataclasses.replace(config, dpu=dpu == "on", overlap_epochs=overlap == "on")
 
 
-def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str,
+def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str, push_behind: str,
               keep_freed_memory: str, epochs: int | None = None, profile_s: float = 0.0,
               reference: Callable[[int, int], list[dict]] | None = None) -> dict:
     """Train the swarm for `epochs` epochs (default `args.epochs`), reading every process's CPU time meanwhile,
@@ -268,7 +271,7 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
     `reference(args.interleave_epochs, warm)` trains the one process, after `warm` epochs it does not time
     (`paired`: its epochs; `pauses`: when), so both are timed under the machine's load of the same minute; the CPU
     window leaves the pauses out. A failure is reported (`error`) with what the logs show, not raised."""
-    node_flags = ["--keep-streams", keep_streams, "--keep-freed-memory", keep_freed_memory]
+    node_flags = ["--keep-streams", keep_streams, "--push-behind", push_behind, "--keep-freed-memory", keep_freed_memory]
     if args.metrics_period is not None:
         node_flags += ["--metrics-period", str(args.metrics_period)]
     swarm = LocalSwarm(workdir, config, epochs=epochs or args.epochs, node_flags=node_flags)
@@ -922,17 +925,17 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 "out.", ""]
     if len(swarm_runs) > 1:
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
-                "call), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
+                "call), of `--push-behind` (a worker pushes each result while it takes its next task), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
                 "for reuse, `node.malloc`) and of `--overlap-epochs` (no drain at the epoch boundary), one after the "
                 "other in this run (the tables below are those of the swarm that runs as p2ptrain ships, where the run has "
                 "it, else the last one's; control plane: the FS/BS, bootstrap, DHT, "
                 "p2pd and averager processes):", "",
-                "| --keep-streams | --dpu | --keep-freed-memory | --overlap-epochs | s / epoch | tokens/s | ratio to one "
-                "process | ratio to its epochs before and after | control plane cores (training) | control plane cores "
-                "(idle) | step stall s (stage 0 / 1) | last loss |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| --keep-streams | --push-behind | --dpu | --keep-freed-memory | --overlap-epochs | s / epoch | tokens/s | "
+                "ratio to one process | ratio to its epochs before and after | control plane cores (training) | control "
+                "plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in swarm_runs.values():
-            out.append(f"| {run['keep_streams']} | {run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | "
+            out.append(f"| {run['keep_streams']} | {run.get('push_behind', '-')} | {run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | "
                        f"{fmt(run['swarm_s_per_epoch'])} | "
                        f"{fmt(run['swarm_tokens_per_s'], '.0f')} | {fmt(run['ratio'], '.3f')} | "
                        f"{fmt(run['ratio_apart'], '.3f')} | "
@@ -1127,6 +1130,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "off,on; on needs --dpu on)")
     parser.add_argument("--keep-streams", default="on", type=lambda text: text.split(","),
                         help="the swarm's --keep-streams settings, each run with every --dpu setting (default on)")
+    parser.add_argument("--push-behind", default=flag_value(RuntimeConfig.push_behind),
+                        type=lambda text: text.split(","),
+                        help="the swarm's --push-behind settings, each run with every other setting (default: the "
+                             "peers' default)")
     parser.add_argument("--keep-freed-memory", default="off,on", type=lambda text: text.split(","),
                         help="the peers' --keep-freed-memory settings, each run with every other setting (default "
                              "off,on)")
@@ -1155,7 +1162,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--warmup must be smaller than --epochs")
     if args.interleave_every < 0 or args.interleave_epochs < 1:
         parser.error("--interleave-every takes 0 (off) or more epochs, --interleave-epochs 1 or more")
-    for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams),
+    for flag, values in (("--dpu", args.dpu), ("--keep-streams", args.keep_streams), ("--push-behind", args.push_behind),
                          ("--keep-freed-memory", args.keep_freed_memory), ("--overlap-epochs", args.overlap_epochs)):
         if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):
             parser.error(f"{flag} takes off, on or both (comma-separated, each once), not {','.join(values)}")
@@ -1212,18 +1219,19 @@ def main(argv: list[str] | None = None) -> None:
                                                      paced["state"])
             paced["next"] += warm + count
             return records[warm:]
-        for keep, dpu, freed, overlap in itertools.product(args.keep_streams, args.dpu, args.keep_freed_memory,
-                                                           args.overlap_epochs):
+        for keep, behind, dpu, freed, overlap in itertools.product(args.keep_streams, args.push_behind, args.dpu,
+                                                                   args.keep_freed_memory, args.overlap_epochs):
             if dpu == "off" and overlap == "on":
                 continue  # the next epoch may start early only with delayed updates
-            log(f"[5/5] swarm with --keep-streams {keep} --dpu {dpu} --keep-freed-memory {freed} --overlap-epochs "
-                f"{overlap}: {args.epochs} epochs")
-            name = f"keep-{keep}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
+            log(f"[5/5] swarm with --keep-streams {keep} --push-behind {behind} --dpu {dpu} --keep-freed-memory "
+                f"{freed} --overlap-epochs {overlap}: {args.epochs} epochs")
+            name = f"keep-{keep}-behind-{behind}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
             (workdir / name).mkdir()
             swarms[name] = run_swarm(args, swarm_config(config, dpu=dpu, overlap=overlap), workdir / name,
-                                     keep_streams=keep, keep_freed_memory=freed,
+                                     keep_streams=keep, push_behind=behind, keep_freed_memory=freed,
                                      reference=reference if args.interleave_every else None)
-            swarms[name].update(keep_streams=keep, dpu=dpu, keep_freed_memory=freed, overlap_epochs=overlap)
+            swarms[name].update(keep_streams=keep, push_behind=behind, dpu=dpu, keep_freed_memory=freed,
+                                overlap_epochs=overlap)
         swarm = shown_swarm(list(swarms.values()))
         if "profile" in parts and args.profile_s > 0 and Profiler.available():
             # long enough to cover the recording at the shown swarm's pace, slowed by the recording
@@ -1234,7 +1242,8 @@ def main(argv: list[str] | None = None) -> None:
             (workdir / "profile").mkdir()
             profiled = run_swarm(args, swarm_config(config, dpu=swarm["dpu"], overlap=swarm["overlap_epochs"]),
                                  workdir / "profile",
-                                 keep_streams=swarm["keep_streams"], keep_freed_memory=swarm["keep_freed_memory"],
+                                 keep_streams=swarm["keep_streams"], push_behind=swarm["push_behind"],
+                                 keep_freed_memory=swarm["keep_freed_memory"],
                                  epochs=epochs, profile_s=args.profile_s)
         elif "profile" in parts and args.profile_s > 0:
             log("  profile: skipped, py-spy is not installed (pip install -e '.[test]')")
@@ -1250,7 +1259,7 @@ def main(argv: list[str] | None = None) -> None:
     info["runtime_s"] = time.monotonic() - began
     analysis = analyse(args, config, timings, single, swarm)
     swarm_runs = {name: {**analyse(args, config, timings, single, run), "keep_streams": run["keep_streams"],
-                         "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"],
+                         "push_behind": run["push_behind"], "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"],
                          "overlap_epochs": run["overlap_epochs"]}
                   for name, run in swarms.items()}
     shown = swarm_config(config, dpu=swarm.get("dpu", args.dpu[-1]),  # the swarm whose tables are shown

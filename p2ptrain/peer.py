@@ -61,6 +61,7 @@ NODE_FLAGS = {"role": "--role", "epochs": "--epochs", "max_in_flight": "--max-in
               "device": "--device", "recompute": "--recompute",
               "compute_power": "--compute-power", "fault": "--fault", "plan_timeout_s": "--plan-timeout",
               "recipe_timeout_s": "--recipe-timeout", "keep_streams": "--keep-streams",
+              "push_behind": "--push-behind",
               "metrics_period_s": "--metrics-period",
               **DEADLINE_FLAGS,
               "server_role": "--server-role", "computes": "--compute", "stage": "--stage",
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "hand them back to the kernel and fault their pages in again")
     run.add_argument("--keep-streams", choices=tuple(SWITCH), default=flag_value(RuntimeConfig.keep_streams),
                      help="call other peers over streams kept open between calls, rather than a new stream per call")
+    run.add_argument("--push-behind", choices=tuple(SWITCH), default=flag_value(RuntimeConfig.push_behind),
+                     help="a worker pushes each result while it takes and computes its next task, rather than wait "
+                          "for the server's acknowledgement first")
     add_compute_flags(run, whose="this peer")
     run.add_argument("--dump-grads", type=Path,
                      help="directory where workers save the averaged gradients of each epoch")
@@ -248,7 +252,8 @@ def parse_args(argv: list[str] | None = None) -> Command:
             recipe=None if args.role == "bootstrap" else RecipeOptions(given=given,
                                                                        layers_given=args.layers is not None))
         settings = RuntimeConfig(plan_timeout_s=args.plan_timeout, recipe_timeout_s=args.recipe_timeout,
-                                 keep_streams=SWITCH[args.keep_streams], metrics_period_s=args.metrics_period,
+                                 keep_streams=SWITCH[args.keep_streams], push_behind=SWITCH[args.push_behind],
+                                 metrics_period_s=args.metrics_period,
                                  **deadlines_from(args))
     return Command(config=config, options=options, settings=settings, log_level=args.log_level)
 

@@ -6,6 +6,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from p2ptrain.cli import flag_value
+from p2ptrain.config import RuntimeConfig
+
 SPEC = importlib.util.spec_from_file_location("cpu_causes", Path(__file__).parents[1] / "benchmarks" / "cpu_causes.py")
 cpu_causes = sys.modules.setdefault("cpu_causes", importlib.util.module_from_spec(SPEC))
 SPEC.loader.exec_module(cpu_causes)
@@ -91,7 +94,9 @@ def test_the_dataplane_report_shows_the_swarm_that_runs_as_p2ptrain_ships_where_
         import dataplane
     finally:
         sys.path.pop(0)
-    runs = [{"keep_streams": "on", "dpu": dpu, "keep_freed_memory": freed, "overlap_epochs": overlap}
+    behind = flag_value(RuntimeConfig.push_behind)
+    runs = [{"keep_streams": "on", "push_behind": behind, "dpu": dpu, "keep_freed_memory": freed,
+             "overlap_epochs": overlap}
             for dpu, freed, overlap in (("off", "on", "off"), ("on", "on", "off"), ("on", "on", "on"))]
     assert dataplane.shown_swarm(runs) is runs[1]  # dpu on, no overlap: the defaults
     assert dataplane.shown_swarm([runs[0], runs[2]]) is runs[2]  # none as shipped: the last

@@ -1044,6 +1044,7 @@ def test_a_first_stage_worker_awaiting_its_backward_task_waits_for_it_at_the_bs_
                                      inputs=tokens, labels=tokens), "fs0")
         forward, _ = await worker._take(["fs0"], ["bs0"])
         await worker._run_task(forward)
+        await worker._pushed()
         await bs0.drain()
         assert worker.cache and fs1.state.microbatches  # its outputs went on to stage 1
         assert await worker._take(["fs0"], ["bs0"]) == (None, {"fs0": mock.ANY})  # nothing anywhere for now
@@ -1168,5 +1169,46 @@ def test_a_worker_that_may_overlap_epochs_gets_the_next_epochs_task_only_once_no
         second = (await fs.take_task(dataclasses.replace(ahead, deposited=ROWS), "w1")).task
         assert second is not None and second.epoch == 1
         assert fs.state.closed_epoch == -1  # epoch 0 is not committed yet: nothing stepped
+
+    asyncio.run(scenario())
+
+
+def test_a_task_handed_again_while_its_first_result_is_on_its_way_counts_its_rows_once():
+    """Issue 21, with push_behind: a worker's result is still on its way to the FS when the task's lease runs out
+    (seen when the swarm stood still past a lease) and the FS hands the same rows to the same worker again. The FS
+    accepts both results (the second as a repeat of the first), and the worker counts the rows once: counted twice,
+    its gradient weighs its rows double and its deposit disagrees with the FS's rows."""
+    async def scenario() -> None:
+        clock = Clock()
+        fs, bs = servers(clock=clock, workers=("w",))
+        caller = Caller(p2p=None, peer_id="w", codec="none", timeout=10.0, local=fs.caller.local)
+        start, end = CONFIG.stage_layers(0)
+        worker = Worker(worker_id="w", stage=0, config=CONFIG, settings=RuntimeConfig(push_behind=True),
+                        caller=caller, model=build_stage(CONFIG.model_config, start=start, end=end, seed=CONFIG.seed),
+                        averager=StageAllReduce(p2p=None, run_id=CONFIG.run_id, stage=0, timeout=1.0, caller=caller),
+                        servers=lambda: (["fs"], ["bs"]), compute=1.0)
+        await feed(fs, 0)
+        first, _ = await worker._take(["fs"], ["bs"])
+        gate = asyncio.Event()
+        accept = fs.push_input_grads
+
+        async def held(request: PushInputGrads, sender: str) -> Ack:
+            await gate.wait()
+            return await accept(request, sender)
+
+        with mock.patch.object(fs, "push_input_grads", side_effect=held):
+            await worker._run_task(first)  # computed; its result waits at the gate, on its way
+            clock.now += 10 * fs.settings.lease_timeout_s
+            again, _ = await worker._take(["fs"], ["bs"])
+            assert again is not None and again.task.rows == first.task.rows
+            gate.set()
+            await worker._run_task(again)
+            await worker._pushed()
+        await fs.drain()
+        await bs.drain()
+        assert fs.epoch_stats(0).rows == ROWS
+        assert worker.rows_accumulated == ROWS
+        for server in (fs, bs):
+            await server.shutdown()
 
     asyncio.run(scenario())
