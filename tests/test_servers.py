@@ -1153,22 +1153,27 @@ def test_a_layout_naming_a_server_not_read_yet_is_read_again_before_it_is_refuse
 
 def test_a_worker_that_may_overlap_epochs_gets_the_next_epochs_task_only_once_nothing_of_its_own_is_left_or_due():
     """`--overlap-epochs on` (issue 21): a poll with `ahead` takes a task of its own epoch first; one of the next epoch
-    only when none of its own is left for it; and none while its deposit of its own epoch is due. A poll without
-    `ahead` never gets the next epoch's."""
+    only when none of its own is left for it; while its deposit of its own epoch is due, one of the next epoch with
+    the reply's word to deposit (it deposits as it computes); none once its own epoch ended (it steps first). A poll
+    without `ahead` never gets the next epoch's."""
     async def scenario() -> None:
         fs, _ = servers()
         await feed(fs, 0, commit=False)
         await feed(fs, 1, commit=False)  # the data source fed the next epoch while epoch 0 is still out
+        await feed(fs, 2, commit=False)
         ahead = TakeTask(worker="w1", compute=1.0, epoch=0, ahead=True)
         first = (await fs.take_task(ahead, "w1")).task
         assert first.epoch == 0
         assert (await fs.take_task(TakeTask(worker="w2", compute=1.0, epoch=0), "w2")).task is None
         await handled(fs, fs.push_input_grads(grads(first, "w1"), "w1"))
-        reply = await fs.take_task(ahead, "w1")  # epoch 0's rows are all back: its deposit comes first
+        reply = await fs.take_task(dataclasses.replace(ahead, ahead=False), "w1")  # epoch 0's rows are all back
         assert reply.task is None and reply.deposit_to == "fs"
-        second = (await fs.take_task(dataclasses.replace(ahead, deposited=ROWS), "w1")).task
-        assert second is not None and second.epoch == 1
+        reply = await fs.take_task(ahead, "w1")
+        assert reply.task is not None and reply.task.epoch == 1 and reply.deposit_to == "fs"
         assert fs.state.closed_epoch == -1  # epoch 0 is not committed yet: nothing stepped
+        await fs.end_epoch(EndEpoch(epoch=0, abandoned=False, layout=LAYOUT), "fs")
+        reply = await fs.take_task(dataclasses.replace(ahead, deposited=ROWS), "w1")
+        assert fs.state.closed_epoch == 0 and reply.task is None  # deposited, epoch 0 closed: the worker steps first
 
     asyncio.run(scenario())
 

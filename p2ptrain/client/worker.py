@@ -26,8 +26,10 @@ gradient, the gap between it and the stage's is late too, which at 2 workers a s
 Where the worker's rows are its stage's only ones, the round's average is its own gradient and the look-ahead's step
 is the step in flight's, bit for bit: the update takes it (`StageParams.adopt`) instead of stepping again.
 With `RunConfig.overlap_epochs` (no drain at the boundary) a worker with no task of its epoch left takes tasks of the
-next one, before its stage closed this one: their gradients are kept apart (`EpochGradients`), and the model takes
-new tensors, so that what it computed of this epoch still backpropagates through the parameters it was computed on.
+next one, before its stage closed this one, and one that owes the deposit of this one deposits in the background while
+it computes them (the FS's reply with the task says where): their gradients are kept apart (`EpochGradients`), and the
+model takes new tensors, so that what it computed of this epoch still backpropagates through the parameters it was
+computed on.
 They hold, after the update in flight (which it waits for), where a step on its own gradient of this epoch so far
 takes the master, with the look-ahead (the stage's mean comes only after the close), else the master's parameters.
 Why it matters: in a linear model, Adam's momentum (β1 0.9) is stable up to a curvature of 38/lr with fresh
@@ -178,6 +180,7 @@ class Worker:
         self.master.loaded = pretrained
         self._update: asyncio.Task | None = None  # the averaging and step of the last closed epoch, with DPU
         self._pushing: asyncio.Task | None = None  # the last task's result on its way, with push_behind
+        self._depositing: asyncio.Task | None = None  # its deposit, made while it computes the next epoch's task
         self._ahead: LookAhead | None = None  # the look-ahead's step, where it may be the step in flight's (`_apply`)
         self._clip_scale = 1.0  # the factor the last step's global norm clipped the stage's gradients by
         self._averaging_with: dict[int, frozenset[str]] = {}  # per epoch, the group of an all-reduce under way
@@ -228,7 +231,7 @@ class Worker:
         try:
             await self._run(stop)
         finally:
-            for task in (self._update, self._pushing):
+            for task in (self._update, self._pushing, self._depositing):
                 if task is not None:
                     task.cancel()
 
@@ -247,6 +250,8 @@ class Worker:
                 continue
             reply, polls = await self._take(fs_list, bs_list)
             if reply is not None:
+                if reply.deposit_to is not None:  # a task of the next epoch, with its deposit of this one due
+                    await self._deposit_behind(reply.deposit_to)
                 await self._run_task(reply)
             else:
                 await self._after_idle_poll(polls)
@@ -389,6 +394,7 @@ class Worker:
         """No task anywhere: step, catch up, or wait, by ``protocol.closure.judge``; with every result it pushed
         counted first, since an FS's answer may reflect a result this worker has not heard accepted yet."""
         await self._pushed()
+        await self._deposited_behind()
         now = time.monotonic()
         gone = {fs for fs, since in self.silent_since.items() if now - since >= self.settings.server_lost_s}
         verdict = judge(self.epoch, polls, epoch_fs=self.epoch_fs, gone=gone)
@@ -414,15 +420,34 @@ class Worker:
         with the stage's first FS (`TaskReply.deposit_to`) before they count as ready to average: then this worker
         dying in the round loses none of its rows (`client.averaging`). Again whenever a redo added rows since."""
         server = next((reply.deposit_to for reply in polls.values() if reply is not None and reply.deposit_to), None)
-        rows, epoch = self.rows_accumulated, self.epoch
-        if server is None or not rows or self._deposited == (epoch, rows):
-            return
-        if await self.averager.deposit(server, self._mean_gradients(), epoch=epoch, rows=rows,
-                                       overflow=self.overflowed):
-            self._deposited = (epoch, rows)
-            logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} ({rows} rows) with {server}")
-        else:  # the FS answers the next poll at once while the deposit is due: do not ask again at once
+        if server is not None and not await self._deposit_to(server):
+            # the FS answers the next poll at once while the deposit is due: do not ask again at once
             await asyncio.sleep(self.settings.unreachable_backoff_s)
+
+    async def _deposit_to(self, server: str) -> bool:
+        """Deposit its gradients of its epoch with `server`, unless it did with all its rows; False if that failed."""
+        rows, epoch = self.rows_accumulated, self.epoch
+        if not rows or self._deposited == (epoch, rows):
+            return True
+        if not await self.averager.deposit(server, self._mean_gradients(), epoch=epoch, rows=rows,
+                                           overflow=self.overflowed):
+            return False
+        self._deposited = (epoch, rows)
+        logger.info(f"worker {self.worker_id}: deposited its gradients of epoch {epoch} ({rows} rows) with {server}")
+        return True
+
+    async def _deposit_behind(self, server: str) -> None:
+        """Deposit with `server` in the background while it computes a task of the next epoch (`overlap_epochs`),
+        with every result it pushed counted first; a failed one is asked for again at a later poll."""
+        await self._pushed()
+        if self._depositing is None or self._depositing.done():
+            self._depositing = asyncio.ensure_future(self._deposit_to(server))
+
+    async def _deposited_behind(self) -> None:
+        """Until its deposit in the background, if any, landed or failed."""
+        depositing, self._depositing = self._depositing, None
+        if depositing is not None:
+            await depositing
 
     async def _ask(self, server: str, service: str, request: TakeTask) -> TaskReply | None:
         reply = await self._call(server, service, request)

@@ -150,7 +150,8 @@ class StageServer(Service, Generic[S]):
         task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s,
                                          idle_wait_s=request.idle_wait_s, ahead=request.ahead)
         if task is not None:
-            return self.offer(task)
+            # a task of the next epoch may come while its deposit of this one is due: it deposits as it computes
+            return dataclasses.replace(self.offer(task), deposit_to=self.deposit_owed(request.worker, request.epoch))
         return dataclasses.replace(self.no_task(epoch=request.epoch),
                                    quiet=self.quiet(request.epoch, holds_state=record.holds_state))
 
@@ -278,9 +279,14 @@ class StageServer(Service, Generic[S]):
                 self.expire_leases()
                 if (task := take(epoch)) is not None:
                     return task
+            ahead_task = ahead and not holds_state and self.may_work(worker, epoch + 1)
             if self.due(worker, epoch):
-                return None  # holding the poll would only delay what its reply tells the worker to do
-            if ahead and not holds_state and self.may_work(worker, epoch + 1) and (task := take(epoch + 1)) is not None:
+                # holding the poll would only delay what its reply tells the worker to do; only a deposit it owes
+                # leaves it free to compute the next epoch's task meanwhile (its reply says where to deposit)
+                if ahead_task and self.deposit_owed(worker, epoch) is not None and (task := take(epoch + 1)) is not None:
+                    return task
+                return None
+            if ahead_task and (task := take(epoch + 1)) is not None:
                 return task
             held = max(wait_s, idle_s) if self.quiet(epoch, holds_state=holds_state) else wait_s
             remaining = start + held - loop.time()
@@ -296,6 +302,10 @@ class StageServer(Service, Generic[S]):
         """Whether the reply to a poll of `worker` in `epoch` that finds no task tells it to act now (deposit its
         gradients, step, catch up): then the poll is answered at once, not held."""
         return False
+
+    def deposit_owed(self, worker: str, epoch: int) -> str | None:
+        """Where `worker` is to deposit its gradients of its open `epoch` now (a due deposit, `due`), if it is."""
+        return None
 
     def quiet(self, epoch: int, *, holds_state: bool) -> bool:
         """Whether nothing but news (`news`) can change what a poll of a worker in `epoch` is answered: no task can

@@ -162,14 +162,16 @@ class FrontalServer(StageServer[FrontalState]):
         return holds_state or (self.in_flight() == 0 and not state.redo)
 
     def due(self, worker: str, epoch: int) -> bool:
-        # its epoch is over here (it steps, catches up or drops it), or every row is back and it has not deposited
-        # all it holds of this FS's rows (`close_ready` waits for that deposit)
-        if self.ended(epoch):
-            return True
+        # its epoch is over here (it steps, catches up or drops it), or it owes its deposit
+        return self.ended(epoch) or self.deposit_owed(worker, epoch) is not None
+
+    def deposit_owed(self, worker: str, epoch: int) -> str | None:
+        # every row is back and it has not deposited all it holds of this FS's rows (`close_ready` waits for that)
         record = self.state.workers.get(worker)
-        if record is None or self._depository(epoch) is None:
-            return False
-        return record.deposited < self._rows_held(epoch).get(worker, 0)
+        depository = self._depository(epoch)
+        if record is None or depository is None or record.deposited >= self._rows_held(epoch).get(worker, 0):
+            return None
+        return depository
 
     def _rows_held(self, epoch: int) -> dict[str, int]:
         """How many of this FS's rows of `epoch` each worker holds the parameter gradients of (its accepted results)."""
