@@ -3,7 +3,7 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
                                    [--seq-len 64] [--epochs 20] [--warmup 2] [--keep-streams on] [--push-behind on]
-                                   [--dpu off,on]
+                                   [--dpu off,on] [--averaging-codec fp32]
                                    [--keep-freed-memory off,on] [--overlap-epochs off,on] [--interleave-every 4]
                                    [--interleave-epochs 2]
 
@@ -11,8 +11,8 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
    all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
    per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`. The swarm
-   runs once for each combination of `--keep-streams`, `--push-behind`, `--dpu`, `--keep-freed-memory` and
-   `--overlap-epochs` settings
+   runs once for each combination of `--keep-streams`, `--push-behind`, `--dpu`, `--averaging-codec`,
+   `--keep-freed-memory` and `--overlap-epochs` settings
    (the last with --dpu on only: no drain at the epoch boundary), one after the other.
    The reference is a plain loop in this process (torch.set_num_threads(1)): the whole model (`build_stage` of
    all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
@@ -92,7 +92,7 @@ from hivemind.proto import runtime_pb2
 
 from p2ptrain.cli import LOOPBACK, flag_value, positive
 from p2ptrain.compression import deserialize, encoded_nbytes, serialize
-from p2ptrain.config import CODECS, RunConfig, RuntimeConfig
+from p2ptrain.config import AVERAGING_CODECS, CODECS, RunConfig, RuntimeConfig
 from p2ptrain.data import TextSource
 from p2ptrain.dht import make_validators
 from p2ptrain.models import TRAINABLE, build_stage
@@ -250,15 +250,16 @@ def shown_swarm(runs: list[dict]) -> dict:
     with (its peers' defaults), where the run has it; else the last."""
     ships = RunConfig()
     shipped = {"keep_streams": flag_value(RuntimeConfig.keep_streams), "push_behind": flag_value(RuntimeConfig.push_behind),
-               "dpu": flag_value(ships.dpu),
+               "dpu": flag_value(ships.dpu), "averaging_codec": ships.averaging_codec,
                "keep_freed_memory": flag_value(NodeOptions.keep_freed_memory),
                "overlap_epochs": flag_value(ships.overlap_epochs)}
     return next((run for run in reversed(runs) if all(run[key] == value for key, value in shipped.items())), runs[-1])
 
 
-def swarm_config(config: RunConfig, *, dpu: str, overlap: str) -> RunConfig:
-    """The benchmark's recipe with the swarm's --dpu and --overlap-epochs settings."""
-    return dataclasses.replace(config, dpu=dpu == "on", overlap_epochs=overlap == "on")
+def swarm_config(config: RunConfig, *, dpu: str, overlap: str, codec: str | None = None) -> RunConfig:
+    """The benchmark's recipe with the swarm's --dpu, --overlap-epochs and --averaging-codec settings."""
+    return dataclasses.replace(config, dpu=dpu == "on", overlap_epochs=overlap == "on",
+                               averaging_codec=codec or config.averaging_codec)
 
 
 def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str, push_behind: str,
@@ -925,17 +926,19 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
                 "out.", ""]
     if len(swarm_runs) > 1:
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
-                "call), of `--push-behind` (a worker pushes each result while it takes its next task), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
+                "call), of `--push-behind` (a worker pushes each result while it takes its next task), of "
+                "`--averaging-codec` (how deposits and rounds send gradients), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
                 "for reuse, `node.malloc`) and of `--overlap-epochs` (no drain at the epoch boundary), one after the "
                 "other in this run (the tables below are those of the swarm that runs as p2ptrain ships, where the run has "
                 "it, else the last one's; control plane: the FS/BS, bootstrap, DHT, "
                 "p2pd and averager processes):", "",
-                "| --keep-streams | --push-behind | --dpu | --keep-freed-memory | --overlap-epochs | s / epoch | tokens/s | "
-                "ratio to one process | ratio to its epochs before and after | control plane cores (training) | control "
-                "plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| --keep-streams | --push-behind | --averaging-codec | --dpu | --keep-freed-memory | --overlap-epochs | "
+                "s / epoch | tokens/s | ratio to one process | ratio to its epochs before and after | control plane cores "
+                "(training) | control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in swarm_runs.values():
-            out.append(f"| {run['keep_streams']} | {run.get('push_behind', '-')} | {run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | "
+            out.append(f"| {run['keep_streams']} | {run.get('push_behind', '-')} | {run.get('averaging_codec', '-')} | "
+                       f"{run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | "
                        f"{fmt(run['swarm_s_per_epoch'])} | "
                        f"{fmt(run['swarm_tokens_per_s'], '.0f')} | {fmt(run['ratio'], '.3f')} | "
                        f"{fmt(run['ratio_apart'], '.3f')} | "
@@ -1134,6 +1137,9 @@ def build_parser() -> argparse.ArgumentParser:
                         type=lambda text: text.split(","),
                         help="the swarm's --push-behind settings, each run with every other setting (default: the "
                              "peers' default)")
+    parser.add_argument("--averaging-codec", default=RunConfig.averaging_codec, type=lambda text: text.split(","),
+                        help="the swarms' --averaging-codec settings, each run with every other setting (default: the "
+                             "recipe's)")
     parser.add_argument("--keep-freed-memory", default="off,on", type=lambda text: text.split(","),
                         help="the peers' --keep-freed-memory settings, each run with every other setting (default "
                              "off,on)")
@@ -1166,6 +1172,10 @@ def main(argv: list[str] | None = None) -> None:
                          ("--keep-freed-memory", args.keep_freed_memory), ("--overlap-epochs", args.overlap_epochs)):
         if not values or not set(values) <= {"off", "on"} or len(set(values)) != len(values):
             parser.error(f"{flag} takes off, on or both (comma-separated, each once), not {','.join(values)}")
+    if not args.averaging_codec or not set(args.averaging_codec) <= set(AVERAGING_CODECS) or len(
+            set(args.averaging_codec)) != len(args.averaging_codec):
+        parser.error(f"--averaging-codec takes some of {', '.join(AVERAGING_CODECS)} (comma-separated, each once), not "
+                     f"{','.join(args.averaging_codec)}")
     config = RunConfig(run_id=RUN_ID, model=args.model, num_stages=2, rows_per_microbatch=args.batch_rows,
                        microbatches=args.microbatches, seq_len=args.seq_len)
     command = command_line(__file__, argv)
@@ -1219,19 +1229,20 @@ def main(argv: list[str] | None = None) -> None:
                                                      paced["state"])
             paced["next"] += warm + count
             return records[warm:]
-        for keep, behind, dpu, freed, overlap in itertools.product(args.keep_streams, args.push_behind, args.dpu,
-                                                                   args.keep_freed_memory, args.overlap_epochs):
+        for keep, behind, codec, dpu, freed, overlap in itertools.product(
+                args.keep_streams, args.push_behind, args.averaging_codec, args.dpu, args.keep_freed_memory,
+                args.overlap_epochs):
             if dpu == "off" and overlap == "on":
                 continue  # the next epoch may start early only with delayed updates
-            log(f"[5/5] swarm with --keep-streams {keep} --push-behind {behind} --dpu {dpu} --keep-freed-memory "
-                f"{freed} --overlap-epochs {overlap}: {args.epochs} epochs")
-            name = f"keep-{keep}-behind-{behind}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
+            log(f"[5/5] swarm with --keep-streams {keep} --push-behind {behind} --averaging-codec {codec} --dpu {dpu} "
+                f"--keep-freed-memory {freed} --overlap-epochs {overlap}: {args.epochs} epochs")
+            name = f"keep-{keep}-behind-{behind}-codec-{codec}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
             (workdir / name).mkdir()
-            swarms[name] = run_swarm(args, swarm_config(config, dpu=dpu, overlap=overlap), workdir / name,
-                                     keep_streams=keep, push_behind=behind, keep_freed_memory=freed,
+            swarms[name] = run_swarm(args, swarm_config(config, dpu=dpu, overlap=overlap, codec=codec),
+                                     workdir / name, keep_streams=keep, push_behind=behind, keep_freed_memory=freed,
                                      reference=reference if args.interleave_every else None)
-            swarms[name].update(keep_streams=keep, push_behind=behind, dpu=dpu, keep_freed_memory=freed,
-                                overlap_epochs=overlap)
+            swarms[name].update(keep_streams=keep, push_behind=behind, averaging_codec=codec, dpu=dpu,
+                                keep_freed_memory=freed, overlap_epochs=overlap)
         swarm = shown_swarm(list(swarms.values()))
         if "profile" in parts and args.profile_s > 0 and Profiler.available():
             # long enough to cover the recording at the shown swarm's pace, slowed by the recording
@@ -1240,7 +1251,8 @@ def main(argv: list[str] | None = None) -> None:
             log(f"  profile: the same swarm for {epochs} epochs, its FS/BS processes recorded by py-spy for "
                 f"{args.profile_s:.0f} s")
             (workdir / "profile").mkdir()
-            profiled = run_swarm(args, swarm_config(config, dpu=swarm["dpu"], overlap=swarm["overlap_epochs"]),
+            profiled = run_swarm(args, swarm_config(config, dpu=swarm["dpu"], overlap=swarm["overlap_epochs"],
+                                                    codec=swarm["averaging_codec"]),
                                  workdir / "profile",
                                  keep_streams=swarm["keep_streams"], push_behind=swarm["push_behind"],
                                  keep_freed_memory=swarm["keep_freed_memory"],
@@ -1259,11 +1271,12 @@ def main(argv: list[str] | None = None) -> None:
     info["runtime_s"] = time.monotonic() - began
     analysis = analyse(args, config, timings, single, swarm)
     swarm_runs = {name: {**analyse(args, config, timings, single, run), "keep_streams": run["keep_streams"],
-                         "push_behind": run["push_behind"], "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"],
+                         "push_behind": run["push_behind"], "averaging_codec": run["averaging_codec"],
+                         "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"],
                          "overlap_epochs": run["overlap_epochs"]}
                   for name, run in swarms.items()}
     shown = swarm_config(config, dpu=swarm.get("dpu", args.dpu[-1]),  # the swarm whose tables are shown
-                         overlap=swarm.get("overlap_epochs", "off"))
+                         overlap=swarm.get("overlap_epochs", "off"), codec=swarm.get("averaging_codec"))
     causes = profile_causes(profiled["profile"], profiled["roles"]) if profiled and profiled.get("profile") else None
     split = planes(causes, profiled, rpc, args.warmup) if causes else None
     text = markdown(args, command, info, shown, timings, single, swarm, analysis, rpc, codecs, control, swarm_runs,

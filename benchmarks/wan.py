@@ -5,7 +5,8 @@
 
 For each cap (Mbit/s; `none`: no namespace, no cap) and each variant (how the stages average: `fp32`, `fp16`,
 `int8`, the recipe's `--averaging-codec`; `h8`, `int8-h8`: once every 8 epochs, `--average-every 8`, in fp32 or
-int8; `overlap`: fp32 with no drain at the epoch boundary, `--overlap-epochs on`), one run of the README's
+int8; `overlap`: fp32 with no drain at the epoch boundary, `--overlap-epochs on`; `behind-off`: fp32 with each worker
+waiting for its result's acknowledgement before its next task, `--push-behind off`), one run of the README's
 hand-started swarm
 shape: 2 stages, an FS and a BS (with --keep-state) per stage, --clients clients per stage, on
 `../shared/data/wikitext-2/valid.txt`. A capped run goes on in a network namespace of its own
@@ -55,7 +56,8 @@ CAPS = ("none", "100", "40", "20", "10", "5")
 VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}, "fp16": {"averaging_codec": "fp16"},
                                        "int8": {"averaging_codec": "int8"}, "h8": {"average_every": 8},
                                        "int8-h8": {"averaging_codec": "int8", "average_every": 8},
-                                       "overlap": {"overlap_epochs": True}}
+                                       "overlap": {"overlap_epochs": True}, "behind-off": {}}
+NODE_VARIANTS: dict[str, list[str]] = {"behind-off": ["--push-behind", "off"]}  # name -> the peers' flags
 POLL_S = 2.0
 # how a server's log says it judged a worker gone (p2ptrain/server/base.py, frontal.py)
 GONE = re.compile(r"gone \(silent for|; gone$|gone with the parameter gradients", re.MULTILINE)
@@ -67,7 +69,7 @@ def run_inside(args: argparse.Namespace) -> dict[str, Any]:
                        rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
                        seed=args.seed, data=str(args.data), **VARIANTS[args.variant])
     workdir = Path(args.workdir)
-    with LocalSwarm(workdir, config, epochs=args.epochs) as swarm:
+    with LocalSwarm(workdir, config, epochs=args.epochs, node_flags=NODE_VARIANTS.get(args.variant, [])) as swarm:
         swarm.start_bootstrap()
         for stage in range(config.num_stages):
             swarm.start_server(stage, "bs", extra=["--keep-state"])

@@ -315,7 +315,7 @@ class RuntimeConfig:
     push_backoff_s: float = 0.2  # every retried call backs off exponentially from this...
     delivery_backoff_max_s: float = 5.0  # ...up to this; a server retries a push to another server until it lands
     # workers
-    push_behind: bool = True  # a worker pushes a task's result while it polls for and computes its next task, the
+    push_behind: bool = False  # a worker pushes a task's result while it polls for and computes its next task, the
     # result's acknowledgement (the server confirms it with its issuer first) off its critical path (`client.worker`)
     unreachable_backoff_s: float = 0.2  # after a server did not answer a task poll
     leave_timeout_s: float = 5.0  # a stopping worker tells its servers it leaves for at most this long

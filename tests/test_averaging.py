@@ -243,7 +243,9 @@ def test_the_server_holding_a_stages_deposits_hands_its_depositors_their_mean(co
             assert await worker.stage_mean(own, epoch=2, group=group) is None
             alone = (dataclasses.replace(group[0], rows=0), group[1])  # its rows are the stage's: no call
             mean, covered = await worker.stage_mean(own, epoch=2, group=alone)
-            assert mean is own and covered == 3
+            # its own, as its deposit brought them to the server: the round's average, which its step takes
+            travelled = decode(encode(torch.cat([t.reshape(-1) for t in own]), codec))
+            assert torch.equal(torch.cat([t.reshape(-1) for t in mean]), travelled) and covered == 3
 
     asyncio.run(scenario())
 

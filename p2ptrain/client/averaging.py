@@ -382,8 +382,8 @@ class StageAllReduce(ServicerBase):
         if epoch not in self._deposited:
             return None
         server, peers = self._deposited[epoch][1], tuple(member.peer_id for member in group if member.rows)
-        if peers == (self.caller.peer_id,):  # the stage's only rows are this worker's: its mean is its own
-            return like, self._deposited[epoch][0]
+        if peers == (self.caller.peer_id,):  # the stage's only rows are this worker's: its mean is its own, as its
+            return await self._travelled(like), self._deposited[epoch][0]  # deposit brought it (the round's average)
         try:
             if server == self.caller.peer_id and self.deposits is not None:
                 if (mean := await self.deposits.mean(epoch, set(peers))) is None:
@@ -454,19 +454,20 @@ class StageAllReduce(ServicerBase):
         (contributor,), me = contributors, self.caller.peer_id
         holder = next(member for member in group if member is not contributor)
         if contributor.peer_id == me and self._deposited.get(epoch) == (rows, holder.peer_id):
-            if self.wire.codec == "none" and all(grad.dtype == torch.float32 for grad in grads):
-                # the wire carried them exactly: the holder's copy is these very values
-                return list(grads), RoundResult(group_size=2, ok=True, overflow=overflow)
-            travelled = await asyncio.to_thread(lambda: decode(encode(flatten(grads, torch.float32), self.wire.codec)))
-            flat, flagged = travelled, overflow
-        elif holder.peer_id == me and self.deposits is not None:
+            return await self._travelled(grads), RoundResult(group_size=2, ok=True, overflow=overflow)
+        if holder.peer_id == me and self.deposits is not None:
             held = self.deposits.of(epoch, {contributor.peer_id})
             if not held or held[0].rows != contributor.rows:
                 return None
-            flat, flagged = held[0].grads, held[0].overflow
-        else:
-            return None
-        return unflatten(flat, like=grads), RoundResult(group_size=2, ok=True, overflow=flagged)
+            return unflatten(held[0].grads, like=grads), RoundResult(group_size=2, ok=True, overflow=held[0].overflow)
+        return None
+
+    async def _travelled(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`grads` as a deposit of them reaches its server: through the averaging codec, in float32."""
+        if self.wire.codec == "none" and all(grad.dtype == torch.float32 for grad in grads):
+            return list(grads)  # the wire carries them exactly: the holder's copy is these very values
+        flat = await asyncio.to_thread(lambda: decode(encode(flatten(grads, torch.float32), self.wire.codec)))
+        return unflatten(flat, like=grads)
 
     def _with_deposits(self, grads: list[torch.Tensor], *, rows: int, epoch: int, dead: set[str], overflow: bool
                        ) -> tuple[list[torch.Tensor], int, bool]:

@@ -4,9 +4,10 @@ Clients run it, and so do servers started with --compute. It only dials out, so 
 gradients of a task are kept aside until the server accepts the task's result, so a refused or duplicate
 result never reaches the average: every row's gradient counts exactly once.
 
-With `RuntimeConfig.push_behind` (`--push-behind`, on by default) a result goes to its server while the worker takes
-and computes its next task: the server confirms a result with the task's issuer before it answers, two calls whose
-latency (8-14 ms a task on a loaded 2-core machine) would otherwise idle the worker. One result is on its way at a
+With `RuntimeConfig.push_behind` (`--push-behind on`; off by default until a benchmark shows it pays) a result goes to
+its server while the worker takes and computes its next task: the server confirms a result with the task's issuer
+before it answers, two calls whose latency (8-14 ms a task on a loaded 2-core machine) would otherwise idle the
+worker. One result is on its way at a
 time, in order, and every one has landed before the worker acts on an FS's word about its epoch (deposit, step,
 catch-up). Its task may meanwhile come back to it (its lease ran out) and both results be accepted, so the worker
 counts each microbatch's rows once.
