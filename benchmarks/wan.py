@@ -5,10 +5,9 @@
 
 For each cap (Mbit/s; `none`: no namespace, no cap) and each variant (how the stages average: `fp32`, `fp16`,
 `int8`, the recipe's `--averaging-codec`; `h8`, `int8-h8`: once every 8 epochs, `--average-every 8`, in fp32 or
-int8; `overlap`: fp32 with no drain at the epoch boundary, `--overlap-epochs on`; `behind-off`: fp32 with each worker
-waiting for its result's acknowledgement before its next task, `--push-behind off`), one run of the README's
-hand-started swarm
-shape: 2 stages, an FS and a BS (with --keep-state) per stage, --clients clients per stage, on
+int8; `overlap`: fp32 with no drain at the epoch boundary, `--overlap-epochs on`; `behind-on`: fp32 with each worker
+taking its next task while its last result is on its way, `--push-behind on`), one run of the README's hand-started
+swarm shape: 2 stages, an FS and a BS (with --keep-state) per stage, --clients clients per stage, on
 `../shared/data/wikitext-2/valid.txt`. A capped run goes on in a network namespace of its own
 (`python -m p2ptrain.links`), where every peer listens on its own loopback address with its own egress cap, as on
 the internet; the status reader sits uncapped on 127.0.0.1. Each run trains for --duration-s seconds after its data
@@ -41,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +52,21 @@ from p2ptrain.config import RunConfig, RuntimeConfig
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
 CAPS = ("none", "100", "40", "20", "10", "5")
-# name -> RunConfig fields that differ from the base recipe
-VARIANTS: dict[str, dict[str, Any]] = {"fp32": {}, "fp16": {"averaging_codec": "fp16"},
-                                       "int8": {"averaging_codec": "int8"}, "h8": {"average_every": 8},
-                                       "int8-h8": {"averaging_codec": "int8", "average_every": 8},
-                                       "overlap": {"overlap_epochs": True}, "behind-off": {}}
-NODE_VARIANTS: dict[str, list[str]] = {"behind-off": ["--push-behind", "off"]}  # name -> the peers' flags
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How a variant's run differs from the base run."""
+
+    recipe: dict[str, Any] = field(default_factory=dict)  # RunConfig fields that differ from the base recipe
+    flags: tuple[str, ...] = ()  # the peers' flags that differ from their defaults
+
+
+VARIANTS: dict[str, Variant] = {"fp32": Variant(), "fp16": Variant({"averaging_codec": "fp16"}),
+                                "int8": Variant({"averaging_codec": "int8"}), "h8": Variant({"average_every": 8}),
+                                "int8-h8": Variant({"averaging_codec": "int8", "average_every": 8}),
+                                "overlap": Variant({"overlap_epochs": True}),
+                                "behind-on": Variant(flags=("--push-behind", "on"))}
 POLL_S = 2.0
 # how a server's log says it judged a worker gone (p2ptrain/server/base.py, frontal.py)
 GONE = re.compile(r"gone \(silent for|; gone$|gone with the parameter gradients", re.MULTILINE)
@@ -67,9 +76,9 @@ def run_inside(args: argparse.Namespace) -> dict[str, Any]:
     """One run in this process (inside the namespace when capped): the swarm, its epochs and bytes."""
     config = RunConfig(run_id=f"wan-{args.variant}-{args.cap}", model=args.model, num_stages=2,
                        rows_per_microbatch=args.batch_rows, microbatches=args.microbatches, seq_len=args.seq_len,
-                       seed=args.seed, data=str(args.data), **VARIANTS[args.variant])
+                       seed=args.seed, data=str(args.data), **VARIANTS[args.variant].recipe)
     workdir = Path(args.workdir)
-    with LocalSwarm(workdir, config, epochs=args.epochs, node_flags=NODE_VARIANTS.get(args.variant, [])) as swarm:
+    with LocalSwarm(workdir, config, epochs=args.epochs, node_flags=list(VARIANTS[args.variant].flags)) as swarm:
         swarm.start_bootstrap()
         for stage in range(config.num_stages):
             swarm.start_server(stage, "bs", extra=["--keep-state"])

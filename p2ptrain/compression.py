@@ -141,7 +141,12 @@ def decode(message: runtime_pb2.Tensor) -> torch.Tensor:
 
 def serialize(tensor: torch.Tensor, codec: str, *, chunk_size_bytes: int = CHUNK_BYTES) -> list[runtime_pb2.Tensor]:
     """Encode `tensor` with `codec` into streaming chunks of at most `chunk_size_bytes` bytes each."""
-    return list(split_for_streaming(encode(tensor, codec), chunk_size_bytes))
+    return as_chunks(encode(tensor, codec), chunk_size_bytes=chunk_size_bytes)
+
+
+def as_chunks(message: runtime_pb2.Tensor, *, chunk_size_bytes: int = CHUNK_BYTES) -> list[runtime_pb2.Tensor]:
+    """One encoded tensor (`encode`) as streaming chunks of at most `chunk_size_bytes` bytes each."""
+    return list(split_for_streaming(message, chunk_size_bytes))
 
 
 def deserialize(parts: Sequence[runtime_pb2.Tensor]) -> torch.Tensor:

@@ -49,7 +49,7 @@ from hivemind.p2p import P2P, P2PContext, P2PHandlerError, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
-from p2ptrain.compression import deserialize, serialize
+from p2ptrain.compression import as_chunks, deserialize, serialize
 from p2ptrain.config import RuntimeConfig
 from p2ptrain.protocol.bans import BanList
 from p2ptrain.protocol.deadlines import Throughput
@@ -98,6 +98,9 @@ class Envelope:
 
     header: dict[str, Any]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # tensors of `tensors` that the sender encoded already, with the codec it sends with: they travel as these
+    # messages, not encoded again (a deposit's sender keeps what its encoding made of its gradients)
+    encoded: dict[str, runtime_pb2.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ def pack(envelope: Envelope, *, codec: str, proto: type[Proto]) -> list[Proto]:
     """Header first, then each tensor's chunks; integer tensors are never compressed."""
     layout, chunks = [], []
     for name, tensor in envelope.tensors.items():
-        parts = serialize(tensor.detach().contiguous(), codec)
+        parts = (as_chunks(envelope.encoded[name]) if name in envelope.encoded
+                 else serialize(tensor.detach().contiguous(), codec))
         layout.append([name, len(parts)])
         chunks.extend(parts)
     meta = msgpack.packb({"header": envelope.header, "tensors": layout}, use_bin_type=True)
@@ -405,11 +409,14 @@ class Caller:
     def add_local(self, servicer: Service) -> None:
         self.local[(servicer.peer_id, servicer.service)] = servicer
 
-    async def call(self, peer: str, service: str, request: Request, *, timeout: float | None = None) -> Any:
+    async def call(self, peer: str, service: str, request: Request, *, timeout: float | None = None,
+                   encoded: dict[str, runtime_pb2.Tensor] | None = None) -> Any:
         """The typed reply (of type ``request.reply``); Refused if the peer refused, MessageError if its reply is not
-        one, ConnectionError or TimeoutError if the transport failed."""
-        envelope = await self.exchange(peer, service, request.method, Envelope(request.to_header(), request.tensors()),
-                                       timeout=timeout, traffic=request.traffic, epoch=getattr(request, "epoch", None))
+        one, ConnectionError or TimeoutError if the transport failed. `encoded`: tensors of the request already
+        encoded with this caller's codec (`Envelope.encoded`)."""
+        envelope = Envelope(request.to_header(), request.tensors(), dict(encoded or {}))
+        envelope = await self.exchange(peer, service, request.method, envelope, timeout=timeout,
+                                       traffic=request.traffic, epoch=getattr(request, "epoch", None))
         if REFUSED in envelope.header:
             retry = envelope.header.get(RETRY_AFTER)
             raise Refused(str(envelope.header[REFUSED]),

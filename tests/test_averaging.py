@@ -16,6 +16,8 @@ from hivemind.compression import Uniform8BitQuantization
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 
+from p2ptrain import compression
+from p2ptrain.client import averaging
 from p2ptrain.client.averaging import (
     CodecAllReduceRunner,
     GradientDeposits,
@@ -248,6 +250,39 @@ def test_the_server_holding_a_stages_deposits_hands_its_depositors_their_mean(co
             assert torch.equal(torch.cat([t.reshape(-1) for t in mean]), travelled) and covered == 3
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("codec", ["none", "fp16", "int8"])
+def test_a_lone_worker_encodes_its_deposit_once_and_looks_ahead_and_averages_on_what_it_sent(
+        codec: str, monkeypatch: pytest.MonkeyPatch):
+    """A lone worker's look-ahead and its round of two with the server holding its deposit both take its gradients
+    as the deposit brought them (the holder's copy); the deposit encoded them, and nothing encodes them again."""
+    encodings: list[str] = []
+
+    def counted(tensor: torch.Tensor, codec: str):
+        encodings.append(codec)
+        return encode(tensor, codec)
+
+    monkeypatch.setattr(averaging, "encode", counted)
+    monkeypatch.setattr(compression, "encode", counted)  # what the transport encodes with
+
+    async def scenario() -> None:
+        async with members(2, codec, server=True) as (server, worker):
+            own = draws(1)[0]
+            group = tuple(GroupMember(peer_id=a.caller.peer_id, client_mode=False, rows=r)
+                          for a, r in ((server, 0), (worker, 3)))
+            assert await worker.deposit(server.caller.peer_id, own, epoch=5, rows=3)
+            (held,) = server.deposits.of(5, {worker.caller.peer_id})
+            mean, covered = await worker.stage_mean(own, epoch=5, group=group)
+            averaged, result = await worker.average(own, epoch=5, rows=3, group=group, deposited=True)
+            assert covered == 3 and result.ok and result.group_size == 2
+            for values in (mean, averaged):
+                assert torch.equal(torch.cat([t.reshape(-1) for t in values]), held.grads)
+            assert torch.equal(held.grads, decode(encode(torch.cat([t.reshape(-1) for t in own]), codec)))
+
+    asyncio.run(scenario())
+    assert encodings == [codec]  # the deposit's, once
 
 
 @pytest.mark.timeout(120)

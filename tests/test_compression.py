@@ -17,6 +17,7 @@ from p2ptrain.compression import (
     check_tensor,
     decode,
     deserialize,
+    encode,
     encoded_nbytes,
     int8_error_bound,
     serialize,
@@ -120,6 +121,17 @@ def test_chunking_and_many_tensors() -> None:
     first = serialize(tensors["a"], "int8", chunk_size_bytes=1000)
     with pytest.raises(ValueError, match="chunks"):
         deserialize(first[:-1])
+
+
+def test_a_tensor_the_sender_encoded_already_travels_as_it_encoded_it() -> None:
+    gen = torch.Generator().manual_seed(8)
+    sent, other = torch.randn(3000, generator=gen), torch.randn(3000, generator=gen)
+    message = encode(sent, "int8")
+    protos = pack(Envelope({}, {"g": decode(message)}, {"g": message}), codec="int8", proto=runtime_pb2.ExpertRequest)
+    assert torch.equal(asyncio.run(unpack(protos)).tensors["g"], decode(message))
+    # the message travels, not the tensor beside it: nothing encodes it again
+    protos = pack(Envelope({}, {"g": other}, {"g": message}), codec="int8", proto=runtime_pb2.ExpertRequest)
+    assert torch.equal(asyncio.run(unpack(protos)).tensors["g"], decode(message))
 
 
 def test_int8_rejects_truncated_buffer() -> None:

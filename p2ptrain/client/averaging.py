@@ -326,6 +326,8 @@ class StageAllReduce(ServicerBase):
         # the stage's own rounds, or (`namespace`) another kind of round its members take part in
         self.stage, self.prefix = stage, f"{run_id}_{namespace or f'stage{stage}'}_allreduce"
         self._deposited: dict[int, tuple[int, str]] = {}  # this worker's deposits of recent epochs: rows, server
+        # the epoch and flat values of its last deposit as they reached the server, where the codec changes them
+        self._arrived: tuple[int, torch.Tensor] | None = None
         self._runners: dict[bytes, asyncio.Future] = {}
         self._finishing: set[asyncio.Task] = set()  # runners of rounds already averaged, ending (`_finish`)
 
@@ -359,17 +361,22 @@ class StageAllReduce(ServicerBase):
                       overflow: bool = False) -> bool:
         """Hand this worker's gradients of `epoch` (and whether they overflowed) to `server` before the stage counts it
         ready to average (module doc); False if it failed (it asks again at its next poll)."""
-        request = DepositGrads(epoch=epoch, rows=rows, grads=flatten(grads, torch.float32), overflow=overflow)
+        flat, encoded = flatten(grads, torch.float32), {}
+        if not self._exact(grads):  # encoded once, off the event loop: what it sends and what the server holds
+            message, flat = await asyncio.to_thread(self._encoded, flat)
+            encoded = {"grads": message}
+        request = DepositGrads(epoch=epoch, rows=rows, grads=flat, overflow=overflow)
         try:
             if server == self.caller.peer_id and self.deposits is not None:  # an FS that computes: no call to itself
                 self.deposits.hold(request, server)
             else:
-                await self._depositor.call(server, GRADIENT_DEPOSITS, request)
+                await self._depositor.call(server, GRADIENT_DEPOSITS, request, encoded=encoded)
         except Exception as e:
             logger.warning(f"stage {self.stage}: depositing the gradients of epoch {epoch} with {server} failed: "
                            f"{e!r}")
             return False
         self._deposited[epoch] = (rows, server)
+        self._arrived = (epoch, flat) if encoded else None
         for stale in [e for e in self._deposited if e < epoch - DEPOSITS_KEPT]:
             del self._deposited[stale]
         return True
@@ -382,8 +389,10 @@ class StageAllReduce(ServicerBase):
         if epoch not in self._deposited:
             return None
         server, peers = self._deposited[epoch][1], tuple(member.peer_id for member in group if member.rows)
-        if peers == (self.caller.peer_id,):  # the stage's only rows are this worker's: its mean is its own, as its
-            return await self._travelled(like), self._deposited[epoch][0]  # deposit brought it (the round's average)
+        if peers == (self.caller.peer_id,):
+            # the stage's only rows are this worker's: its mean is its own, as its deposit brought it (the round's
+            # average)
+            return await self._travelled(like, epoch=epoch), self._deposited[epoch][0]
         try:
             if server == self.caller.peer_id and self.deposits is not None:
                 if (mean := await self.deposits.mean(epoch, set(peers))) is None:
@@ -454,7 +463,7 @@ class StageAllReduce(ServicerBase):
         (contributor,), me = contributors, self.caller.peer_id
         holder = next(member for member in group if member is not contributor)
         if contributor.peer_id == me and self._deposited.get(epoch) == (rows, holder.peer_id):
-            return await self._travelled(grads), RoundResult(group_size=2, ok=True, overflow=overflow)
+            return await self._travelled(grads, epoch=epoch), RoundResult(group_size=2, ok=True, overflow=overflow)
         if holder.peer_id == me and self.deposits is not None:
             held = self.deposits.of(epoch, {contributor.peer_id})
             if not held or held[0].rows != contributor.rows:
@@ -462,11 +471,23 @@ class StageAllReduce(ServicerBase):
             return unflatten(held[0].grads, like=grads), RoundResult(group_size=2, ok=True, overflow=held[0].overflow)
         return None
 
-    async def _travelled(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`grads` as a deposit of them reaches its server: through the averaging codec, in float32."""
-        if self.wire.codec == "none" and all(grad.dtype == torch.float32 for grad in grads):
-            return list(grads)  # the wire carries them exactly: the holder's copy is these very values
-        flat = await asyncio.to_thread(lambda: decode(encode(flatten(grads, torch.float32), self.wire.codec)))
+    def _exact(self, grads: list[torch.Tensor]) -> bool:
+        """Whether a deposit of `grads` reaches its server as these very values."""
+        return self.wire.codec == "none" and all(grad.dtype == torch.float32 for grad in grads)
+
+    def _encoded(self, flat: torch.Tensor) -> tuple[runtime_pb2.Tensor, torch.Tensor]:
+        """`flat` as the averaging codec sends it, and as its receiver decodes it."""
+        message = encode(flat, self.wire.codec)
+        return message, decode(message)
+
+    async def _travelled(self, grads: list[torch.Tensor], *, epoch: int) -> list[torch.Tensor]:
+        """`grads`, this worker's gradients of `epoch`, as its deposit of them reached its server: through the
+        averaging codec, in float32 (kept from the deposit, which encoded them)."""
+        if self._exact(grads):
+            return list(grads)
+        if self._arrived is not None and self._arrived[0] == epoch:
+            return unflatten(self._arrived[1], like=grads)
+        _, flat = await asyncio.to_thread(self._encoded, flatten(grads, torch.float32))
         return unflatten(flat, like=grads)
 
     def _with_deposits(self, grads: list[torch.Tensor], *, rows: int, epoch: int, dead: set[str], overflow: bool

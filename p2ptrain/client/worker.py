@@ -7,10 +7,9 @@ result never reaches the average: every row's gradient counts exactly once.
 With `RuntimeConfig.push_behind` (`--push-behind on`; off by default until a benchmark shows it pays) a result goes to
 its server while the worker takes and computes its next task: the server confirms a result with the task's issuer
 before it answers, two calls whose latency (8-14 ms a task on a loaded 2-core machine) would otherwise idle the
-worker. One result is on its way at a
-time, in order, and every one has landed before the worker acts on an FS's word about its epoch (deposit, step,
-catch-up). Its task may meanwhile come back to it (its lease ran out) and both results be accepted, so the worker
-counts each microbatch's rows once.
+worker. One result is on its way at a time, in order, and every one has landed before the worker acts on an FS's
+word about its epoch (deposit, step, catch-up). Its task may meanwhile come back to it (its lease ran out) and both
+results be accepted, so the worker counts each microbatch's rows once.
 
 A worker keeps two copies of its stage: the model it computes with, and the master copy its optimizer steps. When
 an epoch closes, the stage averages its gradients and steps the master copy (clipped by the global norm across all
