@@ -62,11 +62,12 @@ class Variant:
     flags: tuple[str, ...] = ()  # the peers' flags that differ from their defaults
 
 
-VARIANTS: dict[str, Variant] = {"fp32": Variant(), "fp16": Variant({"averaging_codec": "fp16"}),
-                                "int8": Variant({"averaging_codec": "int8"}), "h8": Variant({"average_every": 8}),
+FP32 = {"averaging_codec": "fp32"}
+VARIANTS: dict[str, Variant] = {"fp32": Variant(FP32), "fp16": Variant({"averaging_codec": "fp16"}),
+                                "int8": Variant({"averaging_codec": "int8"}), "h8": Variant({**FP32, "average_every": 8}),
                                 "int8-h8": Variant({"averaging_codec": "int8", "average_every": 8}),
-                                "overlap": Variant({"overlap_epochs": True}),
-                                "behind-on": Variant(flags=("--push-behind", "on"))}
+                                "overlap": Variant({**FP32, "overlap_epochs": True}),
+                                "behind-on": Variant(FP32, flags=("--push-behind", "on"))}
 POLL_S = 2.0
 # how a server's log says it judged a worker gone (p2ptrain/server/base.py, frontal.py)
 GONE = re.compile(r"gone \(silent for|; gone$|gone with the parameter gradients", re.MULTILINE)

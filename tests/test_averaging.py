@@ -280,6 +280,7 @@ def test_a_lone_worker_encodes_its_deposit_once_and_looks_ahead_and_averages_on_
             for values in (mean, averaged):
                 assert torch.equal(torch.cat([t.reshape(-1) for t in values]), held.grads)
             assert torch.equal(held.grads, decode(encode(torch.cat([t.reshape(-1) for t in own]), codec)))
+            assert worker._arrived is None  # past the round, the worker keeps no copy of the stage's gradients
 
     asyncio.run(scenario())
     assert encodings == [codec]  # the deposit's, once
@@ -456,7 +457,8 @@ def test_a_swarm_averaging_every_4_epochs_sends_a_quarter_of_the_rounds_keeps_it
     holder's anchor (the digest) agrees at every epoch, every row reaches a step, and the loss falls."""
     epochs = 8
     swarm = make_swarm("diloco", ["--model", "llama-tiny", "--num-stages", "2", "--batch-rows", "8",
-                                  "--microbatches", "4", "--seq-len", "64", "--seed", "3", "--average-every", "4"])
+                                  "--microbatches", "4", "--seq-len", "64", "--seed", "3", "--average-every", "4",
+                                  "--averaging-codec", "fp32"])  # a round's bytes, 4 a value, as counted below
     swarm.start_two_stages({"c0a": "0", "c0b": "0", "c1a": "1", "c1b": "1"}, epochs=epochs)
     report = swarm.wait_finished(timeout=300)
     assert [e["epoch"] for e in report["epochs"]] == list(range(epochs))

@@ -56,9 +56,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_every_server_replica_steps_with_its_stages_workers_and_with_one_process(make_swarm, tmp_path):
     epochs = 4
     dumps = tmp_path / "steps"
-    # one process steps before each epoch computes: so does the swarm here (`--dpu off`; test_dpu has delayed updates)
-    swarm = start_swarm(make_swarm, "replicas", [*RECIPE, "--dpu", "off", "--dump-grads", str(dumps)], epochs=epochs,
-                        bs_args=("--keep-state",))
+    # one process steps before each epoch computes: so does the swarm here (`--dpu off`; test_dpu has delayed updates),
+    # on gradients averaged in fp32, compared with one process's past int8's rounding
+    swarm = start_swarm(make_swarm, "replicas", [*RECIPE, "--dpu", "off", "--averaging-codec", "fp32", "--dump-grads",
+                                                 str(dumps)], epochs=epochs, bs_args=("--keep-state",))
     report = swarm.wait_finished(timeout=300)
     ids = {name: re.search(r"(?:client|server) (\w+) up", (swarm.workdir / f"{name}.log").read_text()).group(1)
            for name in ("fs0", "bs0", "fs1", "bs1", *CLIENTS)}

@@ -415,9 +415,12 @@ class StageAllReduce(ServicerBase):
         the result, whether any member's or deposit's in the average did. `deposited`: the round averages the
         epoch's gradients, which its members with rows deposited before it (`deposit`): a worker and the server
         holding its deposit take that as the average without a round (module doc)."""
-        if deposited and (handed := await self._handed_over(grads, epoch=epoch, rows=rows, group=group,
-                                                            overflow=overflow)) is not None:
-            return handed
+        if deposited:
+            handed = await self._handed_over(grads, epoch=epoch, rows=rows, group=group, overflow=overflow)
+            if self._arrived is not None and self._arrived[0] <= epoch:
+                self._arrived = None  # past their last use (the look-ahead came before): a stage's gradients' memory
+            if handed is not None:
+                return handed
         members, mine, weight, dead, flagged = group, grads, rows, set(), overflow
         expected = sum(member.rows for member in group)
         while len(members) > 1:
