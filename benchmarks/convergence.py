@@ -15,11 +15,12 @@ the epoch), global-norm clipping and number of steps, on `../shared/data/wikitex
   int8, churn and the averaging runs below do too;
 - int8: the same swarm with int8 activations and gradients on the wire (`--compression int8`);
 - int8-averaging, fp16-averaging (on request): the same swarm whose stages average in int8 or fp16
-  (`--averaging-codec`; the other swarms average in fp32); dpu-int8-averaging, dpu-fp16-averaging: dpu's swarm
-  (below) averaging so;
+  (`--averaging-codec`; the other swarms without DPU average in fp32); dpu-fp32-averaging, dpu-int8-averaging,
+  dpu-fp16-averaging: dpu's swarm (below) averaging so;
 - churn: the same swarm whose clients are SIGKILLed and started again at disconnection rate --churn per global
   batch (`harness.Chaos`, the faults benchmark's model);
-- dpu: the swarm as it ships, with delayed parameter updates (`--dpu on`, the default), each worker computing the
+- dpu: the swarm as it ships, with delayed parameter updates (`--dpu on`, the default) and the default averaging
+  codec (`--averaging-codec int8`), each worker computing the
   next epoch where a step on the mean of its stage's deposited gradients takes the stage (`--dpu-lookahead on`, DPU's
   default); dpu-lookahead (on request) is the same run under its earlier name;
 - dpu-plain (on request): the same without the look-ahead (`--dpu-lookahead off`): the next epoch computes on the
@@ -65,7 +66,7 @@ from p2ptrain.protocol.optimization import LRSchedule, clip_coefficient
 RESULTS = ROOT / "benchmarks" / "results"
 DATA = ROOT.parent / "shared" / "data" / "wikitext-2"
 RUNS = ("one", "swarm", "int8", "churn", "dpu", "dpu-lookahead", "dpu-plain", "dpu-overlap", "int8-averaging",
-        "fp16-averaging", "dpu-int8-averaging", "dpu-fp16-averaging", "average-every-8")
+        "fp16-averaging", "dpu-fp32-averaging", "dpu-int8-averaging", "dpu-fp16-averaging", "average-every-8")
 DEFAULT_RUNS = ("one", "swarm", "dpu", "int8", "churn")
 STALE_RUNS = ("one-late", "one-late-from-N", "one-predict-A")
 
@@ -274,12 +275,12 @@ def markdown(command: str, info: dict, config: RunConfig, args: argparse.Namespa
                  "extrapolated by A times the last update (weight prediction); swarm = the swarm stepping before the next epoch (--dpu off, averaging in "
                  "fp32; int8, churn and the averaging runs too); int8 = the swarm with int8 activations and gradients; "
                  "churn = the swarm with clients SIGKILLed and restarted; dpu, dpu-lookahead = the swarm as it ships, "
-                 "with delayed parameter updates, each worker computing the "
+                 f"with delayed parameter updates and {RunConfig.averaging_codec} averaging, each worker computing the "
                  "next epoch where a step on the mean of its stage's deposited gradients takes the stage; dpu-plain = "
                  "the same without that look-ahead, on the parameters before the step in flight; dpu-overlap = dpu "
                  "with no drain at the epoch boundary (--overlap-epochs on); int8-averaging, fp16-averaging = the "
-                 "swarm whose stages average in int8 or fp16, dpu-int8-averaging, dpu-fp16-averaging the dpu swarm "
-                 "so; average-every-8 = the swarm whose stages average once every 8 "
+                 "swarm whose stages average in int8 or fp16, dpu-fp32-averaging, dpu-int8-averaging, "
+                 "dpu-fp16-averaging the dpu swarm so (dpu-plain and dpu-overlap average as dpu does); average-every-8 = the swarm whose stages average once every 8 "
                  f"epochs (DiLoCo, outer lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}), "
                  "unclipped.")
     return "\n".join(lines) + "\n"
@@ -353,8 +354,10 @@ def main(argv: list[str] | None = None) -> None:
                                   "dpu": name.startswith("dpu"), "dpu_lookahead": name != "dpu-plain",
                                   "overlap_epochs": name == "dpu-overlap",
                                   "compression": "int8" if name == "int8" else "none",
+                                  # the DPU runs average as the swarm ships, the runs without DPU as they always did
                                   "averaging_codec": name.removeprefix("dpu-").removesuffix("-averaging")
-                                  if name.endswith("-averaging") else "fp32",
+                                  if name.endswith("-averaging") else
+                                  RunConfig.averaging_codec if name.startswith("dpu") else "fp32",
                                   **({"average_every": 8, "clip_norm": 0.0, "outer_lr": args.outer_lr,
                                       "outer_momentum": args.outer_momentum} if name == "average-every-8" else {})})
             results[name] = swarm_run(config, args=args, churn=args.churn if name == "churn" else 0.0,

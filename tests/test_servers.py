@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.client.averaging import StageAllReduce
@@ -55,6 +56,7 @@ from p2ptrain.transport import Caller, Envelope, Refused, pack, unpack
 SEQ, ROWS = 4, 4
 CONFIG = RunConfig(num_stages=1, rows_per_microbatch=ROWS, microbatches=1, seq_len=SEQ)
 LAYOUT = Layout((StageServers(fs=("fs",), bs=("bs",)),))
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 class Clock:
@@ -675,6 +677,77 @@ def test_a_replica_announced_before_its_first_poll_is_in_the_first_group_and_one
         await run_epoch(2)
         await fs.take_task(dataclasses.replace(replica, epoch=2), "bs")
         assert fs.state.closed_epoch == 2 and members(fs.state.closures[2]) == ["bs", "w1"]
+
+    asyncio.run(scenario())
+
+
+def test_the_fss_own_replica_held_past_worker_lost_s_is_waited_for_and_a_silent_remote_one_is_not():
+    """The stage's replica in the FS's own process lives as long as the FS: its loop held past `worker_lost_s` (by a
+    round that fails at its deadline), it is neither gone nor left out of the next group, which would step without
+    it. A remote replica silent that long is gone (its worker keeps it heard while it waits: `Worker._heard_by`)."""
+    async def scenario() -> None:
+        clock = Clock()
+        fs, _ = servers(clock=clock)
+        own = TakeTask(worker="fs", compute=1.0, epoch=0, holds_state=True)
+        remote = TakeTask(worker="bs", compute=1.0, epoch=0, holds_state=True)
+
+        async def run_epoch(epoch: int) -> None:
+            await feed(fs, epoch)
+            task = await take(fs, "w1", epoch)
+            assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+            clock.now += 0.5
+            await deposited(fs, "w1", epoch)
+
+        fs.expect_replicas({"fs", "bs"})
+        await run_epoch(0)
+        for replica in (own, remote):
+            await fs.take_task(replica, replica.worker)
+        assert fs.state.closed_epoch == 0 and members(fs.state.closures[0]) == ["bs", "fs", "w1"]
+        for replica in (own, remote):
+            await fs.take_task(dataclasses.replace(replica, epoch=1), replica.worker)
+        clock.now += fs.settings.worker_lost_s + 1.0  # neither replica polls meanwhile
+        await run_epoch(1)
+        assert fs.gone("bs") and not fs.gone("fs")
+        assert fs.state.closed_epoch == 0  # the FS's own replica is waited for
+        await fs.take_task(dataclasses.replace(own, epoch=1), "fs")
+        assert fs.state.closed_epoch == 1 and members(fs.state.closures[1]) == ["fs", "w1"]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_loop_waits_past_worker_lost_s_is_heard_by_its_fs_over_the_network_meanwhile():
+    """A worker's loop held between polls (its round failing at its deadline, a state download) probes its FS every
+    quarter of `worker_lost_s` over real P2P on 127.0.0.1: the FS's node hears it, and does not count it gone until
+    the wait ends and it stays silent."""
+    async def scenario() -> None:
+        settings = RuntimeConfig(worker_lost_s=0.8)
+        fs_p2p = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 20)
+        worker_p2p = None
+        try:
+            worker_p2p = await asyncio.wait_for(P2P.create(
+                host_maddrs=[LOOPBACK], initial_peers=await fs_p2p.get_visible_maddrs()), 20)
+            fs_id, worker_id = fs_p2p.peer_id.to_base58(), worker_p2p.peer_id.to_base58()
+            fs = FrontalServer(peer_id=fs_id, stage=0, config=CONFIG, settings=settings,
+                               caller=Caller(p2p=fs_p2p, peer_id=fs_id, codec="none", timeout=10.0))
+            await LinkProbe(peer_id=fs_id, hearing=fs.hearing).add_p2p_handlers(fs_p2p)
+            caller = Caller(p2p=worker_p2p, peer_id=worker_id, codec="none", timeout=10.0)
+            start, end = CONFIG.stage_layers(0)
+            worker = Worker(worker_id=worker_id, stage=0, config=CONFIG, settings=settings, caller=caller,
+                            model=build_stage(CONFIG.model_config, start=start, end=end, seed=CONFIG.seed),
+                            averager=StageAllReduce(p2p=None, run_id=CONFIG.run_id, stage=0, timeout=1.0,
+                                                    caller=caller),
+                            servers=lambda: ([fs_id], []), compute=1.0)
+            await fs.take_task(TakeTask(worker=worker_id, compute=1.0, epoch=0), worker_id)
+            async with worker._heard_by([fs_id]):
+                await asyncio.sleep(3 * settings.worker_lost_s)
+                assert not fs.gone(worker_id)
+            await asyncio.sleep(1.5 * settings.worker_lost_s)
+            assert fs.gone(worker_id)
+        finally:
+            for p2p in (worker_p2p, fs_p2p):
+                if p2p is not None:
+                    await p2p.shutdown()
 
     asyncio.run(scenario())
 

@@ -33,8 +33,10 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 def make_worker(worker_id: str, *, local: dict[tuple[str, str], Service], stage: int = 0,
-                model_config: ModelConfig = TINY, client_mode: bool = False, caller: Caller | None = None) -> Worker:
-    """A worker of `stage` (layers as the run splits them) whose calls reach the servicers in `local`."""
+                model_config: ModelConfig = TINY, client_mode: bool = False, caller: Caller | None = None,
+                **options: object) -> Worker:
+    """A worker of `stage` (layers as the run splits them) whose calls reach the servicers in `local`; `options`: more
+    of Worker's keywords."""
     start, end = CONFIG.stage_layers(stage)
     model = build_stage(model_config, start=start, end=end, seed=CONFIG.seed)
     caller = caller or Caller(p2p=None, peer_id=worker_id, codec="none", timeout=10.0, local=local)
@@ -42,7 +44,7 @@ def make_worker(worker_id: str, *, local: dict[tuple[str, str], Service], stage:
                   # a group of one averages without the network: the averager is never started
                   averager=StageAllReduce(p2p=None, run_id=CONFIG.run_id, stage=stage, timeout=1.0, caller=caller),
                   caller=caller,
-                  servers=lambda: ([], []), compute=1e9, client_mode=client_mode)
+                  servers=lambda: ([], []), compute=1e9, client_mode=client_mode, **options)
 
 
 def serving(worker: Worker, local: dict[tuple[str, str], Service]) -> Worker:
@@ -134,6 +136,42 @@ def test_a_joiner_asks_its_stages_servers_before_its_mates():
         joiner = make_worker("joiner", local=local)
         assert await load_state_from_peers(joiner, caller=joiner.caller, servers=["server"],
                                            candidates=[m.worker_id for m in mates]) == 2
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_replica_left_out_of_a_group_that_no_mate_could_serve_takes_a_mates_state_after_its_next_round():
+    """The stage steps an epoch without the replica (left out of its group) while its only mate cannot be reached:
+    the replica must not step on from parameters an epoch behind, or it would stand apart from the stage for good."""
+    async def scenario() -> None:
+        local: dict[tuple[str, str], Service] = {}
+
+        async def from_mate(worker: Worker) -> int | None:
+            return await load_state_from_peers(worker, caller=worker.caller, candidates=["mate"], deadline=5.0)
+
+        mate = serving(make_worker("mate", local=local), local)
+        replica = serving(make_worker("replica", local=local, download_state=from_mate), local)
+        for epoch in range(2):
+            await step(mate, seed=epoch)
+            await step(replica, seed=epoch)
+        assert_same_state(mate, replica)
+        served = local.pop(("mate", STAGE_STATE))  # out of reach while the replica looks for the stage's state
+        replica.rows_accumulated = CONFIG.rows_per_microbatch
+        await replica._step((GroupMember(peer_id="mate", client_mode=False),))
+        assert replica.stale and replica.epoch == 3
+        with pytest.raises(Refused, match="parameters may stand apart"):  # it serves nobody its parameters
+            await StageStateServer(worker=replica).download_state(
+                DownloadState(stage=0, start=replica.model.start, end=replica.model.end, at_least=3), "joiner")
+        await step(mate, seed=2)  # the stage's step of epoch 2, which the replica never took
+        local[("mate", STAGE_STATE)] = served
+        await step(mate, seed=3)
+        await step(replica, seed=3)  # its round succeeds: in place of its own step, the mate's state after it
+        assert not replica.stale and replica.epoch == 4
+        assert_same_state(mate, replica)
+        await step(mate, seed=4)
+        await step(replica, seed=4)
+        assert_same_state(mate, replica)
 
     asyncio.run(scenario())
 

@@ -70,7 +70,8 @@ class StageStateServer(Service):
                           f"[{request.start}, {request.end}) of stage {request.stage}")
         if worker.client_mode:
             raise Refused("a client-mode worker does not serve its state")
-        stale = Refused("its last averaging round failed: its parameters may stand apart from the stage's")
+        stale = Refused("the stage stepped without it (a failed round, or it was left out and none served it the "
+                        "stage's state): its parameters may stand apart from the stage's")
         if worker.stale:  # checked before waiting too: its update in flight may be a reload from the asker
             raise stale
         # with DPU a step may be in flight: the state served is the one after it, so that a joiner is current for the

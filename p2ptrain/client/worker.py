@@ -50,13 +50,14 @@ overflow every worker and replica of every stage skips the epoch's step and halv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import torch
 
@@ -68,10 +69,12 @@ from p2ptrain.protocol.closure import judge
 from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
+    LINK_PROBE,
     FetchInputs,
     GroupMember,
     Leave,
     Message,
+    Probe,
     PushInputGrads,
     PushOutputs,
     ReportGroup,
@@ -184,7 +187,7 @@ class Worker:
         self._ahead: LookAhead | None = None  # the look-ahead's step, where it may be the step in flight's (`_apply`)
         self._clip_scale = 1.0  # the factor the last step's global norm clipped the stage's gradients by
         self._averaging_with: dict[int, frozenset[str]] = {}  # per epoch, the group of an all-reduce under way
-        self._stale = False  # a round failed and this worker did not step: it reloads the stage's state
+        self._stale = False  # the stage stepped and this worker did not: it reloads the stage's state
         self.servers, self.compute, self.client_mode, self.fault = servers, compute, client_mode, fault
         self.suspect = suspect  # a server of its stage did not answer a poll (`MembershipCache.suspect`)
         self.dump_dir = dump_dir
@@ -254,7 +257,8 @@ class Worker:
                     await self._deposit_behind(reply.deposit_to)
                 await self._run_task(reply)
             else:
-                await self._after_idle_poll(polls)
+                async with self._heard_by([fs for fs in fs_list if fs != self.worker_id]):
+                    await self._after_idle_poll(polls)
         await self._pushed()  # a result it computed still counts, if its server takes it
 
     async def leave(self) -> None:
@@ -281,7 +285,8 @@ class Worker:
 
     @property
     def stale(self) -> bool:
-        """Its last averaging round failed and it did not step: its parameters may stand apart from its mates'."""
+        """The stage stepped and this worker did not (its round failed, or it was left out and no mate served the
+        stage's state): its parameters may stand apart from its mates'."""
         return self._stale
 
     def averages_with(self, peer: str) -> bool:
@@ -390,6 +395,32 @@ class Worker:
         self._awaits_backward = bool(self.cache) and all(reply is not None for reply in polls.values())
         return None, polls
 
+    @contextlib.asynccontextmanager
+    async def _heard_by(self, servers: list[str]) -> AsyncIterator[None]:
+        """While its loop is held between polls (its round and its update, or a state download: each ends by its
+        deadline, which may be past `worker_lost_s`), `servers` keep hearing from this worker. Counted gone, it would
+        have its rows redone and be left out of the next group; a remote server that holds the stage's state would
+        fall behind the workers, and the stage's state could rest on workers in client mode, which serve nobody."""
+        beat = asyncio.create_task(self._beat(servers))
+        try:
+            yield
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+
+    async def _beat(self, servers: list[str]) -> None:
+        period = self.settings.worker_lost_s / 4
+        while True:
+            await asyncio.sleep(period)
+            await asyncio.gather(*(self._ping(server, timeout=period) for server in servers))
+
+    async def _ping(self, server: str, *, timeout: float) -> None:
+        """A probe's bytes reach the server's node, which hears its sender (`StageServer.heard`)."""
+        try:
+            await self.caller.call(server, LINK_PROBE, Probe(), timeout=timeout)
+        except Exception as e:  # out of reach: the next poll tells the loop, which acts on it
+            logger.debug(f"worker {self.worker_id}: probing {server} while its loop waits failed: {e!r}")
+
     async def _after_idle_poll(self, polls: dict[str, TaskReply | None]) -> None:
         """No task anywhere: step, catch up, or wait, by ``protocol.closure.judge``; with every result it pushed
         counted first, since an FS's answer may reflect a result this worker has not heard accepted yet."""
@@ -402,8 +433,7 @@ class Worker:
         if verdict.catch_up_to is not None:
             await self.settle()
             self._advance(verdict.catch_up_to)
-            if self.download_state is not None:  # the stage stepped without this worker: take its parameters
-                await self.download_state(self)
+            await self._take_stages_state()
         elif verdict.abandoned:
             logger.warning(f"worker {self.worker_id}: epoch {self.epoch} was abandoned (a server lost its rows); "
                            f"dropping its gradients of {self.rows_accumulated} rows, the data comes again")
@@ -670,8 +700,7 @@ class Worker:
             else:  # joined as the epoch closed: nothing of it to hand in
                 logger.info(f"worker {self.worker_id}: not in the averaging group of epoch {epoch}; skipping it")
             self._advance(epoch + 1)
-            if self.download_state is not None:  # the stage stepped without this worker: take its parameters
-                await self.download_state(self)
+            await self._take_stages_state()
             return
         grads, overflow = self._mean_gradients(), self.overflowed
         seconds = time.monotonic() - self._epoch_started
@@ -859,8 +888,18 @@ class Worker:
             self._dump_step(epoch, grads)
         return adopted
 
+    async def _take_stages_state(self) -> None:
+        """The stage stepped without this worker (it was left out of a group, or it catches up): take its parameters
+        from a mate. Where none serves one yet (its mates may still be stepping, or be out of reach), its own stand
+        apart from the stage's for good unless it is marked stale: then it takes a mate's state after its next round."""
+        if self.download_state is not None and await self.download_state(self) is None:
+            logger.warning(f"worker {self.worker_id}: stage {self.stage} stepped without it and no mate served its "
+                           "state; it takes a mate's state after its next round")
+            self._stale = True
+
     async def _reload(self) -> bool:
-        """After a failed round this worker skipped its step; once a round succeeds again it takes a mate's state,
+        """After a failed round, or an epoch the stage stepped without it (`_take_stages_state`), this worker's
+        parameters stand apart from its mates'; once a round succeeds again it takes a mate's state,
         stepped by that round, in place of stepping its own. It asks only after the round, so that a mate serving it
         waits for nothing this worker still owes. False if no mate could serve (stale mates refuse: their parameters
         did not move either, and this worker steps with them)."""

@@ -20,7 +20,7 @@ from p2ptrain.dht import Link
 from p2ptrain.models import build_stage
 from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.messages import LINK_PROBE, Echo, Probe
-from p2ptrain.transport import Caller, Refused, Requests, Responses, Service
+from p2ptrain.transport import Caller, Hearing, Refused, Requests, Responses, Service
 
 PAYLOAD_BYTES = 2**20
 PINGS = 3
@@ -40,8 +40,10 @@ class LinkProbe(Service):
 
     service = LINK_PROBE
 
-    def __init__(self, *, peer_id: str, delay_s: float = 0.0, started: float | None = None):
-        super().__init__(peer_id=peer_id, name="link probe", codec="none")
+    def __init__(self, *, peer_id: str, delay_s: float = 0.0, started: float | None = None,
+                 hearing: Hearing | None = None):
+        # `hearing`: the node's, so that a server hears a worker whose loop is held between polls (`Worker._beat`)
+        super().__init__(peer_id=peer_id, name="link probe", codec="none", hearing=hearing)
         self.delay_s = delay_s
         self.started = time.time() if started is None else started
 

@@ -56,7 +56,7 @@ from p2ptrain.server.feeder import DataFeeder, HeldOut
 from p2ptrain.server.frontal import FrontalServer
 from p2ptrain.server.watch import ServerWatch
 from p2ptrain.state.checkpoint import load_checkpoint, save_checkpoint
-from p2ptrain.transport import Caller
+from p2ptrain.transport import Caller, Hearing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,6 +106,7 @@ class Peer:
         self._planner: asyncio.Task | None = None
         self._planner_stop = threading.Event()
         self.started = time.time()  # this process's incarnation: the link probe tells it, and a restart changes it
+        self.hearing = Hearing()  # when bytes of each peer last arrived, at any of this node's servicers
         # the run starts from a Hugging Face checkpoint (`--init-from`), which this peer may have no copy of
         self._pretrained_run = config.init_from is not None
 
@@ -146,8 +147,8 @@ class Peer:
         if options.role != "bootstrap":
             self._p2p = await self.dht.replicate_p2p()
             # before anything is announced: planners, planned servers and joining clients measure links to it
-            await LinkProbe(peer_id=self.peer_id, delay_s=options.probe_delay_s,
-                            started=self.started).add_p2p_handlers(self._p2p)
+            await LinkProbe(peer_id=self.peer_id, delay_s=options.probe_delay_s, started=self.started,
+                            hearing=self.hearing).add_p2p_handlers(self._p2p)
         joined = None
         if options.role != "bootstrap" and self.placement is None:
             joined = await self._join()
@@ -343,7 +344,7 @@ class Peer:
         if role is not None:
             kind = FrontalServer if role == "fs" else BackwardServer
             self.server = kind(peer_id=self.peer_id, stage=stage, config=config, settings=settings, caller=caller,
-                               authority=membership if options.owner is not None else None)
+                               authority=membership if options.owner is not None else None, hearing=self.hearing)
             await self.server.add_p2p_handlers(self._p2p)
             if isinstance(self.server, FrontalServer):  # it forms the averaging groups, which its stage's replicas are in
                 membership.on_holders(stage, self.server.expect_replicas)
@@ -403,10 +404,9 @@ class Peer:
         deposits = None
         if self.options.role == "server":  # it keeps its stage's workers' gradients while they average
             # deposits still arriving tell the server their sender is alive
-            hearing = self.server.hearing if self.server is not None else None
             deposits = GradientDeposits(peer_id=self.peer_id, stage=placement.stage, kept=self.settings.closures_kept,
                                         numel=sum(p.numel() for p in model.parameters() if p.requires_grad),
-                                        hearing=hearing)
+                                        hearing=self.hearing)
             await deposits.add_p2p_handlers(self._p2p)
         throughput = Throughput(assumed=self.settings.slowest_uplink)  # what its rounds measure of its link
 

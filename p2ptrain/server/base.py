@@ -333,7 +333,11 @@ class StageServer(Service, Generic[S]):
 
     def gone(self, worker: str) -> bool:
         """Whether a known worker is gone: silent for `worker_lost_s` (`heard`), or its process could not be reached
-        since it was last heard from (a probe's dial failed)."""
+        since it was last heard from (a probe's dial failed). The stage's replica in this server's own process lives
+        as long as the server: its loop may be held past `worker_lost_s` by a round that fails at its deadline, and
+        left out of the next group, the replica would fall behind the stage's workers."""
+        if worker == self.peer_id:
+            return False
         record = self.state.workers[worker]
         heard = self.heard(worker, record)
         return self.clock() - heard >= self.settings.worker_lost_s or record.unreachable > heard
