@@ -150,8 +150,10 @@ class StageServer(Service, Generic[S]):
         task = await self.long_poll_task(request.worker, epoch=request.epoch, wait_s=request.wait_s,
                                          idle_wait_s=request.idle_wait_s, ahead=request.ahead)
         if task is not None:
-            # a task of the next epoch may come while its deposit of this one is due: it deposits as it computes
-            return dataclasses.replace(self.offer(task), deposit_to=self.deposit_owed(request.worker, request.epoch))
+            # a task of the next epoch may come while its deposit of this one is due: it deposits as it computes (a
+            # task of this one never does: a deposit is owed only once every row of the epoch is back)
+            owed = self.deposit_owed(request.worker, request.epoch) if task.epoch > request.epoch else None
+            return dataclasses.replace(self.offer(task), deposit_to=owed)
         return dataclasses.replace(self.no_task(epoch=request.epoch),
                                    quiet=self.quiet(request.epoch, holds_state=record.holds_state))
 
