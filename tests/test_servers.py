@@ -121,6 +121,16 @@ async def deposited(fs: FrontalServer, worker: str, epoch: int, rows: int = ROWS
     return await fs.take_task(TakeTask(worker=worker, compute=1.0, epoch=epoch, deposited=rows), worker)
 
 
+async def computed_and_deposited(fs: FrontalServer, clock: Clock, epoch: int) -> None:
+    """The data source feeds `epoch`, w1 computes all of it and, half a second later, polls with its gradients
+    deposited."""
+    await feed(fs, epoch)
+    task = await take(fs, "w1", epoch)
+    assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+    clock.now += 0.5
+    await deposited(fs, "w1", epoch)
+
+
 def grads(task: TaskOffer, worker: str) -> PushInputGrads:
     return PushInputGrads(task=task.task, worker=worker, epoch=task.epoch, microbatch=task.microbatch, rows=task.rows,
                           issuer="fs")
@@ -652,21 +662,14 @@ def test_a_replica_announced_before_its_first_poll_is_in_the_first_group_and_one
         fs.expect_replicas({"bs"})
         clock.now += 1.0
 
-        async def run_epoch(epoch: int) -> None:
-            await feed(fs, epoch)
-            task = await take(fs, "w1", epoch)
-            assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
-            clock.now += 0.5
-            await deposited(fs, "w1", epoch)
-
-        await run_epoch(0)
+        await computed_and_deposited(fs, clock, 0)
         assert fs.state.closed_epoch == -1  # every row deposited, but the replica has not polled yet
         replica = TakeTask(worker="bs", compute=1.0, epoch=0, holds_state=True)
         await fs.take_task(replica, "bs")
         assert fs.state.closed_epoch == 0 and members(fs.state.closures[0]) == ["bs", "w1"]
         fs.expect_replicas({"bs", "bs2"})  # bs2 announced itself, then died before its first poll
         clock.now += 1.0
-        await run_epoch(1)
+        await computed_and_deposited(fs, clock, 1)
         await fs.take_task(dataclasses.replace(replica, epoch=1), "bs")
         assert fs.state.closed_epoch == 0
         clock.now += fs.settings.worker_lost_s
@@ -674,7 +677,7 @@ def test_a_replica_announced_before_its_first_poll_is_in_the_first_group_and_one
         await deposited(fs, "w1", 1)
         assert fs.state.closed_epoch == 1 and members(fs.state.closures[1]) == ["bs", "w1"]
         fs.expect_replicas({"bs", "bs2"})  # its record lingers in the DHT
-        await run_epoch(2)
+        await computed_and_deposited(fs, clock, 2)
         await fs.take_task(dataclasses.replace(replica, epoch=2), "bs")
         assert fs.state.closed_epoch == 2 and members(fs.state.closures[2]) == ["bs", "w1"]
 
@@ -691,22 +694,15 @@ def test_the_fss_own_replica_held_past_worker_lost_s_is_waited_for_and_a_silent_
         own = TakeTask(worker="fs", compute=1.0, epoch=0, holds_state=True)
         remote = TakeTask(worker="bs", compute=1.0, epoch=0, holds_state=True)
 
-        async def run_epoch(epoch: int) -> None:
-            await feed(fs, epoch)
-            task = await take(fs, "w1", epoch)
-            assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
-            clock.now += 0.5
-            await deposited(fs, "w1", epoch)
-
         fs.expect_replicas({"fs", "bs"})
-        await run_epoch(0)
+        await computed_and_deposited(fs, clock, 0)
         for replica in (own, remote):
             await fs.take_task(replica, replica.worker)
         assert fs.state.closed_epoch == 0 and members(fs.state.closures[0]) == ["bs", "fs", "w1"]
         for replica in (own, remote):
             await fs.take_task(dataclasses.replace(replica, epoch=1), replica.worker)
         clock.now += fs.settings.worker_lost_s + 1.0  # neither replica polls meanwhile
-        await run_epoch(1)
+        await computed_and_deposited(fs, clock, 1)
         assert fs.gone("bs") and not fs.gone("fs")
         assert fs.state.closed_epoch == 0  # the FS's own replica is waited for
         await fs.take_task(dataclasses.replace(own, epoch=1), "fs")
