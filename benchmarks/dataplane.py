@@ -4,16 +4,16 @@ the RPC round trip and throughput of one hop, and the activation codecs, all in 
     python benchmarks/dataplane.py [--quick] [--model llama-small] [--batch-rows 4] [--microbatches 8]
                                    [--seq-len 64] [--epochs 20] [--warmup 2] [--keep-streams on] [--push-behind off]
                                    [--dpu off,on] [--averaging-codec int8]
-                                   [--keep-freed-memory off,on] [--overlap-epochs off,on] [--interleave-every 4]
-                                   [--interleave-epochs 2]
+                                   [--keep-freed-memory off,on] [--overlap-epochs off,on] [--max-in-flight 4]
+                                   [--interleave-every 4] [--interleave-epochs 2]
 
 1. Swarm vs one process. The swarm is a bootstrap peer plus, for each of 2 stages, an FS, a BS and one client,
    each a real `python -m p2ptrain.peer` process on 127.0.0.1 (started and stopped with `harness.LocalSwarm`),
    all with `--threads 1` and the same recipe flags (`--compression none`). Its speed is the data source's
    per-epoch `seconds` / `tokens_per_s` from `p2ptrain.status.collect`, over the epochs after `--warmup`. The swarm
    runs once for each combination of `--keep-streams`, `--push-behind`, `--dpu`, `--averaging-codec`,
-   `--keep-freed-memory` and `--overlap-epochs` settings
-   (the last with --dpu on only: no drain at the epoch boundary), one after the other.
+   `--keep-freed-memory`, `--overlap-epochs` and `--max-in-flight` settings
+   (`--overlap-epochs on`, no drain at the epoch boundary, with --dpu on only), one after the other.
    The reference is a plain loop in this process (torch.set_num_threads(1)): the whole model (`build_stage` of
    all its layers) with the optimizer the workers build (`configure_optimizer`: AdamW, nanoGPT-style groups), the
    same `TextSource` microbatches, summed loss / tokens, one step per global batch; where any swarm keeps freed
@@ -252,7 +252,7 @@ def shown_swarm(runs: list[dict]) -> dict:
     shipped = {"keep_streams": flag_value(RuntimeConfig.keep_streams), "push_behind": flag_value(RuntimeConfig.push_behind),
                "dpu": flag_value(ships.dpu), "averaging_codec": ships.averaging_codec,
                "keep_freed_memory": flag_value(NodeOptions.keep_freed_memory),
-               "overlap_epochs": flag_value(ships.overlap_epochs)}
+               "overlap_epochs": flag_value(ships.overlap_epochs), "max_in_flight": NodeOptions.max_in_flight}
     return next((run for run in reversed(runs) if all(run[key] == value for key, value in shipped.items())), runs[-1])
 
 
@@ -263,7 +263,8 @@ def swarm_config(config: RunConfig, *, dpu: str, overlap: str, codec: str | None
 
 
 def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, keep_streams: str, push_behind: str,
-              keep_freed_memory: str, epochs: int | None = None, profile_s: float = 0.0,
+              keep_freed_memory: str, max_in_flight: int = NodeOptions.max_in_flight, epochs: int | None = None,
+              profile_s: float = 0.0,
               reference: Callable[[int, int], list[dict]] | None = None) -> dict:
     """Train the swarm for `epochs` epochs (default `args.epochs`), reading every process's CPU time meanwhile,
     then the idle swarm's; with `profile_s`, py-spy records its FS/BS processes for that long from the first steady
@@ -272,7 +273,8 @@ def run_swarm(args: argparse.Namespace, config: RunConfig, workdir: Path, *, kee
     `reference(args.interleave_epochs, warm)` trains the one process, after `warm` epochs it does not time
     (`paired`: its epochs; `pauses`: when), so both are timed under the machine's load of the same minute; the CPU
     window leaves the pauses out. A failure is reported (`error`) with what the logs show, not raised."""
-    node_flags = ["--keep-streams", keep_streams, "--push-behind", push_behind, "--keep-freed-memory", keep_freed_memory]
+    node_flags = ["--keep-streams", keep_streams, "--push-behind", push_behind, "--keep-freed-memory", keep_freed_memory,
+                  "--max-in-flight", str(max_in_flight)]
     if args.metrics_period is not None:
         node_flags += ["--metrics-period", str(args.metrics_period)]
     swarm = LocalSwarm(workdir, config, epochs=epochs or args.epochs, node_flags=node_flags)
@@ -928,17 +930,19 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
         out += ["The swarm with each setting of `--keep-streams` (calls over streams kept open, or a new stream per "
                 "call), of `--push-behind` (a worker pushes each result while it takes its next task), of "
                 "`--averaging-codec` (how deposits and rounds send gradients), of delayed parameter updates (`--dpu`), of `--keep-freed-memory` (glibc keeps freed buffers "
-                "for reuse, `node.malloc`) and of `--overlap-epochs` (no drain at the epoch boundary), one after the "
+                "for reuse, `node.malloc`), of `--overlap-epochs` (no drain at the epoch boundary) and of "
+                "`--max-in-flight` (microbatches the data source keeps in the pipeline at once), one after the "
                 "other in this run (the tables below are those of the swarm that runs as p2ptrain ships, where the run has "
                 "it, else the last one's; control plane: the FS/BS, bootstrap, DHT, "
                 "p2pd and averager processes):", "",
                 "| --keep-streams | --push-behind | --averaging-codec | --dpu | --keep-freed-memory | --overlap-epochs | "
+                "--max-in-flight | "
                 "s / epoch | tokens/s | ratio to one process | ratio to its epochs before and after | control plane cores "
                 "(training) | control plane cores (idle) | step stall s (stage 0 / 1) | last loss |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for run in swarm_runs.values():
             out.append(f"| {run['keep_streams']} | {run.get('push_behind', '-')} | {run.get('averaging_codec', '-')} | "
-                       f"{run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | "
+                       f"{run['dpu']} | {run['keep_freed_memory']} | {run['overlap_epochs']} | {run['max_in_flight']} | "
                        f"{fmt(run['swarm_s_per_epoch'])} | "
                        f"{fmt(run['swarm_tokens_per_s'], '.0f')} | {fmt(run['ratio'], '.3f')} | "
                        f"{fmt(run['ratio_apart'], '.3f')} | "
@@ -1092,6 +1096,17 @@ def markdown(args: argparse.Namespace, command: str, info: dict, config: RunConf
     return "\n".join(out)
 
 
+def in_flight_list(text: str) -> list[int]:
+    """`--max-in-flight`'s comma-separated settings: whole numbers of 1 or more, each once."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes whole numbers, comma-separated, not {text!r}") from None
+    if not values or min(values) < 1 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"takes numbers of 1 or more, each once, not {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="llama-small", choices=sorted(k for k in TRAINABLE if k != "llama-33b"))
@@ -1143,6 +1158,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-freed-memory", default="off,on", type=lambda text: text.split(","),
                         help="the peers' --keep-freed-memory settings, each run with every other setting (default "
                              "off,on)")
+    parser.add_argument("--max-in-flight", default=str(NodeOptions.max_in_flight), type=in_flight_list,
+                        help="the data source's --max-in-flight settings (microbatches it keeps in the pipeline at "
+                             "once), each run with every other setting (default: the peers' default)")
     parser.add_argument("--metrics-period", type=positive, default=None,
                         help="the peers' --metrics-period (default: theirs): how often each stores its metrics in "
                              "the DHT while they change, which is most of what the DHT processes do while training")
@@ -1229,20 +1247,22 @@ def main(argv: list[str] | None = None) -> None:
                                                      paced["state"])
             paced["next"] += warm + count
             return records[warm:]
-        for keep, behind, codec, dpu, freed, overlap in itertools.product(
+        for keep, behind, codec, dpu, freed, overlap, in_flight in itertools.product(
                 args.keep_streams, args.push_behind, args.averaging_codec, args.dpu, args.keep_freed_memory,
-                args.overlap_epochs):
+                args.overlap_epochs, args.max_in_flight):
             if dpu == "off" and overlap == "on":
                 continue  # the next epoch may start early only with delayed updates
             log(f"[5/5] swarm with --keep-streams {keep} --push-behind {behind} --averaging-codec {codec} --dpu {dpu} "
-                f"--keep-freed-memory {freed} --overlap-epochs {overlap}: {args.epochs} epochs")
-            name = f"keep-{keep}-behind-{behind}-codec-{codec}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
+                f"--keep-freed-memory {freed} --overlap-epochs {overlap} --max-in-flight {in_flight}: "
+                f"{args.epochs} epochs")
+            name = (f"keep-{keep}-behind-{behind}-codec-{codec}-dpu-{dpu}-freed-{freed}-overlap-{overlap}"
+                    f"-in-flight-{in_flight}")
             (workdir / name).mkdir()
             swarms[name] = run_swarm(args, swarm_config(config, dpu=dpu, overlap=overlap, codec=codec),
                                      workdir / name, keep_streams=keep, push_behind=behind, keep_freed_memory=freed,
-                                     reference=reference if args.interleave_every else None)
+                                     max_in_flight=in_flight, reference=reference if args.interleave_every else None)
             swarms[name].update(keep_streams=keep, push_behind=behind, averaging_codec=codec, dpu=dpu,
-                                keep_freed_memory=freed, overlap_epochs=overlap)
+                                keep_freed_memory=freed, overlap_epochs=overlap, max_in_flight=in_flight)
         swarm = shown_swarm(list(swarms.values()))
         if "profile" in parts and args.profile_s > 0 and Profiler.available():
             # long enough to cover the recording at the shown swarm's pace, slowed by the recording
@@ -1255,7 +1275,7 @@ def main(argv: list[str] | None = None) -> None:
                                                     codec=swarm["averaging_codec"]),
                                  workdir / "profile",
                                  keep_streams=swarm["keep_streams"], push_behind=swarm["push_behind"],
-                                 keep_freed_memory=swarm["keep_freed_memory"],
+                                 keep_freed_memory=swarm["keep_freed_memory"], max_in_flight=swarm["max_in_flight"],
                                  epochs=epochs, profile_s=args.profile_s)
         elif "profile" in parts and args.profile_s > 0:
             log("  profile: skipped, py-spy is not installed (pip install -e '.[test]')")
@@ -1273,7 +1293,7 @@ def main(argv: list[str] | None = None) -> None:
     swarm_runs = {name: {**analyse(args, config, timings, single, run), "keep_streams": run["keep_streams"],
                          "push_behind": run["push_behind"], "averaging_codec": run["averaging_codec"],
                          "dpu": run["dpu"], "keep_freed_memory": run["keep_freed_memory"],
-                         "overlap_epochs": run["overlap_epochs"]}
+                         "overlap_epochs": run["overlap_epochs"], "max_in_flight": run["max_in_flight"]}
                   for name, run in swarms.items()}
     shown = swarm_config(config, dpu=swarm.get("dpu", args.dpu[-1]),  # the swarm whose tables are shown
                          overlap=swarm.get("overlap_epochs", "off"), codec=swarm.get("averaging_codec"))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from p2ptrain.cli import flag_value
 from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.node.options import NodeOptions
 
 SPEC = importlib.util.spec_from_file_location("cpu_causes", Path(__file__).parents[1] / "benchmarks" / "cpu_causes.py")
 cpu_causes = sys.modules.setdefault("cpu_causes", importlib.util.module_from_spec(SPEC))
@@ -96,10 +97,12 @@ def test_the_dataplane_report_shows_the_swarm_that_runs_as_p2ptrain_ships_where_
         sys.path.pop(0)
     behind = flag_value(RuntimeConfig.push_behind)
     runs = [{"keep_streams": "on", "push_behind": behind, "averaging_codec": RunConfig().averaging_codec, "dpu": dpu,
-             "keep_freed_memory": freed, "overlap_epochs": overlap}
+             "keep_freed_memory": freed, "overlap_epochs": overlap, "max_in_flight": NodeOptions.max_in_flight}
             for dpu, freed, overlap in (("off", "on", "off"), ("on", "on", "off"), ("on", "on", "on"))]
     assert dataplane.shown_swarm(runs) is runs[1]  # dpu on, no overlap: the defaults
     assert dataplane.shown_swarm([runs[0], runs[2]]) is runs[2]  # none as shipped: the last
+    more = {**runs[1], "max_in_flight": NodeOptions.max_in_flight + 1}
+    assert dataplane.shown_swarm([runs[1], more]) is runs[1]
 
 
 def test_the_dataplane_ratio_leaves_out_the_swarms_epochs_that_a_pause_for_the_one_process_touched():

@@ -361,22 +361,28 @@ class StageAllReduce(ServicerBase):
                       overflow: bool = False) -> bool:
         """Hand this worker's gradients of `epoch` (and whether they overflowed) to `server` before the stage counts it
         ready to average (module doc); False if it failed (it asks again at its next poll)."""
-        flat, encoded = flatten(grads, torch.float32), {}
-        if not self._exact(grads):  # encoded once, off the event loop: what it sends and what the server holds
-            message, flat = await asyncio.to_thread(self._encoded, flat)
+        flat, encoded, arrived = flatten(grads, torch.float32), {}, None
+        if not self._exact(grads):
+            # encoded once, off the event loop; what the server will hold is decoded beside the call, which waits on
+            # nothing of it: at an epoch's close the stage's next epoch waits on the deposit
+            message = await asyncio.to_thread(encode, flat, self.wire.codec)
             encoded = {"grads": message}
-        request = DepositGrads(epoch=epoch, rows=rows, grads=flat, overflow=overflow)
+            arrived = asyncio.ensure_future(asyncio.to_thread(decode, message))
         try:
             if server == self.caller.peer_id and self.deposits is not None:  # an FS that computes: no call to itself
-                self.deposits.hold(request, server)
+                held = await arrived if arrived is not None else flat
+                self.deposits.hold(DepositGrads(epoch=epoch, rows=rows, grads=held, overflow=overflow), server)
             else:
+                request = DepositGrads(epoch=epoch, rows=rows, grads=flat, overflow=overflow)
                 await self._depositor.call(server, GRADIENT_DEPOSITS, request, encoded=encoded)
         except Exception as e:
+            if arrived is not None:
+                arrived.cancel()
             logger.warning(f"stage {self.stage}: depositing the gradients of epoch {epoch} with {server} failed: "
                            f"{e!r}")
             return False
         self._deposited[epoch] = (rows, server)
-        self._arrived = (epoch, flat) if encoded else None
+        self._arrived = (epoch, await arrived) if arrived is not None else None
         for stale in [e for e in self._deposited if e < epoch - DEPOSITS_KEPT]:
             del self._deposited[stale]
         return True
