@@ -64,17 +64,16 @@ import torch
 from p2ptrain.client.averaging import RoundResult, StageAllReduce
 from p2ptrain.client.device import autocast, place, to_device, to_host
 from p2ptrain.config import RunConfig, RuntimeConfig
+from p2ptrain.live.probe import dial_failure
 from p2ptrain.models.base import StageModel
 from p2ptrain.protocol.closure import judge
 from p2ptrain.protocol.messages import (
     BACKWARD_SERVER,
     FRONTAL_SERVER,
-    LINK_PROBE,
     FetchInputs,
     GroupMember,
     Leave,
     Message,
-    Probe,
     PushInputGrads,
     PushOutputs,
     ReportGroup,
@@ -416,10 +415,9 @@ class Worker:
 
     async def _ping(self, server: str, *, timeout: float) -> None:
         """A probe's bytes reach the server's node, which hears its sender (`StageServer.heard`)."""
-        try:
-            await self.caller.call(server, LINK_PROBE, Probe(), timeout=timeout)
-        except Exception as e:  # out of reach: the next poll tells the loop, which acts on it
-            logger.debug(f"worker {self.worker_id}: probing {server} while its loop waits failed: {e!r}")
+        if (error := await dial_failure(self.caller, server, timeout=timeout)) is not None:
+            # out of reach: the next poll tells the loop, which acts on it
+            logger.debug(f"worker {self.worker_id}: probing {server} while its loop waits failed: {error!r}")
 
     async def _after_idle_poll(self, polls: dict[str, TaskReply | None]) -> None:
         """No task anywhere: step, catch up, or wait, by ``protocol.closure.judge``; with every result it pushed
