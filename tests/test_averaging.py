@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from hivemind.compression import Uniform8BitQuantization
-from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 
 from p2ptrain import compression
@@ -35,21 +34,14 @@ from p2ptrain.protocol.optimization import digests_agree
 from p2ptrain.state.params import parameter_digest
 from p2ptrain.traffic import METER
 from p2ptrain.transport import Caller
-
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+from tests.loopback import loopback_p2ps
 
 
 @contextlib.asynccontextmanager
 async def members(count: int, codec: str = "none", *, server: bool = False) -> AsyncIterator[list[StageAllReduce]]:
     """`count` averagers of one stage, each on its own P2P daemon, all on loopback, averaging in `codec` (a wire
     codec); with `server`, the first keeps its stage's gradient deposits, as a server does."""
-    p2ps: list[P2P] = []
-    try:
-        first = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 30)
-        p2ps.append(first)
-        for _ in range(count - 1):
-            p2ps.append(await asyncio.wait_for(P2P.create(
-                host_maddrs=[LOOPBACK], initial_peers=await first.get_visible_maddrs()), 30))
+    async with loopback_p2ps(count) as p2ps:  # a test may shut one down, as a groupmate that died
         averagers = []
         for p2p in p2ps:
             peer_id = p2p.peer_id.to_base58()
@@ -64,10 +56,6 @@ async def members(count: int, codec: str = "none", *, server: bool = False) -> A
             await averager.start()
             averagers.append(averager)
         yield averagers
-    finally:
-        for p2p in p2ps:
-            if p2p.is_alive:  # a test may have shut one down already, as a groupmate that died
-                await p2p.shutdown()
 
 
 NUMEL = 300 * 40 + 17  # entries of one draw

@@ -11,7 +11,6 @@ from unittest import mock
 
 import pytest
 import torch
-from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
 from p2ptrain.client.averaging import StageAllReduce
@@ -52,11 +51,11 @@ from p2ptrain.server.state import BackwardState, FrontalState, KeptGrads, Result
 from p2ptrain.server.watch import ServerWatch
 from p2ptrain.traffic import METER
 from p2ptrain.transport import Caller, Envelope, Refused, pack, unpack
+from tests.loopback import loopback_p2ps
 
 SEQ, ROWS = 4, 4
 CONFIG = RunConfig(num_stages=1, rows_per_microbatch=ROWS, microbatches=1, seq_len=SEQ)
 LAYOUT = Layout((StageServers(fs=("fs",), bs=("bs",)),))
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 class Clock:
@@ -718,11 +717,7 @@ def test_a_worker_whose_loop_waits_past_worker_lost_s_is_heard_by_its_fs_over_th
     the wait ends and it stays silent."""
     async def scenario() -> None:
         settings = RuntimeConfig(worker_lost_s=0.8)
-        fs_p2p = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 20)
-        worker_p2p = None
-        try:
-            worker_p2p = await asyncio.wait_for(P2P.create(
-                host_maddrs=[LOOPBACK], initial_peers=await fs_p2p.get_visible_maddrs()), 20)
+        async with loopback_p2ps(2, timeout=20) as (fs_p2p, worker_p2p):
             fs_id, worker_id = fs_p2p.peer_id.to_base58(), worker_p2p.peer_id.to_base58()
             fs = FrontalServer(peer_id=fs_id, stage=0, config=CONFIG, settings=settings,
                                caller=Caller(p2p=fs_p2p, peer_id=fs_id, codec="none", timeout=10.0))
@@ -740,10 +735,6 @@ def test_a_worker_whose_loop_waits_past_worker_lost_s_is_heard_by_its_fs_over_th
                 assert not fs.gone(worker_id)
             await asyncio.sleep(1.5 * settings.worker_lost_s)
             assert fs.gone(worker_id)
-        finally:
-            for p2p in (worker_p2p, fs_p2p):
-                if p2p is not None:
-                    await p2p.shutdown()
 
     asyncio.run(scenario())
 

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 import torch
-from hivemind.p2p import P2P
 
 from p2ptrain.client.averaging import StageAllReduce
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
@@ -26,10 +25,10 @@ from p2ptrain.protocol.messages import (
 )
 from p2ptrain.state.codec import StateMismatch, encode_state
 from p2ptrain.transport import Caller, Refused, Service
+from tests.loopback import loopback_p2ps
 
 CONFIG = RunConfig(num_stages=2, rows_per_microbatch=4, microbatches=1, seq_len=8)
 TINY = CONFIG.model_config
-LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
 def make_worker(worker_id: str, *, local: dict[tuple[str, str], Service], stage: int = 0,
@@ -246,11 +245,7 @@ def test_a_state_of_several_chunks_crosses_real_p2p_bit_equal():
                        num_layers=TINY.num_layers)
 
     async def scenario() -> None:
-        serving_p2p = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 20)
-        joining_p2p = None
-        try:
-            joining_p2p = await asyncio.wait_for(P2P.create(
-                host_maddrs=[LOOPBACK], initial_peers=await serving_p2p.get_visible_maddrs()), 20)
+        async with loopback_p2ps(2, timeout=20) as (serving_p2p, joining_p2p):
             mate_id, joiner_id = serving_p2p.peer_id.to_base58(), joining_p2p.peer_id.to_base58()
             mate = make_worker(mate_id, local={}, model_config=wide)
             await StageStateServer(worker=mate).add_p2p_handlers(serving_p2p)
@@ -262,9 +257,5 @@ def test_a_state_of_several_chunks_crosses_real_p2p_bit_equal():
             assert await load_state_from_peers(joiner, caller=joiner.caller, candidates=[mate_id], timeout=20.0,
                                                deadline=20.0) == 1
             assert_same_state(mate, joiner)
-        finally:
-            for p2p in (joining_p2p, serving_p2p):
-                if p2p is not None:
-                    await p2p.shutdown()
 
     asyncio.run(scenario())

@@ -16,6 +16,7 @@ from p2ptrain.live.probe import LinkProbe
 from p2ptrain.protocol.bans import BanList
 from p2ptrain.protocol.messages import LINK_PROBE, Probe
 from p2ptrain.transport import Caller, Envelope, Refused
+from tests.loopback import loopback_p2ps
 
 
 def test_a_cancelled_call_is_cancelled_even_when_its_reply_lands_at_that_moment():
@@ -51,12 +52,7 @@ def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_the
         return real_from_header(header, tensors)
 
     async def main() -> None:
-        p2ps = [await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 30)]
-        try:
-            for _ in range(2):
-                p2ps.append(await asyncio.wait_for(P2P.create(
-                    host_maddrs=[LOOPBACK], initial_peers=await p2ps[0].get_visible_maddrs()), 30))
-            server, attacker, honest = p2ps
+        async with loopback_p2ps(3) as (server, attacker, honest):
             server_id = server.peer_id.to_base58()
             probe = LinkProbe(peer_id=server_id)
             await probe.add_p2p_handlers(server)
@@ -77,9 +73,6 @@ def test_a_peer_that_floods_a_servicer_with_malformed_requests_is_banned_and_the
             await callers["honest"].call(server_id, LINK_PROBE, Probe())
             assert decoded == banned_at + 1
             assert probe.bans.banned(now=transport.time.monotonic()) == (attacker.peer_id.to_base58(),)
-        finally:
-            for p2p in p2ps:
-                await p2p.shutdown()
 
     monkeypatch.setattr(Probe, "from_header", counting_from_header)
     asyncio.run(main())
@@ -110,10 +103,7 @@ def test_a_call_over_the_network_counts_its_request_and_reply_bytes_by_kind_and_
     from p2ptrain.traffic import METER
 
     async def main() -> None:
-        server = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK]), 30)
-        client = await asyncio.wait_for(P2P.create(host_maddrs=[LOOPBACK],
-                                                   initial_peers=await server.get_visible_maddrs()), 30)
-        try:
+        async with loopback_p2ps(2) as (server, client):
             server_id = server.peer_id.to_base58()
             probe = LinkProbe(peer_id=server_id)
             await probe.add_p2p_handlers(server)
@@ -138,9 +128,6 @@ def test_a_call_over_the_network_counts_its_request_and_reply_bytes_by_kind_and_
             await local.call(server_id, LINK_PROBE, request)
             assert METER.snapshot() == after
             assert METER.served_snapshot()[Probe.method] == served + 2
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
     asyncio.run(main())
 
