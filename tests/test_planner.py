@@ -38,7 +38,7 @@ from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.refine import CORES, core, core_starts, race
-from p2ptrain.planner.search import Engine, Group, allocate
+from p2ptrain.planner.search import Engine, Group, Score, allocate
 from p2ptrain.planner.swarmfile import load_swarm
 from p2ptrain.protocol.messages import GroupMember, StageGroup
 from p2ptrain.protocol.sharing import shared_rounds
@@ -689,3 +689,39 @@ def test_the_refined_plan_is_never_worse_than_the_papers_dtfms_or_swarms(devices
         except PlanningError:  # SWARM's equal layer split may not fit the servers' memory
             continue
         assert refined <= baseline * (1 + 1e-9), planner
+
+
+def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_clusterings(monkeypatch) -> None:
+    """Where the anytime phase's rounds are descents, steps 1-3 run from SEARCHES clusterings (the planner's seed's
+    first) while the budget lasts, and the phase starts from the best; one search without a budget, where rounds
+    walk, or once the budget ends."""
+    found: list[tuple[list[Group], Score]] = []
+    started: list[list[Group]] = []
+    real_search, real_anytime = refine_module.local_optimum, refine_module.anytime
+
+    def local_optimum(*args, **kwargs):
+        found.append(real_search(*args, **kwargs))
+        return found[-1]
+
+    def anytime(engine: Engine, groups: list[Group], **kwargs):
+        started.append(groups)
+        return real_anytime(engine, groups, **kwargs)
+
+    monkeypatch.setattr(refine_module, "local_optimum", local_optimum)
+    monkeypatch.setattr(refine_module, "anytime", anytime)
+
+    def searches(engine: Engine, **kwargs) -> int:
+        found.clear()
+        refine_module.refined_layouts(engine, paper_plan(engine, seed=0), seed=0, **kwargs)
+        return len(found)
+
+    engine = large_engine(200, seed=317)
+    assert thinly_walked(engine.net.size, WALK_COVER)
+    assert searches(engine, out_of_time=lambda: False, max_rounds=0) == refine_module.SEARCHES == 3
+    best = min(found, key=refine_module.ranked)
+    assert started[-1] == best[0] and best is not found[0]  # here another clustering's search ended best
+    assert searches(engine) == 1
+    assert searches(engine, out_of_time=iter([False, True]).__next__, max_rounds=0) == 2
+    small = large_engine(96, seed=317)
+    assert not thinly_walked(small.net.size, WALK_COVER)
+    assert searches(small, out_of_time=lambda: False, max_rounds=0) == 1
