@@ -5,7 +5,7 @@ to the bound; and the §4.4 stage-count comparison.
 
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
                                  [--gap-sizes 32,64,256,1024] [--gap-swarm-seeds 500,501,502] [--no-gap-files]
-                                 [--stem NAME]
+                                 [--gap-planner-seeds 1] [--stem NAME]
 
 writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
 some --parts, ``planner-PARTS.*``; with --stem, ``NAME.*``.
@@ -72,10 +72,12 @@ def run_planners(swarm: Swarm, name: str, model, tokens: int, microbatches: int,
 
 
 def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, factor: float, seeds: int,
-            samples: int) -> dict:
+            samples: int, planner_seeds: int = 1) -> dict:
     """The refined plan with the CLI's default budget against the best plan found by long runs of the refined
     search (``factor`` times the budget, seeds 1..``seeds``, never stopping early), and every other planner against
-    that best; the gap to the bound; plan times."""
+    that best; the gap to the bound; plan times. With ``planner_seeds`` N > 1, the same default-budget plan with
+    planner seeds 1..N-1 too (`--seed`: which plan a user gets turns on it), their plans among those the best is
+    taken from."""
     kwargs = {"batch_tokens": tokens, "microbatches": microbatches}
     budget = default_budget_s(len(swarm.devices))
     start = time.perf_counter()
@@ -84,15 +86,22 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
                  "default_pt": default.predicted.batch_time_s, "default_wall_s": time.perf_counter() - start,
                  "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap,
                  "long": []}
+    row["seeds"] = []
+    for seed in range(1, planner_seeds):
+        start = time.perf_counter()
+        other = make_plan(swarm, model, seed=seed, budget_s=budget, clock=time.monotonic, **kwargs)
+        row["seeds"].append({"seed": seed, "pt": other.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
+                             "rounds": other.search.rounds if other.search else 0})
     for seed in range(1, seeds + 1):
         start = time.perf_counter()
         long = make_plan(swarm, model, seed=seed, budget_s=factor * budget, clock=time.monotonic,
                          patience=1_000_000, **kwargs)
         row["long"].append({"seed": seed, "pt": long.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
                             "rounds": long.search.rounds if long.search else 0})
-    best = min([row["default_pt"], *(r["pt"] for r in row["long"])])
+    best = min([row["default_pt"], *(r["pt"] for r in row["long"] + row["seeds"])])
     row["best_pt"] = best
     row["default_vs_best"] = row["default_pt"] / best
+    row["seeds_vs_best"] = [row["default_vs_best"], *(r["pt"] / best for r in row["seeds"])]
     row["others_vs_best"] = {}
     for planner in ("paper", "swarm", "dtfm", "random"):
         try:
@@ -103,8 +112,9 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
     row["never_worse"] = all(row["default_pt"] <= pt * best * (1 + 1e-9) for pt in row["others_vs_best"].values())
     print(f"  {name:22s} default {row['default_pt']:10.4g} s ({row['default_wall_s']:.1f} s, "
           f"{row['default_rounds']} rounds)  best {best:10.4g} s  ratio {row['default_vs_best']:.3f}  "
-          f"gap to bound {row['gap']:.2f}  " + "  ".join(f"{p} {v:.2f}" for p, v in row["others_vs_best"].items()),
-          flush=True)
+          f"gap to bound {row['gap']:.2f}  " + "  ".join(f"{p} {v:.2f}" for p, v in row["others_vs_best"].items())
+          + (f"  planner seeds 0-{planner_seeds - 1}: worst {max(row['seeds_vs_best']):.3f}"
+             if planner_seeds > 1 else ""), flush=True)
     return row
 
 
@@ -127,6 +137,20 @@ def gap_markdown(rows: list[dict], factor: float, seeds: int) -> list[str]:
     if worst is not None:
         out += ["", f"Worst ratio: {worst['default_vs_best']:.3f} ({worst['swarm']}); within 5% on "
                     f"{sum(r['default_vs_best'] <= 1.05 for r in rows)} of {len(rows)}."]
+    seeded = [r for r in rows if len(r.get("seeds_vs_best", [])) > 1]
+    if seeded:
+        count = len(seeded[0]["seeds_vs_best"])
+        out += ["", f"The same default-budget plan with planner seeds 0-{count - 1} (`--seed`; seed 0 is the "
+                    "default's), each against the swarm's best (which their plans join):", "",
+                "| swarm | " + " | ".join(f"seed {i}" for i in range(count)) + " | mean | worst |",
+                "|---|" + "---|" * (count + 2)]
+        for r in seeded:
+            ratios = r["seeds_vs_best"]
+            out.append(f"| {r['swarm']} | " + " | ".join(f"{v:.3f}" for v in ratios)
+                       + f" | {np.mean(ratios):.3f} | {max(ratios):.3f} |")
+        every = [v for r in seeded for v in r["seeds_vs_best"]]
+        out += ["", f"Over all {len(every)} plans: within 5% on {sum(v <= 1.05 for v in every)}, mean ratio "
+                    f"{np.mean(every):.3f}, worst {max(every):.3f}."]
     return out
 
 
@@ -242,6 +266,9 @@ def main() -> None:
                              "gap (the default refined plan against long runs), sec44 (the stage-count comparison)")
     parser.add_argument("--gap-factor", type=float, default=10.0, help="a long run's budget over the default")
     parser.add_argument("--gap-seeds", type=int, default=3, help="long runs per swarm")
+    parser.add_argument("--gap-planner-seeds", type=int, default=1,
+                        help="also make the default-budget plan with planner seeds 1..N-1 and report each one's "
+                             "ratio (default 1: seed 0's alone, the CLI's default)")
     parser.add_argument("--gap-sizes", default="32,64,256,1024",
                         help="device counts of the gap section's generated swarms; empty for none (the paper files "
                              "alone)")
@@ -277,7 +304,7 @@ def main() -> None:
                       if name.startswith("paper-")]
         for name, swarm, spec, tokens, microbatches in cases:
             gaps.append(gap_row(swarm, name, spec, tokens, microbatches, factor=factor, seeds=seeds,
-                                samples=samples))
+                                samples=samples, planner_seeds=args.gap_planner_seeds))
     comparison = [] if "sec44" not in parts else [
         c for tokens in (524288, 262144, 131072) for c in stage_comparison(ROOT / "peers" / "paper-sec44.toml", tokens)]
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/planner.py", *sys.argv[1:]])
