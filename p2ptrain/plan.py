@@ -24,6 +24,7 @@ from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_con
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, config_spec, model_spec
+from p2ptrain.planner.refine import SEARCHES
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
 
 if TYPE_CHECKING:
@@ -72,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "finding better plans): the plan a budget gave, again (its `search` says how many "
                              "rounds it ran), on a machine with the same numerics: another CPU's rounding may lead "
                              "the search elsewhere")
+    parser.add_argument("--searches", type=count, metavar="N",
+                        help="with --rounds: on a large swarm, start the anytime search from the best of N runs of "
+                             "the refined search's first steps, as the plan a budget gave did (its `search` says "
+                             f"how many; default {SEARCHES})")
     parser.add_argument("--json", type=writable_file, help="write the plan as JSON to this file")
     live = parser.add_argument_group("live planning (plan what the peers of a running swarm announced)")
     live.add_argument("--initial-peers", nargs="+", help="multiaddrs of peers of the swarm, instead of a swarm file")
@@ -115,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give either a swarm file or --initial-peers, not both")
     if args.budget_s is not None and args.rounds is not None:
         parser.error("--budget-s and --rounds both bound the refined planner's search; give one")
+    if args.searches is not None and args.rounds is None:
+        parser.error("--searches replays a plan's search with --rounds N; give --rounds too")
     if (args.budget_s is not None or args.rounds is not None) and args.planner != "refined":
         parser.error(f"--{'budget-s' if args.budget_s is not None else 'rounds'} applies to the refined planner, "
                      f"not {args.planner}")
@@ -170,7 +177,7 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         budget_s = default_budget_s(len(swarm.devices)) if args.budget_s is None else args.budget_s
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
                          stages=stages, seed=args.seed, average_every=args.average_every, budget_s=budget_s,
-                         clock=time.monotonic, rounds=args.rounds)
+                         clock=time.monotonic, rounds=args.rounds, searches=args.searches or SEARCHES)
     except PlanningError as error:
         print(f"{args.swarm}: {error}", file=sys.stderr)
         return 1
@@ -249,7 +256,8 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
     try:
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
-                          stop=stop, average_every=args.average_every, budget_s=args.budget_s, rounds=args.rounds)
+                          stop=stop, average_every=args.average_every, budget_s=args.budget_s, rounds=args.rounds,
+                          searches=args.searches or SEARCHES)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

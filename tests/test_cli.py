@@ -138,6 +138,8 @@ PLAN_CASES = [
     (["peers/local.toml", "--budget-s", "-1"], "argument --budget-s: -1"),
     (["peers/local.toml", "--budget-s", "1", "--rounds", "2"], "--budget-s and --rounds both bound"),
     (["peers/local.toml", "--planner", "paper", "--rounds", "2"], "--rounds applies to the refined planner, not paper"),
+    (["peers/local.toml", "--searches", "2"], "--searches replays a plan's search with --rounds N; give --rounds too"),
+    (["peers/local.toml", "--rounds", "2", "--searches", "0"], "argument --searches: 0"),
     (["peers/local.toml", "--planner", "oracle"], "argument --planner: invalid choice: 'oracle'"),
     (["peers/local.toml", "--model", "gpt-9"], "argument --model: invalid choice: 'gpt-9'"),
     (["peers/local.toml", "--json", "NODIR"], "argument --json: NODIR: folder"),

@@ -445,7 +445,9 @@ def test_the_anytime_search_only_improves_replays_from_its_seed_and_rounds_and_r
     bound = max(p.lower_bound_s, p.memory_lower_bound_s or 0.0, p.link_lower_bound_s or 0.0)
     assert p.link_lower_bound_s is not None and data["predicted"]["link_lower_bound_s"] == p.link_lower_bound_s
     assert data["predicted"]["gap"] == pytest.approx(searched.predicted.batch_time_s / bound - 1)
-    assert data["search"]["rounds"] == searched.search.rounds
+    assert data["search"]["rounds"] == searched.search.rounds and data["search"]["searches"] == 1
+    assert Plan.from_json(data) == searched
+    del data["search"]["searches"]  # a plan written before searches were counted: it ran one
     assert Plan.from_json(data) == searched
     with pytest.raises(ValueError, match="clock"):
         make_plan(swarm, swarm.model, budget_s=1.0, **kwargs)
@@ -692,9 +694,9 @@ def test_the_refined_plan_is_never_worse_than_the_papers_dtfms_or_swarms(devices
 
 
 def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_clusterings(monkeypatch) -> None:
-    """Where the anytime phase's rounds are descents, steps 1-3 run from SEARCHES clusterings (the planner's seed's
-    first) while the budget lasts, and the phase starts from the best; one search without a budget, where rounds
-    walk, or once the budget ends."""
+    """Where the anytime phase's rounds are descents, steps 1-3 run from up to SEARCHES clusterings (the planner's
+    seed's first; each after the first while `may_search()`, with a budget its first SEARCH_SHARE) and the phase starts
+    from the best, which its record counts; one search without a budget or where rounds walk."""
     found: list[tuple[list[Group], Score]] = []
     started: list[list[Group]] = []
     real_search, real_anytime = refine_module.local_optimum, refine_module.anytime
@@ -712,16 +714,18 @@ def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_
 
     def searches(engine: Engine, **kwargs) -> int:
         found.clear()
-        refine_module.refined_layouts(engine, paper_plan(engine, seed=0), seed=0, **kwargs)
+        _, record = refine_module.refined_layouts(engine, paper_plan(engine, seed=0), seed=0, **kwargs)
+        assert record is None if "out_of_time" not in kwargs else record.searches == len(found)
         return len(found)
 
     engine = large_engine(200, seed=317)
     assert thinly_walked(engine.net.size, WALK_COVER)
-    assert searches(engine, out_of_time=lambda: False, max_rounds=0) == refine_module.SEARCHES == 3
+    every = {"out_of_time": lambda: False, "may_search": lambda: True, "max_rounds": 0}
+    assert searches(engine, **every) == refine_module.SEARCHES == 3
     best = min(found, key=refine_module.ranked)
     assert started[-1] == best[0] and best is not found[0]  # here another clustering's search ended best
+    assert searches(engine, out_of_time=lambda: False, max_rounds=0) == 1  # no more allowed
     assert searches(engine) == 1
-    assert searches(engine, out_of_time=iter([False, True]).__next__, max_rounds=0) == 2
-    small = large_engine(96, seed=317)
-    assert not thinly_walked(small.net.size, WALK_COVER)
-    assert searches(small, out_of_time=lambda: False, max_rounds=0) == 1
+    assert searches(engine, **every, searches=2) == 2
+    assert searches(engine, **{**every, "may_search": iter([True, False]).__next__}) == 2
+    assert searches(small := large_engine(96, seed=317), **every) == 1 and not thinly_walked(small.net.size, WALK_COVER)

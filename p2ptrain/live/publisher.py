@@ -19,6 +19,7 @@ from p2ptrain.live.swarm import planning_peers, swarm_from_peers
 from p2ptrain.planner import Plan, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
 from p2ptrain.planner.presets import ModelSpec, run_spec
+from p2ptrain.planner.refine import SEARCHES
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
 
 def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int, microbatches: int, planner: str,
                stages: int | None, seed: int, expect: int, settings: RuntimeConfig, stop: threading.Event,
-               average_every: int = 1, budget_s: float | None = 0.0, rounds: int | None = None) -> Plan | None:
+               average_every: int = 1, budget_s: float | None = 0.0, rounds: int | None = None,
+               searches: int = SEARCHES) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time. The
     refined planner's anytime search runs for `budget_s` (None: `default_budget_s` of the peers found) or `rounds`.
 
@@ -61,7 +63,8 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int,
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
     budget_s = default_budget_s(len(swarm.devices)) if budget_s is None else budget_s
     return make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=planner, stages=stages,
-                     seed=seed, average_every=average_every, budget_s=budget_s, clock=time.monotonic, rounds=rounds)
+                     seed=seed, average_every=average_every, budget_s=budget_s, clock=time.monotonic, rounds=rounds,
+                     searches=searches)
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,

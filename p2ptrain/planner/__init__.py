@@ -10,7 +10,7 @@ from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
 from p2ptrain.planner.presets import ModelSpec, config_spec, model_spec
 from p2ptrain.planner.records import Plan, Prediction, StagePlan, build_plan, format_plan
-from p2ptrain.planner.refine import better, refined_layouts
+from p2ptrain.planner.refine import SEARCH_SHARE, SEARCHES, better, refined_layouts
 from p2ptrain.planner.search import Engine
 from p2ptrain.planner.swarmfile import Device, Swarm, SwarmFileError, load_swarm
 
@@ -28,27 +28,31 @@ class PlanningError(ValueError):
 def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
               stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
               average_every: int = 1, budget_s: float = 0.0, clock: Callable[[], float] | None = None,
-              rounds: int | None = None, patience: int = PATIENCE) -> Plan:
+              rounds: int | None = None, searches: int = SEARCHES, patience: int = PATIENCE) -> Plan:
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
     the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
     anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving);
-    ``patience``: the anytime phase ends once that many rounds in a row found no better plan.
+    ``searches``: on a large swarm, the anytime phase starts from the best of up to that many runs of the refined
+    search's first steps (``refine``), with a budget those that start in its first ``SEARCH_SHARE``; ``patience``:
+    the anytime phase ends once that many rounds in a row found no better plan.
 
-    Deterministic for a given seed (and, with a budget, the number of rounds the anytime phase completed, which the
-    plan records) on the same numerics: another CPU's rounding (a BLAS kernel, a vector width) may lead the search
-    elsewhere, as it decides on scores equal to the last bit. Raises ``PlanningError`` when no valid plan is found.
+    Deterministic for a given seed (and, with a budget, the numbers of rounds and searches it completed, which the
+    plan records: ``rounds`` and ``searches`` replay them) on the same numerics: another CPU's rounding (a BLAS
+    kernel, a vector width) may lead the search elsewhere, as it decides on scores equal to the last bit. Raises
+    ``PlanningError`` when no valid plan is found.
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
-    out_of_time = None
+    out_of_time = may_search = None
     if rounds is not None:
-        out_of_time = lambda: False  # noqa: E731
+        out_of_time, may_search = (lambda: False), (lambda: True)
     elif budget_s > 0:
         if clock is None:
             raise ValueError("a planning budget needs a clock")
-        deadline = clock() + budget_s
-        out_of_time = lambda: clock() >= deadline  # noqa: E731
+        start = clock()
+        out_of_time = lambda: clock() >= start + budget_s  # noqa: E731
+        may_search = lambda: clock() < start + SEARCH_SHARE * budget_s  # noqa: E731
     reliable = swarm.reliable
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
@@ -63,7 +67,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
             layouts = paper_layouts
         else:
             refined, search = refined_layouts(engine, paper, seed=seed, stages=stages, out_of_time=out_of_time,
-                                              max_rounds=rounds, anytime_patience=patience)
+                                              may_search=may_search, searches=searches, max_rounds=rounds,
+                                              anytime_patience=patience)
             layouts = better(engine, refined, paper_layouts)
     elif stages is not None:
         raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")

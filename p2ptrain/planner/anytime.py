@@ -61,12 +61,14 @@ LOAD_WEIGHT = 0.3  # 0.1 / 0.3 / 1.0 measured on 256-device swarms: 0.3 and 1.0 
 
 @dataclass(frozen=True, kw_only=True)
 class SearchRecord:
-    """What the anytime phase did: rounds completed (the result replays from the seed and this count), plans
-    scored by the whole refined search, and the rounds that improved the best plan."""
+    """What the anytime phase did: rounds completed (the result replays from the seed, this count and
+    ``searches``), plans scored by the whole refined search, the rounds that improved the best plan, and the runs of
+    the refined search's first steps it started from the best of (``refine``)."""
 
     rounds: int
     scored: int
     improved: int
+    searches: int = 1
 
 
 def default_budget_s(devices: int) -> float:

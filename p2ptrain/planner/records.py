@@ -110,8 +110,9 @@ class Plan:
         search = data.get("search")
         return cls(stages=stages, idle=tuple(data.get("idle", ())), predicted=predicted,
                    planner=str(data.get("planner", "")),
-                   search=None if search is None else SearchRecord(**{f.name: int(search[f.name])
-                                                                      for f in dataclasses.fields(SearchRecord)}))
+                   search=None if search is None else SearchRecord(**{
+                       f.name: int(search[f.name]) for f in dataclasses.fields(SearchRecord)
+                       if f.name in search or f.default is dataclasses.MISSING}))  # plans of before `searches`
 
     def layouts(self, ids: Sequence[str]) -> list[StageLayout]:
         """The plan by device index, for re-scoring it against a (possibly changed) network."""
@@ -171,5 +172,7 @@ def format_plan(plan: Plan, *, title: str) -> str:
                  "slower)")
     if plan.search is not None:
         s = plan.search
-        lines.append(f"search: {s.rounds} anytime rounds ({s.improved} improved the plan), {s.scored} plans scored")
+        lines.append(f"search: {s.rounds} anytime rounds ({s.improved} improved the plan)"
+                     + (f" from the best of {s.searches} searches" if s.searches > 1 else "")
+                     + f", {s.scored} plans scored")
     return "\n".join(lines)

@@ -17,10 +17,11 @@
    budget lasts. Where its rounds are descents (``anytime.thinly_walked`` below ``WALK_COVER``), they seldom leave
    the basin of the plan they start from, and which basin steps 1-3 end in turns on the clustering's seed: on
    256-device swarms (500, 503, 600; planner seeds 0-5) steps 1-3 ended 147-208 s of PT apart from seed to seed,
-   and the final plans up to 1.19x the best known. So steps 1-3 run from up to ``SEARCHES`` clusterings (seeds
-   drawn from the planner's) while the budget lasts, and the anytime phase starts from the best. Over those 18
-   runs at the default budget the mean ratio to the best known fell from 1.058 to 1.030, the worst from 1.19 to
-   1.089, and 13 ended within 5% against 11, though each round of the anytime phase has less time.
+   and the final plans up to 1.19x the best known. So there steps 1-3 run from up to ``SEARCHES`` clusterings (the
+   planner's seed's, then seeds drawn from it), each after the first only while the first ``SEARCH_SHARE`` of the
+   budget lasts (``make_plan``: the anytime phase keeps time on a larger swarm or a slower machine), and the anytime
+   phase starts from the best. Over those 18 runs at the default budget the mean ratio to the best known fell from
+   1.058 to 1.030, the worst from 1.19 to 1.089, and 13 ended within 5% against 11.
 On a large swarm (``anytime.thinly_walked`` below ``CORE_COVER``: over 500 devices) steps 1-3 give way to a race of
 small starts. The clustering's stages hold every reliable device, but the good plans found there use few: on
 1,024-device swarms about 300 devices in 12-24 stages. Local moves drop devices one at a time, each new stage costly
@@ -36,6 +37,7 @@ refined plan is never worse than the paper's.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Sequence
 
@@ -50,6 +52,9 @@ from p2ptrain.planner.shares import timed_layouts
 
 CORES = (8, 16)  # servers a large swarm's start keeps of each cluster (module doc)
 SEARCHES = 3  # runs of steps 1-3, each from its own clustering, where the anytime phase descends (module doc)
+# the share of the budget after which no more of them start: at 480 devices one takes 6.7 s of the 22.75 s budget here,
+# and three left the anytime phase 7-13 rounds where one left it 41
+SEARCH_SHARE = 0.5
 RACE_FIRST = 1000  # plans the race's first local search of each start scores; every later round doubles it
 
 
@@ -162,12 +167,14 @@ def race(engine: Engine, starts: list[tuple[list[Group], Score]], *, seed: int,
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
                     out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
                     anytime_patience: int = PATIENCE, searches: int = SEARCHES,
+                    may_search: Callable[[], bool] | None = None,
                     rounds: int = 200, budget: int = 2000,
                     starts: int = 3, screen: int = 3, kick_total: int = 2000, patience: int = 6,
                     kick_budget: int = 200) -> tuple[list[StageLayout] | None, SearchRecord | None]:
     """The refined plan (module doc); with ``out_of_time``, the anytime phase runs until it says the budget is
     spent (or ``max_rounds`` rounds), from the best of up to ``searches`` runs of steps 1-3 where its rounds are
-    descents; what it did comes back beside the plan."""
+    descents, each after the first only while ``may_search()`` (none without it); what it did comes back beside the
+    plan."""
     reliable = np.flatnonzero(engine.reliable)
     most = min(len(reliable) // 2, engine.layers)
     if paper is not None and len(paper.levels) >= (stages or most):
@@ -182,22 +189,24 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
                              patience=anytime_patience)
     search = dict(rounds=rounds, budget=budget, starts=starts, screen=screen, kick_total=kick_total,
                   patience=patience, kick_budget=kick_budget)
-    best = local_optimum(engine, paper, levels, chosen, seed=seed, stages=stages, **search)
+    best, searched = local_optimum(engine, paper, levels, chosen, seed=seed, stages=stages, **search), 1
     # where the anytime phase only descends (a large swarm), it seldom leaves the basin it starts in
-    descends = out_of_time is not None and thinly_walked(engine.net.size, WALK_COVER)
+    descends = may_search is not None and thinly_walked(engine.net.size, WALK_COVER)
     for i in range(1, searches if descends else 1):
-        if out_of_time():
+        if not may_search():
             break
         other = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
         found = local_optimum(engine, paper, divisive_levels(engine, reliable, stages or most, other,
                                                              reach=stages is not None), 1, seed=other,
                               stages=stages, **search)
+        searched += 1
         if found is not None and (best is None or found[1].better_than(best[1])):
             best = found
     if best is None:
         return None, None
-    return _searched(engine, best, seed=seed, fixed_stages=stages is not None, out_of_time=out_of_time,
-                     max_rounds=max_rounds, patience=anytime_patience)
+    layouts, record = _searched(engine, best, seed=seed, fixed_stages=stages is not None, out_of_time=out_of_time,
+                                max_rounds=max_rounds, patience=anytime_patience)
+    return layouts, None if record is None else dataclasses.replace(record, searches=searched)
 
 
 def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[np.ndarray]], chosen: int, *,
