@@ -20,8 +20,10 @@
    and the final plans up to 1.19x the best known. So there steps 1-3 run from up to ``SEARCHES`` clusterings (the
    planner's seed's, then seeds drawn from it), each after the first only while the first ``SEARCH_SHARE`` of the
    budget lasts (``make_plan``: the anytime phase keeps time on a larger swarm or a slower machine), and the anytime
-   phase starts from the best. Over those 18 runs at the default budget the mean ratio to the best known fell from
-   1.058 to 1.030, the worst from 1.19 to 1.089, and 13 ended within 5% against 11.
+   phase starts from the best. Over 30 plans at the default budget (swarms 500-503 and 600, planner seeds 0-5,
+   against the best known, ``planner-gap-256*.md``) the mean ratio fell from 1.069 to 1.051, the worst from 1.193 to
+   1.129, and 16 ended within 5% against 11; on 480 devices (seeds 0-3) the plans ended 112.4-114.0 s of PT where
+   one search left them 109.8-126.4 s.
 On a large swarm (``anytime.thinly_walked`` below ``CORE_COVER``: over 500 devices) steps 1-3 give way to a race of
 small starts. The clustering's stages hold every reliable device, but the good plans found there use few: on
 1,024-device swarms about 300 devices in 12-24 stages. Local moves drop devices one at a time, each new stage costly
