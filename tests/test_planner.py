@@ -723,7 +723,7 @@ def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_
     every = {"out_of_time": lambda: False, "may_search": lambda: True, "max_rounds": 0}
     assert searches(engine, **every) == refine_module.SEARCHES == 3
     best = min(found, key=refine_module.ranked)
-    assert started[-1] == best[0] and best is not found[0]  # here another clustering's search ended best
+    assert started[-1] == best[0] and len({refine_module.ranked(f) for f in found}) == 3  # each its own plan
     assert searches(engine, out_of_time=lambda: False, max_rounds=0) == 1  # no more allowed
     assert searches(engine) == 1
     assert searches(engine, **every, searches=2) == 2
