@@ -29,16 +29,19 @@ from p2ptrain.planner.cost import (
     Network,
     StageLayout,
     Workload,
+    compute_shares,
     evaluate,
     link_lower_bound,
+    link_times,
     lower_bound,
     memory_lower_bound,
+    worker_times,
 )
 from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.refine import CORES, core, core_starts, race
-from p2ptrain.planner.search import Engine, Group, Score, allocate
+from p2ptrain.planner.search import Engine, Group, Score, allocate, partners
 from p2ptrain.planner.swarmfile import load_swarm
 from p2ptrain.protocol.messages import GroupMember, StageGroup
 from p2ptrain.protocol.sharing import shared_rounds
@@ -275,6 +278,27 @@ def test_cost_model_matches_the_formulas() -> None:
     assert result.feasible
     assert result.batch_time_s == pytest.approx(_by_hand(net, wl, stages), rel=1e-12)
     assert result.lower_bound_s == pytest.approx(4096 * 6 * 1e9 / net.flops.sum())
+
+
+def test_the_search_prices_a_stages_links_as_the_cost_model_does() -> None:
+    """Each worker's link time at compute shares, which the engine's statistics take from the partners its
+    time-set shares use, is `cost.link_times`' to the last bit; and with those shares no worker is slower than the
+    level the engine scores the stage by."""
+    engine = large_engine(64, seed=5)
+    net, wl, rng = engine.net, engine.wl, np.random.default_rng(0)
+    reliable, unreliable = np.flatnonzero(engine.reliable), np.flatnonzero(~engine.reliable)
+    for _ in range(40):
+        servers = rng.choice(reliable, size=int(rng.integers(2, 9)), replace=False)
+        cut = int(rng.integers(1, len(servers)))
+        clients = rng.choice(unreliable, size=int(rng.integers(0, 6)), replace=False)
+        group = Group.of(servers[:cut], servers[cut:], clients)
+        workers = np.array(group.workers)
+        linked = partners(net, wl, group)
+        assert np.array_equal(linked.times, link_times(net, wl, group.layout(1), compute_shares(net, workers)))
+        assert engine.stats(group).comm == linked.times.max()
+        layers = int(rng.integers(1, engine.layers + 1))
+        timed = worker_times(net, wl, group.layout(layers, engine.shares(group, layers)))
+        assert timed.max() <= engine.levels(group)[layers - 1] * (1 + 1e-9)
 
 
 def test_memory_and_structure_make_a_plan_infeasible() -> None:

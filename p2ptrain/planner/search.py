@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from p2ptrain.planner.cost import Network, StageLayout, Workload, block, compute_shares, link_times, round_time
+from p2ptrain.planner.cost import Network, StageLayout, Workload, block, compute_shares, round_time
 from p2ptrain.planner.presets import ModelSpec
 
 FS, BS, CLIENT = 0, 1, 2
@@ -243,36 +243,55 @@ def allocate(h: np.ndarray, total: int) -> tuple[float, np.ndarray]:
     return t, counts
 
 
-def partners(net: Network, wl: Workload, group: Group) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(alpha, per-row link cost, workers): latency and bytes-per-share terms with partners chosen at compute shares."""
-    a = wl.message_bytes
+@dataclass(frozen=True, kw_only=True)
+class Partners:
+    """A membership's workers (fs, bs, clients) with, per worker, the latency (``alpha``) and bytes-per-share
+    (``link``) terms of its links to the partners it has at compute shares, and the link part of its T_w there
+    (``cost.link_times``: the cost those partners minimise)."""
+
+    workers: np.ndarray
+    alpha: np.ndarray
+    link: np.ndarray
+    times: np.ndarray
+
+
+def partners(net: Network, wl: Workload, group: Group,
+             blocks: tuple[np.ndarray, np.ndarray] | None = None) -> Partners:
+    """Each worker's best partners at compute shares (``Partners``); ``blocks``: the latency and inverse-bandwidth
+    matrices among the workers, where the caller has them."""
     workers = np.array(group.workers, dtype=int)
-    p0 = compute_shares(net, workers)
-    fs, bs, clients = (np.array(x, dtype=int) for x in (group.fs, group.bs, group.clients))
-    alpha, link = np.zeros(len(workers)), np.zeros(len(workers))
-    for start, own, other in ((0, fs, bs), (len(fs), bs, fs)):
-        cost = block(net.latency, own, other) + (p0[start:start + len(own)] * a)[:, None] * \
-            block(net.inv_bandwidth, own, other)
-        best = other[cost.argmin(axis=1)]
-        alpha[start:start + len(own)] = net.latency[own, best]
-        link[start:start + len(own)] = a * net.inv_bandwidth[own, best]
-    if len(clients):
-        start = len(fs) + len(bs)
-        pc = p0[start:] * a
-        f = fs[(block(net.latency, fs, clients) + pc[None, :] * block(net.inv_bandwidth, fs, clients)).argmin(0)]
-        b = bs[(block(net.latency, clients, bs) + pc[:, None] * block(net.inv_bandwidth, clients, bs)).argmin(1)]
-        alpha[start:] = net.latency[f, clients] + net.latency[clients, b]
-        link[start:] = a * (net.inv_bandwidth[f, clients] + net.inv_bandwidth[clients, b])
-    return alpha, link, workers
+    lat, inv = blocks if blocks is not None else (block(net.latency, workers, workers),
+                                                  block(net.inv_bandwidth, workers, workers))
+    a, nf, servers = wl.message_bytes, len(group.fs), len(group.fs) + len(group.bs)
+    load = compute_shares(net, workers) * a
+    alpha, link, times = np.zeros(len(workers)), np.zeros(len(workers)), np.zeros(len(workers))
+    for own, other in ((slice(0, nf), slice(nf, servers)), (slice(nf, servers), slice(0, nf))):
+        cost = lat[own, other] + load[own, None] * inv[own, other]
+        rows, cols = np.arange(own.start, own.stop), cost.argmin(axis=1) + other.start
+        alpha[own], link[own], times[own] = lat[rows, cols], a * inv[rows, cols], cost.min(axis=1)
+    if len(workers) > servers:
+        clients, pc = np.arange(servers, len(workers)), load[servers:]
+        inbound = lat[:nf, servers:] + pc[None, :] * inv[:nf, servers:]
+        outbound = lat[servers:, nf:servers] + pc[:, None] * inv[servers:, nf:servers]
+        f, b = inbound.argmin(0), outbound.argmin(1) + nf
+        alpha[servers:] = lat[f, clients] + lat[clients, b]
+        link[servers:] = a * (inv[f, clients] + inv[clients, b])
+        times[servers:] = inbound.min(0) + outbound.min(1)
+    return Partners(workers=workers, alpha=alpha, link=link, times=times)
+
+
+def water_level(alpha: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    """For each row of ``beta`` (one per layer count): the least level T with Σ max(0, (T-α)/β) >= 1 and T >= every
+    α (a worker's latency counts even with few rows). At T >= max α every term is positive, so the sum is linear in
+    T: T = max(max α, (1 + Σ α/β) / Σ 1/β)."""
+    inverse = 1.0 / beta
+    return np.maximum(alpha.max(), (1.0 + (alpha[None, :] * inverse).sum(axis=1)) / inverse.sum(axis=1))
 
 
 def water_fill(alpha: np.ndarray, beta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For each row of ``beta`` (one per layer count): the least level T with Σ max(0, (T-α)/β) >= 1 and T >= every
-    α (a worker's latency counts even with few rows), and the shares at that level. At T >= max α every term is
-    positive, so the sum is linear in T: T = max(max α, (1 + Σ α/β) / Σ 1/β)."""
-    inverse = 1.0 / beta
-    level = np.maximum(alpha.max(), (1.0 + (alpha[None, :] * inverse).sum(axis=1)) / inverse.sum(axis=1))
-    shares = np.maximum(0.0, (level[:, None] - alpha[None, :]) * inverse)
+    """``water_level`` and the shares at that level."""
+    level = water_level(alpha, beta)
+    shares = np.maximum(0.0, (level[:, None] - alpha[None, :]) * (1.0 / beta))
     return level, shares / shares.sum(axis=1, keepdims=True)
 
 
@@ -292,6 +311,7 @@ class Engine:
         self.held = Held.of(wl.model) if wl.model.shared else None
         self._rounds: dict[tuple[Group, ...], float] = {}
         self._levels: dict[Group, np.ndarray] = {}
+        self._partners: dict[Group, Partners] = {}  # computed by `stats`, not yet taken by `levels`
         self._rows: dict[tuple[Group | None, Group, Group | None], np.ndarray] = {}
         self._closest: dict[int, np.ndarray] = {}
         self._near: dict[Group, np.ndarray] = {}
@@ -303,9 +323,12 @@ class Engine:
         _make_room(self._stats)
         net, wl = self.net, self.wl
         workers = np.array(group.workers, dtype=int)
-        links = link_times(net, wl, group.layout(1), compute_shares(net, workers))
-        n = len(workers)
         lat, inv = block(net.latency, workers, workers), block(net.inv_bandwidth, workers, workers)
+        linked = partners(net, wl, group, (lat, inv))
+        # held for `levels`, which a timed score asks for next and takes it from here
+        _make_room(self._partners)
+        self._partners[group] = linked
+        links, n = linked.times, len(workers)
         a_max, inv_max = float(lat.max()), float(inv.max())
         ar_fixed = 2 * (n - 1) * a_max / wl.average_every  # `cost.averaging_time`'s parts
         ar_per_byte = 2 * (n - 1) / n * inv_max / wl.average_every if n > 1 else 0.0
@@ -367,22 +390,24 @@ class Engine:
             caps[k] = int((steps * wl.model.memory_bytes_per_layer + held[:, 1] <= st.memory).sum())
         return rows, caps
 
-    def _water_fill(self, group: Group) -> tuple[np.ndarray, np.ndarray]:
-        alpha, link, workers = partners(self.net, self.wl, group)
+    def _beta(self, linked: Partners) -> np.ndarray:
+        """Each worker's seconds per row share (one row per layer count): its bytes-per-share and compute terms."""
         per_layer = self.wl.microbatch_tokens * self.wl.model.flops_per_token_per_layer
-        return water_fill(alpha, link[None, :] + self.steps[:, None] * per_layer / self.net.flops[workers][None, :])
+        return linked.link[None, :] + self.steps[:, None] * per_layer / self.net.flops[linked.workers][None, :]
 
     def levels(self, group: Group) -> np.ndarray:
-        """DT_k of a membership for 1..L layers with its row shares set by time (``water_fill``)."""
+        """DT_k of a membership for 1..L layers with its row shares set by time (``water_level``)."""
         cached = self._levels.get(group)
         if cached is None:
+            linked = self._partners.pop(group, None) or partners(self.net, self.wl, group)
             _make_room(self._levels)
-            cached = self._levels[group] = self._water_fill(group)[0]
+            cached = self._levels[group] = water_level(linked.alpha, self._beta(linked))
         return cached
 
     def shares(self, group: Group, layers: int) -> np.ndarray:
         """The row shares behind ``levels(group)[layers - 1]`` (only the final plan needs them: not cached)."""
-        return self._water_fill(group)[1][layers - 1]
+        linked = partners(self.net, self.wl, group)
+        return water_fill(linked.alpha, self._beta(linked))[1][layers - 1]
 
     def _timed_row(self, prev: Group | None, group: Group, nxt: Group | None) -> np.ndarray:
         """A stage's times for 1..L layers with time-set shares (inf beyond its memory), given its neighbours: all
