@@ -25,6 +25,9 @@ from p2ptrain.planner.presets import ModelSpec
 
 FS, BS, CLIENT = 0, 1, 2
 CACHED = 100_000  # entries of a per-membership cache, cleared when full: a long search must not grow without bound
+# partners `stats` found and `levels` has not taken yet: it asks next in a timed score, while a score at compute
+# shares never does, so a few suffice
+PENDING = 1_000
 CACHED_VALUES = 10_000_000  # floats a cache of per-device columns holds (80 MB), whatever the swarm's size
 
 
@@ -325,8 +328,7 @@ class Engine:
         workers = np.array(group.workers, dtype=int)
         lat, inv = block(net.latency, workers, workers), block(net.inv_bandwidth, workers, workers)
         linked = partners(net, wl, group, (lat, inv))
-        # held for `levels`, which a timed score asks for next and takes it from here
-        _make_room(self._partners)
+        _make_room(self._partners, PENDING)
         self._partners[group] = linked
         links, n = linked.times, len(workers)
         a_max, inv_max = float(lat.max()), float(inv.max())
