@@ -577,6 +577,36 @@ def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kic
     assert len(kicks) == 2 and all(kicked != start for start, kicked in kicks)
 
 
+def test_where_the_anytime_phase_stalls_it_goes_on_from_its_other_starts(monkeypatch) -> None:
+    """After ``patience`` rounds in a row find nothing better, the phase goes on from the next of ``then`` (the
+    rounds' kinds start over); it ends when none is left, or at ``max_rounds`` counted over all starts, and the best
+    plan of all its starts is its result. Rounds are made to find nothing (each hands back its start)."""
+    engine = large_engine(640, seed=311)
+    paper = paper_plan(engine, seed=0)
+    first = swarm_groups(engine)
+    assert paper is not None and first is not None
+    kicked = anytime_module._kick(engine, first, np.random.default_rng(1), False)
+    worst_first = sorted([first, kicked, paper.groups], reverse=True,
+                         key=lambda groups: refine_module.ranked((groups, engine.score(groups, timed=True))))
+    seen: list[tuple[list[Group], bool]] = []
+
+    def search(engine: Engine, start: list[Group], rng: np.random.Generator, *, wide: bool = False):
+        seen.append((start, wide))
+        return start, engine.score(start, timed=True)
+
+    monkeypatch.setattr(anytime_module, "_local_search", search)
+    found, score, record = anytime(engine, worst_first[0], seed=0, fixed_stages=False, out_of_time=lambda: False,
+                                   patience=2, then=worst_first[1:])
+    assert seen == [(start, wide) for start in worst_first for wide in (False, True)]
+    assert (record.rounds, record.restarts, record.improved) == (6, 2, 0)
+    assert found == worst_first[-1] and not engine.score(worst_first[-2], timed=True).better_than(score)
+    seen.clear()
+    _, _, record = anytime(engine, worst_first[0], seed=0, fixed_stages=False, out_of_time=lambda: False,
+                           patience=2, then=worst_first[1:], max_rounds=3)
+    assert (record.rounds, record.restarts) == (3, 1)
+    assert [start for start, _ in seen] == [worst_first[0], worst_first[0], worst_first[1]]
+
+
 @pytest.mark.parametrize("fixed_stages", [False, True])
 def test_about_half_of_a_large_swarms_kicks_change_its_stage_count_unless_it_is_forced(fixed_stages: bool) -> None:
     """A kick changes the stage count (a split, a merge or a new stage of a device's mates), in both directions, in
@@ -720,9 +750,11 @@ def test_the_refined_plan_is_never_worse_than_the_papers_dtfms_or_swarms(devices
 def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_clusterings(monkeypatch) -> None:
     """Where the anytime phase's rounds are descents, steps 1-3 run from up to SEARCHES clusterings (the planner's
     seed's first; each after the first while `may_search()`, with a budget its first SEARCH_SHARE) and the phase starts
-    from the best, which its record counts; one search without a budget or where rounds walk."""
+    from the best, which its record counts, then the others, the better first; one search without a budget or where
+    rounds walk."""
     found: list[tuple[list[Group], Score]] = []
     started: list[list[Group]] = []
+    then: list[list[list[Group]]] = []
     real_search, real_anytime = refine_module.local_optimum, refine_module.anytime
 
     def local_optimum(*args, **kwargs):
@@ -731,6 +763,7 @@ def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_
 
     def anytime(engine: Engine, groups: list[Group], **kwargs):
         started.append(groups)
+        then.append(kwargs["then"])
         return real_anytime(engine, groups, **kwargs)
 
     monkeypatch.setattr(refine_module, "local_optimum", local_optimum)
@@ -748,6 +781,7 @@ def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_
     assert searches(engine, **every) == refine_module.SEARCHES == 3
     best = min(found, key=refine_module.ranked)
     assert started[-1] == best[0] and len({refine_module.ranked(f) for f in found}) == 3  # each its own plan
+    assert then[-1] == [groups for groups, _ in sorted(found, key=refine_module.ranked)[1:]]  # where it stalls
     assert searches(engine, out_of_time=lambda: False, max_rounds=0) == 1  # no more allowed
     assert searches(engine) == 1
     assert searches(engine, **every, searches=2) == 2

@@ -174,5 +174,6 @@ def format_plan(plan: Plan, *, title: str) -> str:
         s = plan.search
         lines.append(f"search: {s.rounds} anytime rounds ({s.improved} improved the plan)"
                      + (f" from the best of {s.searches} searches" if s.searches > 1 else "")
+                     + (f", going on from {s.restarts} of the others where it stalled" if s.restarts else "")
                      + f", {s.scored} plans scored")
     return "\n".join(lines)
