@@ -38,6 +38,7 @@ from p2ptrain.planner import PLANNERS, PlanningError, Swarm, make_plan, model_sp
 from p2ptrain.planner.anytime import default_budget_s  # noqa: E402
 from p2ptrain.planner.cost import Workload, evaluate  # noqa: E402
 from p2ptrain.planner.generate import GEO_BATCH, GEO_MODEL, geo_swarm  # noqa: E402
+from p2ptrain.planner.portfolio import default_jobs  # noqa: E402
 from p2ptrain.planner.swarmfile import load_swarm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -73,15 +74,16 @@ def run_planners(swarm: Swarm, name: str, model, tokens: int, microbatches: int,
 
 def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, factor: float, seeds: int,
             samples: int, planner_seeds: int = 1) -> dict:
-    """The refined plan with the CLI's default budget against the best plan found by long runs of the refined
-    search (``factor`` times the budget, seeds 1..``seeds``, never stopping early), and every other planner against
+    """The refined plan with the CLI's default budget and jobs against the best plan found by long runs of the
+    refined search (``factor`` times the budget, one job, seeds 1..``seeds``, never stopping early), and every other
+    planner against
     that best; the gap to the bound; plan times. With ``planner_seeds`` N > 1, the same default-budget plan with
     planner seeds 1..N-1 too (`--seed`: which plan a user gets turns on it), their plans among those the best is
     taken from."""
     kwargs = {"batch_tokens": tokens, "microbatches": microbatches}
     budget = default_budget_s(len(swarm.devices))
     start = time.perf_counter()
-    default = make_plan(swarm, model, budget_s=budget, clock=time.monotonic, **kwargs)
+    default = make_plan(swarm, model, budget_s=budget, clock=time.monotonic, jobs=default_jobs(), **kwargs)
     row: dict = {"swarm": name, "devices": len(swarm.devices), "budget_s": budget,
                  "default_pt": default.predicted.batch_time_s, "default_wall_s": time.perf_counter() - start,
                  "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap,
@@ -89,7 +91,8 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
     row["seeds"] = []
     for seed in range(1, planner_seeds):
         start = time.perf_counter()
-        other = make_plan(swarm, model, seed=seed, budget_s=budget, clock=time.monotonic, **kwargs)
+        other = make_plan(swarm, model, seed=seed, budget_s=budget, clock=time.monotonic, jobs=default_jobs(),
+                          **kwargs)
         row["seeds"].append({"seed": seed, "pt": other.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
                              "rounds": other.search.rounds if other.search else 0})
     for seed in range(1, seeds + 1):
@@ -121,8 +124,9 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
 def gap_markdown(rows: list[dict], factor: float, seeds: int) -> list[str]:
     out = ["", "## The refined plan against the best plan found", "",
            f"default: `python -m p2ptrain.plan`'s refined plan with its default budget (`--budget-s`, "
-           f"`planner.anytime.default_budget_s`); best: the best of it and of {seeds} long runs of the refined search "
-           f"({factor:g} x the budget each, seeds 1-{seeds}, no early stop); ratio = default PT / best PT (must-show "
+           f"`planner.anytime.default_budget_s`) and jobs (`--jobs`: {default_jobs()} here, `planner.portfolio`); "
+           f"best: the best of it and of {seeds} long runs of the refined search ({factor:g} x the budget each, one "
+           f"job, seeds 1-{seeds}, no early stop); ratio = default PT / best PT (must-show "
            "1: at most 1.05); gap = default PT over the bound, less 1; the other planners' PT over the best PT "
            "(must-show 3: none below the default's ratio).", "",
            "| swarm | devices | budget s | default PT s | plan wall s | rounds | best PT s | ratio | gap to bound | "

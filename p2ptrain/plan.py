@@ -23,6 +23,7 @@ from p2ptrain.models.configs import ModelConfig
 from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
+from p2ptrain.planner.portfolio import DEFAULT_JOBS, default_jobs
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, config_spec, model_spec
 from p2ptrain.planner.refine import SEARCHES
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --rounds: on a large swarm, start the anytime search from the best of N runs of "
                              "the refined search's first steps, as the plan a budget gave did (its `search` says "
                              f"how many; default {SEARCHES})")
+    parser.add_argument("--jobs", type=count, metavar="N",
+                        help="with a budget, the refined planner searches from N seeds at once, in as many "
+                             "processes, and keeps the best plan, whose `search` records the seed that replays it "
+                             f"(default: {DEFAULT_JOBS}, or the cores this process may use where fewer)")
     parser.add_argument("--json", type=writable_file, help="write the plan as JSON to this file")
     live = parser.add_argument_group("live planning (plan what the peers of a running swarm announced)")
     live.add_argument("--initial-peers", nargs="+", help="multiaddrs of peers of the swarm, instead of a swarm file")
@@ -122,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--budget-s and --rounds both bound the refined planner's search; give one")
     if args.searches is not None and args.rounds is None:
         parser.error("--searches replays a plan's search with --rounds N; give --rounds too")
-    if (args.budget_s is not None or args.rounds is not None) and args.planner != "refined":
-        parser.error(f"--{'budget-s' if args.budget_s is not None else 'rounds'} applies to the refined planner, "
-                     f"not {args.planner}")
+    if args.jobs is not None and args.rounds is not None:
+        parser.error("--rounds replays one search (give --seed the plan's `search.seed`); --jobs applies to a budget")
+    if (args.budget_s is not None or args.rounds is not None or args.jobs is not None) and args.planner != "refined":
+        flag = "budget-s" if args.budget_s is not None else "rounds" if args.rounds is not None else "jobs"
+        parser.error(f"--{flag} applies to the refined planner, not {args.planner}")
     if args.initial_peers is not None:
         return live_main(parser, args)
     offline = [name for name in (*_LIVE_ONLY, "planner_identity") if getattr(args, name) not in (None, False)]
@@ -177,7 +184,8 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         budget_s = default_budget_s(len(swarm.devices)) if args.budget_s is None else args.budget_s
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
                          stages=stages, seed=args.seed, average_every=args.average_every, budget_s=budget_s,
-                         clock=time.monotonic, rounds=args.rounds, searches=args.searches or SEARCHES)
+                         clock=time.monotonic, rounds=args.rounds, searches=args.searches or SEARCHES,
+                         jobs=args.jobs or default_jobs())
     except PlanningError as error:
         print(f"{args.swarm}: {error}", file=sys.stderr)
         return 1
@@ -257,7 +265,7 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
                           stop=stop, average_every=args.average_every, budget_s=args.budget_s, rounds=args.rounds,
-                          searches=args.searches or SEARCHES)
+                          searches=args.searches or SEARCHES, jobs=args.jobs or default_jobs())
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

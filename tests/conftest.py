@@ -30,8 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def strays() -> dict[int, str]:
     """Live processes started under this test session (a peer, its DHT node, a p2p daemon: anything exec'd with its
-    mark in the environment), but this one and torch's shared-memory manager, which serves this process for its
-    whole life (and ends by itself once its last client is gone): {pid: command line}."""
+    mark in the environment), but this one, torch's shared-memory manager and multiprocessing's resource tracker
+    (the planner's spawned searches start it), which serve this process for its whole life (and end by themselves
+    once it is gone): {pid: command line}."""
     mark = f"{SESSION_MARK}={os.environ[SESSION_MARK]}".encode()
     found = {}
     for entry in os.scandir("/proc"):
@@ -43,7 +44,8 @@ def strays() -> dict[int, str]:
                     errors="replace").strip()
         except OSError:  # it ended meanwhile, or is a zombie
             continue
-    return {pid: command for pid, command in found.items() if "torch_shm_manager" not in command}
+    return {pid: command for pid, command in found.items()
+            if "torch_shm_manager" not in command and "multiprocessing.resource_tracker" not in command}
 
 
 @pytest.hookimpl(hookwrapper=True)

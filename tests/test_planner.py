@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from here import none_here, random_here
 
 from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
@@ -39,6 +41,7 @@ from p2ptrain.planner.cost import (
 )
 from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
+from p2ptrain.planner.portfolio import plan_on_cores, portfolio_seeds
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.refine import CORES, core, core_starts, race
 from p2ptrain.planner.search import Engine, Group, Score, allocate, partners
@@ -475,6 +478,36 @@ def test_the_anytime_search_only_improves_replays_from_its_seed_and_rounds_and_r
     assert Plan.from_json(data) == searched
     with pytest.raises(ValueError, match="clock"):
         make_plan(swarm, swarm.model, budget_s=1.0, **kwargs)
+
+
+def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_records_the_seed_that_replays_it(
+) -> None:
+    """`jobs`: the refined search runs from the planner's seed in this process and from seeds drawn from it in
+    spawned ones, until one deadline; the plan kept is the one with the lowest predicted batch time (this process's on
+    ties), and its record's seed, rounds and searches replay it on one core."""
+    swarm = load_swarm(PEERS / "paper-case3.toml")
+    assert swarm.model is not None
+    kwargs = {"batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
+    seeds = portfolio_seeds(0, 2)
+    assert seeds[0] == 0 and len(set(seeds)) == 2 and portfolio_seeds(0, 2) == seeds
+    assert len(set(portfolio_seeds(7, 4))) == 4 and portfolio_seeds(7, 4)[0] == 7
+    plan = make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, **kwargs)
+    assert plan.search is not None and plan.search.jobs == 2 and plan.search.seed in seeds
+    replayed = make_plan(swarm, swarm.model, seed=plan.search.seed, rounds=plan.search.rounds,
+                         searches=plan.search.searches, **kwargs)
+    assert replace(replayed, search=None) == replace(plan, search=None)
+    assert Plan.from_json(plan.to_json()) == plan
+
+    # this process's search ends worse (a random plan), or finds none: the other seed's plan is kept
+    worse = make_plan(swarm, swarm.model, planner="random", random_samples=1, **kwargs)
+    for here in (random_here, none_here):
+        kept = plan_on_cores(jobs=2, seed=0, budget_s=4.0, clock=time.monotonic, plan=here, swarm=swarm,
+                             model=swarm.model, planner="refined", **kwargs)
+        assert kept.search is not None and (kept.search.seed, kept.search.jobs) == (seeds[1], 2)
+        assert kept.predicted.batch_time_s < worse.predicted.batch_time_s
+    with pytest.raises(PlanningError, match="--stages 10000"):  # none finds a plan: this process's error
+        plan_on_cores(jobs=2, seed=0, budget_s=1.0, clock=time.monotonic, plan=make_plan, swarm=swarm,
+                      model=swarm.model, planner="refined", stages=10_000, **kwargs)
 
 
 def test_the_anytime_search_ends_once_its_rounds_stop_finding_better_plans() -> None:

@@ -2,14 +2,16 @@
 the baselines. ``make_plan`` is the entry point the CLI and the runtime share."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from p2ptrain.planner.anytime import PATIENCE
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
+from p2ptrain.planner.portfolio import plan_on_cores
 from p2ptrain.planner.presets import ModelSpec, config_spec, model_spec
-from p2ptrain.planner.records import Plan, Prediction, StagePlan, build_plan, format_plan
+from p2ptrain.planner.records import Plan, PlanningError, Prediction, StagePlan, build_plan, format_plan
 from p2ptrain.planner.refine import SEARCH_SHARE, SEARCHES, better, refined_layouts
 from p2ptrain.planner.search import Engine
 from p2ptrain.planner.swarmfile import Device, Swarm, SwarmFileError, load_swarm
@@ -21,26 +23,24 @@ __all__ = ["PLANNERS", "Device", "ModelSpec", "Plan", "PlanningError", "Predicti
            "SwarmFileError", "config_spec", "format_plan", "load_swarm", "make_plan", "model_spec"]
 
 
-class PlanningError(ValueError):
-    """No valid plan exists for this swarm and model (e.g. the servers cannot hold the model)."""
-
-
 def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
               stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
               average_every: int = 1, budget_s: float = 0.0, clock: Callable[[], float] | None = None,
-              rounds: int | None = None, searches: int = SEARCHES, patience: int = PATIENCE) -> Plan:
+              rounds: int | None = None, searches: int = SEARCHES, patience: int = PATIENCE, jobs: int = 1) -> Plan:
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
     the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
     anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving);
     ``searches``: on a large swarm, the anytime phase starts from the best of up to that many runs of the refined
     search's first steps (``refine``), with a budget those that start in its first ``SEARCH_SHARE``; ``patience``:
-    the anytime phase ends once that many rounds in a row found no better plan.
+    the anytime phase ends once that many rounds in a row found no better plan (or goes on from another start);
+    ``jobs``: with a budget, the refined planner searches from that many seeds at once, in as many processes, and
+    keeps the best plan (``portfolio``).
 
     Deterministic for a given seed (and, with a budget, the numbers of rounds and searches it completed, which the
-    plan records: ``rounds`` and ``searches`` replay them) on the same numerics: another CPU's rounding (a BLAS
-    kernel, a vector width) may lead the search elsewhere, as it decides on scores equal to the last bit. Raises
-    ``PlanningError`` when no valid plan is found.
+    plan records with the seed of the search it kept: ``seed``, ``rounds`` and ``searches`` replay them) on the same
+    numerics: another CPU's rounding (a BLAS kernel, a vector width) may lead the search elsewhere, as it decides on
+    scores equal to the last bit. Raises ``PlanningError`` when no valid plan is found.
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
@@ -57,6 +57,12 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
                             f"has {int(reliable.sum())} reliable devices and the model {model.layers} layers")
+    if jobs > 1 and planner == "refined" and rounds is None and out_of_time is not None:
+        assert clock is not None
+        return plan_on_cores(jobs=jobs, seed=seed, budget_s=budget_s, clock=clock, plan=make_plan, swarm=swarm,
+                             model=model, batch_tokens=batch_tokens, microbatches=microbatches, planner=planner,
+                             stages=stages, random_samples=random_samples, average_every=average_every,
+                             searches=searches, patience=patience)
     net, search = swarm.network(), None
     engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches,
                                    average_every=average_every), reliable)
@@ -83,4 +89,5 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
         raise PlanningError(f"the {planner} planner found no plan whose servers can hold {model.layers} layers of "
                             f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each"
                             + (f" beside {shared / 2**30:.3g} GiB of shared tensors" if shared else ""))
+    search = None if search is None else dataclasses.replace(search, seed=seed)
     return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner, reliable=reliable, search=search)

@@ -68,14 +68,17 @@ LOAD_WEIGHT = 0.3  # 0.1 / 0.3 / 1.0 measured on 256-device swarms: 0.3 and 1.0 
 @dataclass(frozen=True, kw_only=True)
 class SearchRecord:
     """What the anytime phase did: rounds completed (the result replays from the seed, this count and
-    ``searches``), plans scored by the whole refined search, the rounds that improved the best plan, the runs of
-    the refined search's first steps it started from the best of (``refine``) and the starts it went on from."""
+    ``searches`` and ``seed``), plans scored by the whole refined search, the rounds that improved the best plan, the
+    runs of the refined search's first steps it started from the best of (``refine``), the starts it went on from,
+    and the searches from other seeds it was the best of (``portfolio``)."""
 
     rounds: int
     scored: int
     improved: int
     searches: int = 1
     restarts: int = 0  # times the phase went on from another start after ``PATIENCE`` rounds found nothing
+    seed: int | None = None  # the seed of the search that found the plan (``portfolio``); None in plans of before it
+    jobs: int = 1  # searches that ran at once, from as many seeds (``portfolio``)
 
 
 def default_budget_s(devices: int) -> float:

@@ -19,6 +19,10 @@ from p2ptrain.planner.cost import (
 )
 
 
+class PlanningError(ValueError):
+    """No valid plan exists for this swarm and model (e.g. the servers cannot hold the model)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StagePlan:
     """Layers [start, end) and the stage's members; ``shares`` maps worker id to its fraction of each microbatch's
@@ -175,5 +179,9 @@ def format_plan(plan: Plan, *, title: str) -> str:
         lines.append(f"search: {s.rounds} anytime rounds ({s.improved} improved the plan)"
                      + (f" from the best of {s.searches} searches" if s.searches > 1 else "")
                      + (f", going on from {s.restarts} of the others where it stalled" if s.restarts else "")
-                     + f", {s.scored} plans scored")
+                     + f", {s.scored} plans scored"
+                     + ("" if s.seed is None else f"; seed {s.seed}"
+                        + (f", the best of {s.jobs} searches from as many seeds" if s.jobs > 1 else "")
+                        + f" (--seed {s.seed} --rounds {s.rounds}"
+                        + (f" --searches {s.searches}" if s.searches > 1 else "") + " replays it)"))
     return "\n".join(lines)
