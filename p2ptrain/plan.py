@@ -184,7 +184,7 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         budget_s = default_budget_s(len(swarm.devices)) if args.budget_s is None else args.budget_s
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
                          stages=stages, seed=args.seed, average_every=args.average_every, budget_s=budget_s,
-                         clock=time.monotonic, rounds=args.rounds, searches=args.searches or SEARCHES,
+                         clock=time.monotonic, rounds=args.rounds, searches=args.searches,
                          jobs=args.jobs or default_jobs())
     except PlanningError as error:
         print(f"{args.swarm}: {error}", file=sys.stderr)
@@ -265,7 +265,7 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
                           stop=stop, average_every=args.average_every, budget_s=args.budget_s, rounds=args.rounds,
-                          searches=args.searches or SEARCHES, jobs=args.jobs or default_jobs())
+                          searches=args.searches, jobs=args.jobs or default_jobs())
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from here import none_here, random_here
 
+import p2ptrain.planner as planner_module
 from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
@@ -41,7 +42,7 @@ from p2ptrain.planner.cost import (
 )
 from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
-from p2ptrain.planner.portfolio import plan_on_cores, portfolio_seeds
+from p2ptrain.planner.portfolio import SEARCHES_EACH, plan_on_cores, portfolio_seeds
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.refine import CORES, core, core_starts, race
 from p2ptrain.planner.search import Engine, Group, Score, allocate, partners
@@ -481,7 +482,7 @@ def test_the_anytime_search_only_improves_replays_from_its_seed_and_rounds_and_r
 
 
 def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_records_the_seed_that_replays_it(
-) -> None:
+        monkeypatch) -> None:
     """`jobs`: the refined search runs from the planner's seed in this process and from seeds drawn from it in
     spawned ones, until one deadline; the plan kept is the one with the lowest predicted batch time (this process's on
     ties), and its record's seed, rounds and searches replay it on one core."""
@@ -497,6 +498,14 @@ def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_
                          searches=plan.search.searches, **kwargs)
     assert replace(replayed, search=None) == replace(plan, search=None)
     assert Plan.from_json(plan.to_json()) == plan
+
+    # several jobs run one quick search each by default, one job SEARCHES; a replay is one job
+    given: list[dict] = []
+    monkeypatch.setattr(planner_module, "plan_on_cores", lambda **kw: given.append(kw) or plan)
+    make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, **kwargs)
+    make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, searches=3, **kwargs)
+    assert [kw["searches"] for kw in given] == [SEARCHES_EACH, 3] and SEARCHES_EACH < refine_module.SEARCHES
+    monkeypatch.undo()
 
     # this process's search ends worse (a random plan), or finds none: the other seed's plan is kept
     worse = make_plan(swarm, swarm.model, planner="random", random_samples=1, **kwargs)

@@ -19,7 +19,6 @@ from p2ptrain.live.swarm import planning_peers, swarm_from_peers
 from p2ptrain.planner import Plan, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
 from p2ptrain.planner.presets import ModelSpec, run_spec
-from p2ptrain.planner.refine import SEARCHES
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
 def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int, microbatches: int, planner: str,
                stages: int | None, seed: int, expect: int, settings: RuntimeConfig, stop: threading.Event,
                average_every: int = 1, budget_s: float | None = 0.0, rounds: int | None = None,
-               searches: int = SEARCHES, jobs: int = 1) -> Plan | None:
+               searches: int | None = None, jobs: int = 1) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time. The
     refined planner's anytime search runs for `budget_s` (None: `default_budget_s` of the peers found) or `rounds`,
     from `jobs` seeds at once (`planner.portfolio`).

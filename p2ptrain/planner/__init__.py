@@ -9,7 +9,7 @@ from p2ptrain.planner.anytime import PATIENCE
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
-from p2ptrain.planner.portfolio import plan_on_cores
+from p2ptrain.planner.portfolio import SEARCHES_EACH, plan_on_cores
 from p2ptrain.planner.presets import ModelSpec, config_spec, model_spec
 from p2ptrain.planner.records import Plan, PlanningError, Prediction, StagePlan, build_plan, format_plan
 from p2ptrain.planner.refine import SEARCH_SHARE, SEARCHES, better, refined_layouts
@@ -26,13 +26,15 @@ __all__ = ["PLANNERS", "Device", "ModelSpec", "Plan", "PlanningError", "Predicti
 def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
               stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
               average_every: int = 1, budget_s: float = 0.0, clock: Callable[[], float] | None = None,
-              rounds: int | None = None, searches: int = SEARCHES, patience: int = PATIENCE, jobs: int = 1) -> Plan:
+              rounds: int | None = None, searches: int | None = None, patience: int = PATIENCE,
+              jobs: int = 1) -> Plan:
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
     the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
     anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving);
     ``searches``: on a large swarm, the anytime phase starts from the best of up to that many runs of the refined
-    search's first steps (``refine``), with a budget those that start in its first ``SEARCH_SHARE``; ``patience``:
+    search's first steps (``refine``), with a budget those that start in its first ``SEARCH_SHARE`` (default:
+    ``SEARCHES``, or ``portfolio.SEARCHES_EACH`` in each of several ``jobs``); ``patience``:
     the anytime phase ends once that many rounds in a row found no better plan (or goes on from another start);
     ``jobs``: with a budget, the refined planner searches from that many seeds at once, in as many processes, and
     keeps the best plan (``portfolio``).
@@ -57,7 +59,10 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
                             f"has {int(reliable.sum())} reliable devices and the model {model.layers} layers")
-    if jobs > 1 and planner == "refined" and rounds is None and out_of_time is not None:
+    portfolio = jobs > 1 and planner == "refined" and rounds is None and out_of_time is not None
+    if searches is None:
+        searches = SEARCHES_EACH if portfolio else SEARCHES
+    if portfolio:
         assert clock is not None
         return plan_on_cores(jobs=jobs, seed=seed, budget_s=budget_s, clock=clock, plan=make_plan, swarm=swarm,
                              model=model, batch_tokens=batch_tokens, microbatches=microbatches, planner=planner,

@@ -8,11 +8,17 @@ process and with ``jobs - 1`` seeds drawn from it in others (spawned: a fresh in
 caller runs), all until the same deadline, and keeps the plan with the lowest predicted batch time (the planner's own
 seed's on ties). The plan records the seed of the search it kept (``SearchRecord.seed``): that seed with the rounds and
 searches it records replays the plan on one core.
-Measured on this 2-core machine at the default budget (14 s), on the same 30 plans: with 2 jobs the mean fell from
+Measured on this 2-core machine at the default budget (14 s), on the same 30 plans: with 2 jobs (of 3 quick
+searches each, as one job runs) the mean fell from
 1.051x to 1.040x the best known, the worst from 1.129x to 1.101x, 20 ended within 5% against 16, and the other seed's
 plan was kept in 13; each plan took 14.2-14.8 s as before. Where the planner's own seed's plan was kept, its search ran
 4% fewer rounds beside the other (402 against 417 over 17 plans), and one of them ended worse (geo-256-seed503, seed 0:
 146.92 -> 147.80 s, 21 rounds instead of 30).
+The seeds give the searches other clusterings, as the extra quick searches of one process do (``refine.SEARCHES``),
+and those leave its anytime phase less time. So each of several jobs runs one (``SEARCHES_EACH``): on the same 30
+plans with 2 jobs the mean was 1.032x (1 quick search each), 1.031x (2) and 1.040x (3); the worst 1.083x, 1.102x and
+1.101x; within 5% 22, 23 and 20; the planner's seed 0 within 5% on 4, 3 and 3 of the 5 swarms. On geo-480-seed500
+(planner seeds 0-3, 2 jobs) the plans' mean PT was 108.5, 107.9 and 108.0 s, the worst 114.0, 114.0 and 117.4 s.
 """
 from __future__ import annotations
 
@@ -29,11 +35,13 @@ import numpy as np
 from p2ptrain.planner.records import Plan, PlanningError
 
 DEFAULT_JOBS = 2  # searches at once by default, where there are the cores: the measured setting (module doc)
+SEARCHES_EACH = 1  # runs of the refined search's first steps in each of several jobs (``refine.SEARCHES`` alone)
 
 
 def default_jobs() -> int:
     """``DEFAULT_JOBS``, or fewer where the process may run on fewer cores."""
-    return max(1, min(DEFAULT_JOBS, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(DEFAULT_JOBS, cores))
 
 
 def portfolio_seeds(seed: int, jobs: int) -> list[int]:
