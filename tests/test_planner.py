@@ -14,7 +14,7 @@ import p2ptrain.planner as planner_module
 from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
-from p2ptrain.planner import Plan, PlanningError, cost, make_plan, model_spec
+from p2ptrain.planner import Plan, PlanningError, cost, format_plan, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
 from p2ptrain.planner import paper as paper_module
 from p2ptrain.planner import refine as refine_module
@@ -498,6 +498,9 @@ def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_
                          searches=plan.search.searches, **kwargs)
     assert replace(replayed, search=None) == replace(plan, search=None)
     assert Plan.from_json(plan.to_json()) == plan
+    # the printed replay names every flag that differs from the defaults of --rounds (--searches is SEARCHES there)
+    s = plan.search
+    assert f"(--seed {s.seed} --rounds {s.rounds} --searches {s.searches} replays it)" in format_plan(plan, title="")
 
     # several jobs run one quick search each by default, one job SEARCHES; a replay is one job
     given: list[dict] = []

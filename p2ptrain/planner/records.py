@@ -182,6 +182,5 @@ def format_plan(plan: Plan, *, title: str) -> str:
                      + f", {s.scored} plans scored"
                      + ("" if s.seed is None else f"; seed {s.seed}"
                         + (f", the best of {s.jobs} searches from as many seeds" if s.jobs > 1 else "")
-                        + f" (--seed {s.seed} --rounds {s.rounds}"
-                        + (f" --searches {s.searches}" if s.searches > 1 else "") + " replays it)"))
+                        + f" (--seed {s.seed} --rounds {s.rounds} --searches {s.searches} replays it)"))
     return "\n".join(lines)
