@@ -5,7 +5,7 @@ to the bound; and the §4.4 stage-count comparison.
 
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
                                  [--gap-sizes 32,64,256,1024] [--gap-swarm-seeds 500,501,502] [--no-gap-files]
-                                 [--gap-planner-seeds 1] [--stem NAME]
+                                 [--gap-planner-seeds 1] [--gap-known FILE,...] [--stem NAME]
 
 writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
 some --parts, ``planner-PARTS.*``; with --stem, ``NAME.*``.
@@ -72,14 +72,31 @@ def run_planners(swarm: Swarm, name: str, model, tokens: int, microbatches: int,
     return row
 
 
+def known_bests(paths: list[Path]) -> dict[str, tuple[float, str]]:
+    """The best PT each swarm reached in earlier runs of this benchmark (their JSON files), with the file it is from:
+    references a later run (another default budget, another planner) is measured against without repeating the long
+    runs. A file planned for another model or batch than this one's generated swarms is refused."""
+    known: dict[str, tuple[float, str]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        if data.get("geo_model") != GEO_MODEL or data.get("geo_batch") != GEO_BATCH:
+            raise SystemExit(f"{path}: planned for another model or batch ({data.get('geo_model')}, "
+                             f"{data.get('geo_batch')}); its plans are no reference for {GEO_MODEL}, {GEO_BATCH}")
+        for row in data.get("gap", []):
+            if row["swarm"] not in known or row["best_pt"] < known[row["swarm"]][0]:
+                known[row["swarm"]] = (row["best_pt"], path.name)
+    return known
+
+
 def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, factor: float, seeds: int,
-            samples: int, planner_seeds: int = 1) -> dict:
+            samples: int, planner_seeds: int = 1, known: tuple[float, str] | None = None) -> dict:
     """The refined plan with the CLI's default budget and jobs against the best plan found by long runs of the
     refined search (``factor`` times the budget, one job, seeds 1..``seeds``, never stopping early), and every other
     planner against
     that best; the gap to the bound; plan times. With ``planner_seeds`` N > 1, the same default-budget plan with
     planner seeds 1..N-1 too (`--seed`: which plan a user gets turns on it), their plans among those the best is
-    taken from."""
+    taken from. ``known``: an earlier run's best PT of this swarm and its file (``known_bests``), which joins the
+    best."""
     kwargs = {"batch_tokens": tokens, "microbatches": microbatches}
     budget = default_budget_s(len(swarm.devices))
     start = time.perf_counter()
@@ -101,7 +118,10 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
                          patience=1_000_000, **kwargs)
         row["long"].append({"seed": seed, "pt": long.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
                             "rounds": long.search.rounds if long.search else 0})
-    best = min([row["default_pt"], *(r["pt"] for r in row["long"] + row["seeds"])])
+    if known is not None:
+        row["known_pt"], row["known_from"] = known
+    best = min([row["default_pt"], *(r["pt"] for r in row["long"] + row["seeds"]),
+                *([known[0]] if known is not None else [])])
     row["best_pt"] = best
     row["default_vs_best"] = row["default_pt"] / best
     row["seeds_vs_best"] = [row["default_vs_best"], *(r["pt"] / best for r in row["seeds"])]
@@ -125,10 +145,14 @@ def gap_markdown(rows: list[dict], factor: float, seeds: int) -> list[str]:
     out = ["", "## The refined plan against the best plan found", "",
            f"default: `python -m p2ptrain.plan`'s refined plan with its default budget (`--budget-s`, "
            f"`planner.anytime.default_budget_s`) and jobs (`--jobs`: {default_jobs()} here, `planner.portfolio`); "
-           f"best: the best of it and of {seeds} long runs of the refined search ({factor:g} x the budget each, one "
-           f"job, seeds 1-{seeds}, no early stop); ratio = default PT / best PT (must-show "
+           + (f"best: the best of it and of {seeds} long runs of the refined search ({factor:g} x the budget each, "
+              f"one job, seeds 1-{seeds}, no early stop)" if seeds else "best: the best of it and of earlier runs' "
+              "plans (`--gap-known`; no long runs here)")
+           + "; ratio = default PT / best PT (must-show "
            "1: at most 1.05); gap = default PT over the bound, less 1; the other planners' PT over the best PT "
-           "(must-show 3: none below the default's ratio).", "",
+           "(must-show 3: none below the default's ratio)."
+           + (" Where an earlier run (`--gap-known`) found a better plan of a swarm, its PT is the best; which rows "
+              "take it is listed below the table." if any("known_pt" in r for r in rows) else ""), "",
            "| swarm | devices | budget s | default PT s | plan wall s | rounds | best PT s | ratio | gap to bound | "
            "paper | swarm | dtfm | random | never worse |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -141,6 +165,11 @@ def gap_markdown(rows: list[dict], factor: float, seeds: int) -> list[str]:
     if worst is not None:
         out += ["", f"Worst ratio: {worst['default_vs_best']:.3f} ({worst['swarm']}); within 5% on "
                     f"{sum(r['default_vs_best'] <= 1.05 for r in rows)} of {len(rows)}."]
+    known = [r for r in rows if "known_pt" in r]
+    if known:
+        out += ["", "Earlier runs' bests: " + "; ".join(
+            f"{r['swarm']} {r['known_pt']:.5g} s ({r['known_from']}"
+            + (", the best" if r["known_pt"] <= r["best_pt"] else ", beaten here") + ")" for r in known) + "."]
     seeded = [r for r in rows if len(r.get("seeds_vs_best", [])) > 1]
     if seeded:
         count = len(seeded[0]["seeds_vs_best"])
@@ -281,6 +310,9 @@ def main() -> None:
                              "long runs take about 25 minutes)")
     parser.add_argument("--gap-files", action=argparse.BooleanOptionalAction, default=True,
                         help="whether the gap section also takes the paper's swarm files")
+    parser.add_argument("--gap-known", default="",
+                        help="JSON files of earlier gap runs (comma-separated): each swarm's best PT there joins its "
+                             "best here (so --gap-seeds 0 measures a new default against earlier long runs)")
     parser.add_argument("--stem", help="name of the result files (default: planner, or planner-PARTS with --parts)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -306,9 +338,10 @@ def main() -> None:
         if not args.quick and args.gap_files:
             cases += [(name, swarm, swarm.model, swarm.batch_tokens, swarm.microbatches) for name, swarm in files
                       if name.startswith("paper-")]
+        known = known_bests([Path(p) for p in args.gap_known.split(",") if p])
         for name, swarm, spec, tokens, microbatches in cases:
             gaps.append(gap_row(swarm, name, spec, tokens, microbatches, factor=factor, seeds=seeds,
-                                samples=samples, planner_seeds=args.gap_planner_seeds))
+                                samples=samples, planner_seeds=args.gap_planner_seeds, known=known.get(name)))
     comparison = [] if "sec44" not in parts else [
         c for tokens in (524288, 262144, 131072) for c in stage_comparison(ROOT / "peers" / "paper-sec44.toml", tokens)]
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/planner.py", *sys.argv[1:]])

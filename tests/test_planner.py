@@ -1,6 +1,7 @@
 """Planner: presets from configs, the docs/design.md §3 cost model against a hand computation, layer allocation, plans."""
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from dataclasses import replace
@@ -508,6 +509,9 @@ def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_
     make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, **kwargs)
     make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, searches=3, **kwargs)
     assert [kw["searches"] for kw in given] == [SEARCHES_EACH, 3] and SEARCHES_EACH < refine_module.SEARCHES
+    # every parameter reaches the spawned searches (a new one left out there would be dropped silently), but
+    # `rounds`: a replay is one job
+    assert set(given[0]) == set(inspect.signature(make_plan).parameters) - {"rounds"} | {"plan"}
     monkeypatch.undo()
 
     # this process's search ends worse (a random plan), or finds none: the other seed's plan is kept

@@ -175,12 +175,21 @@ def format_plan(plan: Plan, *, title: str) -> str:
     lines.append(f"gap to the tightest bound: {p.gap:.1%} (no plan is faster than the bound; the best one may be "
                  "slower)")
     if plan.search is not None:
-        s = plan.search
-        lines.append(f"search: {s.rounds} anytime rounds ({s.improved} improved the plan)"
-                     + (f" from the best of {s.searches} searches" if s.searches > 1 else "")
-                     + (f", going on from {s.restarts} of the others where it stalled" if s.restarts else "")
-                     + f", {s.scored} plans scored"
-                     + ("" if s.seed is None else f"; seed {s.seed}"
-                        + (f", the best of {s.jobs} searches from as many seeds" if s.jobs > 1 else "")
-                        + f" (--seed {s.seed} --rounds {s.rounds} --searches {s.searches} replays it)"))
+        lines.append(_search_line(plan.search))
     return "\n".join(lines)
+
+
+def _search_line(s: SearchRecord) -> str:
+    """What the refined search did, and the flags that replay it (where the record says its seed)."""
+    line = f"search: {s.rounds} anytime rounds ({s.improved} improved the plan)"
+    if s.searches > 1:
+        line += f" from the best of {s.searches} searches"
+    if s.restarts:
+        line += f", going on from {s.restarts} of the others where it stalled"
+    line += f", {s.scored} plans scored"
+    if s.seed is not None:
+        line += f"; seed {s.seed}"
+        if s.jobs > 1:
+            line += f", the best of {s.jobs} searches from as many seeds"
+        line += f" (--seed {s.seed} --rounds {s.rounds} --searches {s.searches} replays it)"
+    return line
