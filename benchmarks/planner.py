@@ -78,10 +78,13 @@ def known_bests(paths: list[Path]) -> dict[str, tuple[float, str]]:
     runs. A file planned for another model or batch than this one's generated swarms is refused."""
     known: dict[str, tuple[float, str]] = {}
     for path in paths:
-        data = json.loads(path.read_text())
-        if data.get("geo_model") != GEO_MODEL or data.get("geo_batch") != GEO_BATCH:
-            raise SystemExit(f"{path}: planned for another model or batch ({data.get('geo_model')}, "
-                             f"{data.get('geo_batch')}); its plans are no reference for {GEO_MODEL}, {GEO_BATCH}")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--gap-known {path}: {error}; name JSON files this benchmark wrote") from None
+        if not isinstance(data, dict) or (data.get("geo_model"), data.get("geo_batch")) != (GEO_MODEL, GEO_BATCH):
+            raise SystemExit(f"--gap-known {path}: not this benchmark's results for {GEO_MODEL} and {GEO_BATCH}; "
+                             "its plans are no reference here")
         for row in data.get("gap", []):
             if row["swarm"] not in known or row["best_pt"] < known[row["swarm"]][0]:
                 known[row["swarm"]] = (row["best_pt"], path.name)
