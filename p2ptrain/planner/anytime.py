@@ -17,30 +17,31 @@ may go further: at twice the default budget (28 s), 6 of 12 plans on 256 devices
 the worst 1.088x (1.129: geo-256-seed503, seed 4, 158.19 -> 148.31 s of PT); at the default budget the phase seldom
 stalls: 29 of 30 such plans were the same, and the 30th completed 2 rounds fewer (replayed, the same).
 On a large swarm (where a walk would move each device fewer than ``WALK_COVER`` times) rounds are local searches
-instead, and none walks. A walk pays only from near a local optimum, and a round's moves spread over hundreds of
-devices are too few to find one: in a round measured on a 1,024-device swarm (8 moves a device) the walk's 6,000 moves
-found no better plan than its start, and every gain came from its closing local search. The rounds there are descents
-(the local search alone) while they find better plans; after one that does not, a wide descent, which draws 4 times
-as many devices to move; after a wide one that does not, kicks: from the best plan, half the time one move that changes
-the stage count (a stage split, two neighbours merged, or a device's nearest mates in a new stage of their own), else a
-few random moves, each within a slack of the start's PT; then a wide descent, kept if better. Each descent samples other devices, so one that failed says
-little of the next. The rounds' moves seldom change the stage count, and a changed count pays only once the devices
-settle into it, which a wide descent does: with half the kicks changing it, 10 swarms of 256 devices (seeds 500-509)
-ended at the default budget 3.1% faster in the mean, faster on 7 (by up to 10.7%) and slower on 3 (by up to 3.0%);
-most ended with more stages than the refined search started with. On 5 swarms of 1,024 devices (seeds 600-604),
-where the race of starts (``refine``) already tries several stage counts, no change in the mean: 2 faster (by up to
-4.6%), 1 slower (by 4.9%), 2 the same. Measured at
-the default budget: on geo-1024-seed600 these rounds ended at 84.0 s of PT where walks after the first failed descent
-ended at 94.0 s, and without kicks they stalled at 91.5 s from a third of the way through the budget; on 256 devices
-(31 moves a device) they ended 2-6% better than walks on 5 of 6 swarms (seeds 500, 502, 600-603) and 0.8% worse on
-one; on 128 (62 moves a device) 1-2% better on 2 of 3 and 3.6% worse on one, so walks stay there.
+instead, and none walks. A walk pays only from near a local optimum, and a round's moves spread over hundreds of devices
+are too few to find one: in a round measured on a 1,024-device swarm (8 moves a device) the walk's 6,000 moves found no
+better plan than its start, and every gain came from its closing local search. The rounds there are descents (the local
+search alone) while they find better plans; after one that does not, a wide descent, which draws 4 times as many devices
+to move; after a wide one that does not, kicks: from the best plan, half the time one move that changes the stage count
+(a stage split, two neighbours merged, or a device's nearest mates in a new stage of their own), else a few random
+moves, each within a slack of the start's PT; then a wide descent, kept if better. Each descent samples other devices,
+so one that failed says little of the next. The rounds' moves seldom change the stage count, and a changed count pays
+only once the devices settle into it, which a wide descent does: with half the kicks changing it, 10 swarms of 256
+devices (seeds 500-509) ended at the default budget 3.1% faster in the mean, faster on 7 (by up to 10.7%) and slower on
+3 (by up to 3.0%); most ended with more stages than the refined search started with. On 5 swarms of 1,024 devices (seeds
+600-604), where the race of starts (``refine``) already tries several stage counts, no change in the mean: 2 faster (by
+up to 4.6%), 1 slower (by 4.9%), 2 the same. Measured at the default budget: on geo-1024-seed600 these rounds ended at
+84.0 s of PT where walks after the first failed descent ended at 94.0 s, and without kicks they stalled at 91.5 s from a
+third of the way through the budget; on 256 devices (31 moves a device) they ended 2-6% better than walks on 5 of 6
+swarms (seeds 500, 502, 600-603) and 0.8% worse on one; on 128 (62 moves a device) 1-2% better on 2 of 3 and 3.6% worse
+on one, so walks stay there.
 The kick's random moves are bounded because a move made whatever it costs often takes a server far from its stage: on
 geo-256-seed600 (planner seed 0) such kicks left plans of 164-1,638 s of PT from a best of 155 s, the wide descents
 after them ended as high as 306 s, and 1 of 13 paid. With each move kept within 10% of the start's PT, on 20 plans
 (swarms 500-503 and 600, planner seeds 0-3, one job and one quick search each, as in the portfolio, at the default
-budget) the mean ratio to the best plan known (of long runs and of every run compared) fell from 1.074 to 1.056 and the worst from 1.225 to 1.133; on 20 of
-swarms 700-704, not measured before, from 1.068 to 1.059 and from 1.323 to 1.231; the better of each two seeds' plans
-from 1.032 to 1.025 and from 1.034 to 1.025; on 1,024 devices (swarms 500-502 and 600, seed 0) from 1.078 to 1.057.
+budget) the mean ratio to the best plan known (of long runs and of every run compared) fell from 1.074 to 1.056 and
+the worst from 1.225 to 1.133; on 20 of swarms 700-704, not measured before, from 1.068 to 1.059 and from 1.323 to
+1.231; the better of each two seeds' plans from 1.032 to 1.025 and from 1.034 to 1.025; on 1,024 devices (swarms
+500-502 and 600, seed 0) from 1.078 to 1.057.
 Moves are scored through ``Engine.score`` with row shares set by time, as the plan ends with (``Engine.levels``), so
 the search balances each stage's workers as it moves them; the engine caches every stage's statistics and levels,
 so a move recomputes only the stages it touches.
