@@ -172,4 +172,11 @@ def test_a_worker_killed_while_its_stage_averages_loses_no_rows(make_swarm):
     for epoch in trained:
         for counts in epoch["stages"]:
             assert counts["rows_averaged"] == counts["rows_in_batch"] == ROWS * MICROBATCHES, epoch
-            assert counts["digests_agree"] is not False, epoch
+            assert counts["digests_agree"] is not False, f"epoch {epoch['epoch']}: {counts}\n{rounds_told(swarm)}"
+
+
+def rounds_told(swarm) -> str:
+    """What stage 1's holders logged of their rounds and steps."""
+    told = r"averaging epoch|failed|died|stepped epoch|not stepping|took a mate|reloading"
+    return "\n".join(f"{name}: {line}" for name in ("fs1", "c1a", "c1b")
+                     for line in (swarm.workdir / f"{name}.log").read_text().splitlines() if re.search(told, line))

@@ -11,7 +11,7 @@ import torch
 
 from p2ptrain.client.averaging import StageAllReduce
 from p2ptrain.client.state_sync import StageStateServer, load_state_from_peers
-from p2ptrain.client.worker import Worker
+from p2ptrain.client.worker import FAILED_AVERAGING_EPOCH, Worker
 from p2ptrain.compression import CHUNK_BYTES
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.models import build_stage
@@ -171,6 +171,31 @@ def test_a_replica_left_out_of_a_group_that_no_mate_could_serve_takes_a_mates_st
         await step(mate, seed=4)
         await step(replica, seed=4)
         assert_same_state(mate, replica)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_round_failed_publishes_no_digest_of_the_epoch_it_did_not_step():
+    """A groupmate killed mid-round can fail the round for one survivor while another completes it (the dead
+    reducer's average reached one of them): the one that failed holds the parameters of the epoch before, so its
+    record of the epoch holds no digest that the stage's check would take for replicas standing apart; it counts
+    the failed round and reloads."""
+    async def scenario() -> None:
+        worker = make_worker("w", local={}, fault="failed-averaging")
+        for epoch in range(FAILED_AVERAGING_EPOCH):
+            await step(worker, seed=epoch)
+        generator = torch.Generator().manual_seed(FAILED_AVERAGING_EPOCH)
+        for accumulated in worker.accumulated:
+            accumulated.copy_(torch.randn(accumulated.shape, generator=generator))
+        worker.rows_accumulated = CONFIG.rows_per_microbatch
+        await worker._step(tuple(GroupMember(peer_id=peer, client_mode=False) for peer in ("w", "mate")))
+        await worker.settle()
+        records = {record.epoch: record for record in worker.history}
+        assert sorted(records) == list(range(FAILED_AVERAGING_EPOCH + 1))
+        assert all(records[e].digest and not records[e].round_failed for e in range(FAILED_AVERAGING_EPOCH))
+        failed = records[FAILED_AVERAGING_EPOCH]
+        assert failed.round_failed and failed.digest == () and worker.stale, failed
 
     asyncio.run(scenario())
 

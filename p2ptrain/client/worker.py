@@ -828,9 +828,12 @@ class Worker:
                          f"({result.reason}); not stepping, reloading the stage's state from a mate after the next "
                          "round")
             self._stale = True
+            # no digest: its parameters are of the epoch before, not the stage's after this step. A groupmate that
+            # dies mid-round can fail the round for some members while others complete it, and a digest here would
+            # read as replicas standing apart; the failure is counted as such (`round_failed`)
             self.history.append(EpochRecord(epoch=epoch, rows=rows, tokens=rows * self.config.seq_len,
-                                            averaged=False, seconds=seconds, digest=self.master.digest(),
-                                            round_failed=True, lr=self.master.schedule.at(epoch)))
+                                            averaged=False, seconds=seconds, round_failed=True,
+                                            lr=self.master.schedule.at(epoch)))
             return
         lr, norm, overflow = self.master.schedule.at(epoch), None, False  # now: the swarm's decision
         scale = self.master.loss_scale
