@@ -51,13 +51,14 @@ def serving(worker: Worker, local: dict[tuple[str, str], Service]) -> Worker:
     return worker
 
 
-async def step(worker: Worker, seed: int) -> None:
-    """One epoch's step through the worker's own path, on gradients drawn from `seed`, alone in its group."""
+async def step(worker: Worker, seed: int, *, mates: tuple[str, ...] = ()) -> None:
+    """One epoch's step through the worker's own path, on gradients drawn from `seed`, in a group with `mates`
+    (alone by default)."""
     generator = torch.Generator().manual_seed(seed)
     for accumulated in worker.accumulated:
         accumulated.copy_(torch.randn(accumulated.shape, generator=generator))
     worker.rows_accumulated = CONFIG.rows_per_microbatch
-    await worker._step((GroupMember(peer_id=worker.worker_id, client_mode=False),))
+    await worker._step(tuple(GroupMember(peer_id=peer, client_mode=False) for peer in (worker.worker_id, *mates)))
     await worker.settle()  # with delayed parameter updates the step runs in the background
 
 
@@ -185,12 +186,7 @@ def test_a_worker_whose_round_failed_publishes_no_digest_of_the_epoch_it_did_not
         worker = make_worker("w", local={}, fault="failed-averaging")
         for epoch in range(FAILED_AVERAGING_EPOCH):
             await step(worker, seed=epoch)
-        generator = torch.Generator().manual_seed(FAILED_AVERAGING_EPOCH)
-        for accumulated in worker.accumulated:
-            accumulated.copy_(torch.randn(accumulated.shape, generator=generator))
-        worker.rows_accumulated = CONFIG.rows_per_microbatch
-        await worker._step(tuple(GroupMember(peer_id=peer, client_mode=False) for peer in ("w", "mate")))
-        await worker.settle()
+        await step(worker, seed=FAILED_AVERAGING_EPOCH, mates=("mate",))
         records = {record.epoch: record for record in worker.history}
         assert sorted(records) == list(range(FAILED_AVERAGING_EPOCH + 1))
         assert all(records[e].digest and not records[e].round_failed for e in range(FAILED_AVERAGING_EPOCH))
