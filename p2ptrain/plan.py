@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=index, default=0)
     parser.add_argument("--budget-s", type=non_negative, metavar="SECONDS",
                         help="how long the refined planner keeps improving its plan (its anytime search; 0: none; "
-                             "default: 4 s plus 40 s per 1,024 devices, at most 44 s; it stops sooner once rounds "
-                             "stop finding better plans)")
+                             "default: 6.5 s at 64 devices, 25 s at 256 and 44 s from 1,024 (fewer devices: "
+                             "4 s plus 40 s per 1,024; more: growing with the log of their count); it stops sooner "
+                             "once rounds stop finding better plans)")
     parser.add_argument("--rounds", type=index, metavar="N",
                         help="instead of a time budget, run N rounds of the anytime search (fewer if they stop "
                              "finding better plans): the plan a budget gave, again (its `search` says how many "

@@ -11,11 +11,12 @@ and the round's number and scores a fixed number of moves, so the result depends
 rounds completed; the clock only decides how many (a round the budget cuts short is dropped). Once ``PATIENCE``
 rounds in a row found nothing better, the phase goes on from the next of the other starts it was given (a large swarm's
 other clusterings' local optima, ``refine``), its rounds numbered on, and ends when none is left, so a small swarm is
-not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another
-may go further: at twice the default budget (28 s), 6 of 12 plans on 256 devices (swarms 503 and 600, planner seeds
-0-5) stalled before it, and with the other starts the 12 ended 1.035x the best known plans in the mean (1.041 without),
-the worst 1.088x (1.129: geo-256-seed503, seed 4, 158.19 -> 148.31 s of PT); at the default budget the phase seldom
-stalls: 29 of 30 such plans were the same, and the 30th completed 2 rounds fewer (replayed, the same).
+not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another may go
+further: at twice the default budget of then (28 s; 25.25 s now, ``default_budget_s``), 6 of 12 plans on 256 devices
+(swarms 503 and 600, planner seeds 0-5) stalled before it, and with the other starts the 12 ended 1.035x the best known
+plans in the mean (1.041 without), the worst 1.088x (1.129: geo-256-seed503, seed 4, 158.19 -> 148.31 s of PT); at the
+14 s of then the phase seldom stalled: 29 of 30 such plans were the same, and the 30th completed 2 rounds fewer
+(replayed, the same).
 On a large swarm (where a walk would move each device fewer than ``WALK_COVER`` times) rounds are local searches
 instead, and none walks. A walk pays only from near a local optimum, and a round's moves spread over hundreds of devices
 are too few to find one: in a round measured on a 1,024-device swarm (8 moves a device) the walk's 6,000 moves found no
@@ -26,14 +27,14 @@ to move; after a wide one that does not, kicks: from the best plan, half the tim
 moves, each within a slack of the start's PT; then a wide descent, kept if better. Each descent samples other devices,
 so one that failed says little of the next. The rounds' moves seldom change the stage count, and a changed count pays
 only once the devices settle into it, which a wide descent does: with half the kicks changing it, 10 swarms of 256
-devices (seeds 500-509) ended at the default budget 3.1% faster in the mean, faster on 7 (by up to 10.7%) and slower on
-3 (by up to 3.0%); most ended with more stages than the refined search started with. On 5 swarms of 1,024 devices (seeds
-600-604), where the race of starts (``refine``) already tries several stage counts, no change in the mean: 2 faster (by
-up to 4.6%), 1 slower (by 4.9%), 2 the same. Measured at the default budget: on geo-1024-seed600 these rounds ended at
-84.0 s of PT where walks after the first failed descent ended at 94.0 s, and without kicks they stalled at 91.5 s from a
-third of the way through the budget; on 256 devices (31 moves a device) they ended 2-6% better than walks on 5 of 6
-swarms (seeds 500, 502, 600-603) and 0.8% worse on one; on 128 (62 moves a device) 1-2% better on 2 of 3 and 3.6% worse
-on one, so walks stay there.
+devices (seeds 500-509) ended at the default budget of then 3.1% faster in the mean, faster on 7 (by up to 10.7%) and
+slower on 3 (by up to 3.0%); most ended with more stages than the refined search started with. On 5 swarms of 1,024
+devices (seeds 600-604), where the race of starts (``refine``) already tries several stage counts, no change in the
+mean: 2 faster (by up to 4.6%), 1 slower (by 4.9%), 2 the same. Measured at the default budget: on geo-1024-seed600
+these rounds ended at 84.0 s of PT where walks after the first failed descent ended at 94.0 s, and without kicks they
+stalled at 91.5 s from a third of the way through the budget; on 256 devices (31 moves a device) they ended 2-6% better
+than walks on 5 of 6 swarms (seeds 500, 502, 600-603) and 0.8% worse on one; on 128 (62 moves a device) 1-2% better on 2
+of 3 and 3.6% worse on one, so walks stay there.
 The kick's random moves are bounded because a move made whatever it costs often takes a server far from its stage: on
 geo-256-seed600 (planner seed 0) such kicks left plans of 164-1,638 s of PT from a best of 155 s, the wide descents
 after them ended as high as 306 s, and 1 of 13 paid. With each move kept within 10% of the start's PT, on 20 plans
@@ -93,9 +94,17 @@ class SearchRecord:
 
 
 def default_budget_s(devices: int) -> float:
-    """The CLI's budget: about 6.5 s at 64 devices and 44 s at 1,024, so that a whole planning process stays under
-    10 s and 60 s (the refined search before this phase takes about 0.4 s and 6 s there)."""
-    return min(44.0, 4.0 + 40.0 * devices / 1024)
+    """The CLI's budget: 4 s plus 40 s per 1,024 devices up to 64 (6.5 s), then growing with the log of the swarm's
+    size to 44 s at 1,024 and no further, so that a whole planning process stays under 10 s at 64 devices and 60 s at
+    1,024 (the refined search before this phase takes about 0.4 s and 6 s there). Between them the phase gets the
+    rounds it still gains from: at 256 devices (25.25 s, where 4 s plus 40 s per 1,024 gave 14 s) one search (one
+    job) on five swarms (500-503, 600; planner seeds 0-3) ran 41 rounds where it ran 22 on this 2-core machine, and
+    its plans ended 1.069x the best known in the mean where they ended 1.088x; the better of two seeds' (0 and 1, 2
+    and 3, as the default 2 jobs run) 1.037x where 1.046x, 8 of 10 within 5% where 7. Given 45 s (67 rounds, as
+    25.25 s would give on a machine about twice as fast): 1.054x and 1.029x, 9 of 10."""
+    if devices <= 64:
+        return 4.0 + 40.0 * devices / 1024
+    return min(44.0, 6.5 + 37.5 * math.log2(devices / 64) / 4)
 
 
 def round_moves(devices: int) -> int:

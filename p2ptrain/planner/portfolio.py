@@ -8,7 +8,7 @@ process and with ``jobs - 1`` seeds drawn from it in others (spawned: a fresh in
 caller runs), all until the same deadline, and keeps the plan with the lowest predicted batch time (the planner's own
 seed's on ties). The plan records the seed of the search it kept (``SearchRecord.seed``): that seed with the rounds and
 searches it records replays the plan on one core.
-Measured on this 2-core machine at the default budget (14 s), on the same 30 plans: with 2 jobs (of 3 quick
+Measured on this 2-core machine at the default budget of then (14 s), on the same 30 plans: with 2 jobs (of 3 quick
 searches each, as one job runs) the mean fell from
 1.051x to 1.040x the best known, the worst from 1.129x to 1.101x, 20 ended within 5% against 16, and the other seed's
 plan was kept in 13; each plan took 14.2-14.8 s as before. Where the planner's own seed's plan was kept, its search ran

@@ -21,7 +21,7 @@
    planner's seed's, then seeds drawn from it), each after the first only while the first ``SEARCH_SHARE`` of the
    budget lasts (``make_plan``: the anytime phase keeps time on a larger swarm or a slower machine), and the anytime
    phase starts from the best; where it stalls (``anytime.PATIENCE`` rounds find nothing), it goes on from the others,
-   the better first. Over 30 plans at the default budget (swarms 500-503 and 600, planner seeds 0-5,
+   the better first. Over 30 plans at the default budget of then (14 s; swarms 500-503 and 600, planner seeds 0-5,
    against the best known, ``planner-gap-256*.md``) the mean ratio fell from 1.069 to 1.051, the worst from 1.193 to
    1.129, and 16 ended within 5% against 11; on 480 devices (seeds 0-3) the plans ended 112.4-114.0 s of PT where
    one search left them 109.8-126.4 s.
