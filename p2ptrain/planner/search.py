@@ -14,6 +14,7 @@ plans are scored exactly (``cost.evaluate``) afterwards.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterable, Iterator, Sequence
@@ -77,9 +78,11 @@ class Group:
                      tuple(x for x in self.clients if x != device))
 
     def adding(self, device: int, role: int) -> "Group":
-        parts = [list(self.fs), list(self.bs), list(self.clients)]
-        parts[role].append(device)
-        return Group.of(*parts)
+        parts = [self.fs, self.bs, self.clients]
+        part = parts[role]
+        at = bisect.bisect_left(part, device)
+        parts[role] = part[:at] + (int(device),) + part[at:]
+        return Group(*parts)
 
     def layout(self, layers: int, shares: np.ndarray | None = None) -> StageLayout:
         return StageLayout(fs=np.array(self.fs, dtype=int), bs=np.array(self.bs, dtype=int),
@@ -218,7 +221,7 @@ def timed_time(h: np.ndarray, total: int) -> tuple[float, float]:
     if h.shape[0] > total:
         return float("inf"), float("inf")
     least = np.partition(h.ravel(), total - 1)[:total]
-    return max(float(h[:, 0].max()), float(least[-1])), float(least.mean())
+    return max(float(h[:, 0].max()), float(least[-1])), float(least.sum() / total)  # `mean`'s sum, less its overhead
 
 
 def best_time(h: np.ndarray, total: int) -> float:
@@ -261,26 +264,30 @@ class Partners:
 def partners(net: Network, wl: Workload, group: Group,
              blocks: tuple[np.ndarray, np.ndarray] | None = None) -> Partners:
     """Each worker's best partners at compute shares (``Partners``); ``blocks``: the latency and inverse-bandwidth
-    matrices among the workers, where the caller has them."""
+    matrices among the workers, where the caller has them. Written for the search's hot path, where stages hold a
+    dozen workers and each numpy call costs more than its arithmetic: one cost matrix serves every role."""
     workers = np.array(group.workers, dtype=int)
     lat, inv = blocks if blocks is not None else (block(net.latency, workers, workers),
                                                   block(net.inv_bandwidth, workers, workers))
     a, nf, servers = wl.message_bytes, len(group.fs), len(group.fs) + len(group.bs)
     load = compute_shares(net, workers) * a
-    alpha, link, times = np.zeros(len(workers)), np.zeros(len(workers)), np.zeros(len(workers))
-    for own, other in ((slice(0, nf), slice(nf, servers)), (slice(nf, servers), slice(0, nf))):
-        cost = lat[own, other] + load[own, None] * inv[own, other]
-        rows, cols = np.arange(own.start, own.stop), cost.argmin(axis=1) + other.start
-        alpha[own], link[own], times[own] = lat[rows, cols], a * inv[rows, cols], cost.min(axis=1)
-    if len(workers) > servers:
-        clients, pc = np.arange(servers, len(workers)), load[servers:]
-        inbound = lat[:nf, servers:] + pc[None, :] * inv[:nf, servers:]
-        outbound = lat[servers:, nf:servers] + pc[:, None] * inv[servers:, nf:servers]
-        f, b = inbound.argmin(0), outbound.argmin(1) + nf
-        alpha[servers:] = lat[f, clients] + lat[clients, b]
-        link[servers:] = a * (inv[f, clients] + inv[clients, b])
-        times[servers:] = inbound.min(0) + outbound.min(1)
-    return Partners(workers=workers, alpha=alpha, link=link, times=times)
+    cost = lat + load[:, None] * inv  # row w's link time to each column at w's share
+    rows = np.arange(len(workers))
+    cols = np.empty(len(workers), dtype=int)  # each server's partner of the other role
+    cols[:nf] = cost[:nf, nf:servers].argmin(axis=1) + nf
+    cols[nf:servers] = cost[nf:servers, :nf].argmin(axis=1)
+    if len(workers) == servers:
+        return Partners(workers=workers, alpha=lat[rows, cols], link=a * inv[rows, cols], times=cost[rows, cols])
+    clients = rows[servers:]
+    inbound = lat[:nf, servers:] + load[None, servers:] * inv[:nf, servers:]  # FS -> client, at the client's share
+    f, b = inbound.argmin(axis=0), cost[servers:, nf:servers].argmin(axis=1) + nf
+    cols[servers:] = b
+    alpha, times = lat[rows, cols], cost[rows, cols]
+    alpha[servers:] += lat[f, clients]
+    times[servers:] += inbound[f, clients - servers]
+    inverse = inv[rows, cols]
+    inverse[servers:] += inv[f, clients]
+    return Partners(workers=workers, alpha=alpha, link=a * inverse, times=times)
 
 
 def water_level(alpha: np.ndarray, beta: np.ndarray) -> np.ndarray:
@@ -311,9 +318,11 @@ class Engine:
         a = net.latency + wl.message_bytes * net.inv_bandwidth
         self.delay = (a + a.T) / 2  # the paper's edge label, one way: a + A/b averaged over both directions
         self.steps = np.arange(1, self.layers + 1, dtype=float)
+        self._step_flops = self.steps * (wl.microbatch_tokens * wl.model.flops_per_token_per_layer)  # 1..L layers
         self.held = Held.of(wl.model) if wl.model.shared else None
         self._rounds: dict[tuple[Group, ...], float] = {}
         self._levels: dict[Group, np.ndarray] = {}
+        self._floors: dict[Group, np.ndarray] = {}
         self._partners: dict[Group, Partners] = {}  # computed by `stats`, not yet taken by `levels`
         self._rows: dict[tuple[Group | None, Group, Group | None], np.ndarray] = {}
         self._closest: dict[int, np.ndarray] = {}
@@ -331,19 +340,20 @@ class Engine:
         _make_room(self._partners, PENDING)
         self._partners[group] = linked
         links, n = linked.times, len(workers)
-        a_max, inv_max = float(lat.max()), float(inv.max())
+        # one argmax each, the maxima read at it: the calls, not their arithmetic, cost on stages this small
+        slowest, i, u = int(links.argmax()), int(lat.argmax()), int(inv.argmax())
+        weakest = int(net.memory[workers].argmin())
+        a_max, inv_max = float(lat.flat[i]), float(inv.flat[u])
         ar_fixed = 2 * (n - 1) * a_max / wl.average_every  # `cost.averaging_time`'s parts
         ar_per_byte = 2 * (n - 1) / n * inv_max / wl.average_every if n > 1 else 0.0
-        i, j = np.unravel_index(int(np.argmax(lat)), lat.shape)
-        u, v = np.unravel_index(int(np.argmax(inv)), inv.shape)
-        memory = net.memory[workers]
+        memory = float(net.memory[workers[weakest]])
         stats = GroupStats(
-            comm=float(links.max()), speed=float(net.flops[workers].sum()), ar_fixed=ar_fixed,
+            comm=float(links[slowest]), speed=float(net.flops[workers].sum()), ar_fixed=ar_fixed,
             ar_per_byte=ar_per_byte, ar_per_layer=ar_per_byte * wl.model.param_bytes_per_layer,
-            memory=float(memory.min()), cap=int(np.floor(memory.min() / wl.model.memory_bytes_per_layer)),
-            worst=int(workers[int(np.argmax(links))]),
-            far=(int(workers[i]), int(workers[j]), int(workers[u]), int(workers[v])),
-            weakest=int(workers[int(np.argmin(memory))]))
+            memory=memory, cap=int(np.floor(memory / wl.model.memory_bytes_per_layer)),
+            worst=int(workers[slowest]),
+            far=(int(workers[i // n]), int(workers[i % n]), int(workers[u // n]), int(workers[u % n])),
+            weakest=int(workers[weakest]))
         self._stats[group] = stats
         return stats
 
@@ -354,7 +364,7 @@ class Engine:
             bs, fs = np.array(prev.bs), np.array(nxt.fs)
             a = block(self.net.latency, bs, fs) + self.wl.message_bytes * block(self.net.inv_bandwidth, bs, fs)
             _make_room(self._boundary)
-            cached = self._boundary[key] = float(a.mean())
+            cached = self._boundary[key] = float(a.sum() / a.size)
         return cached
 
     def curves(self, groups: Sequence[Group]) -> Curves:
@@ -394,8 +404,7 @@ class Engine:
 
     def _beta(self, linked: Partners) -> np.ndarray:
         """Each worker's seconds per row share (one row per layer count): its bytes-per-share and compute terms."""
-        per_layer = self.wl.microbatch_tokens * self.wl.model.flops_per_token_per_layer
-        return linked.link[None, :] + self.steps[:, None] * per_layer / self.net.flops[linked.workers][None, :]
+        return linked.link[None, :] + self._step_flops[:, None] / self.net.flops[linked.workers][None, :]
 
     def levels(self, group: Group) -> np.ndarray:
         """DT_k of a membership for 1..L layers with its row shares set by time (``water_level``)."""
@@ -411,6 +420,18 @@ class Engine:
         linked = partners(self.net, self.wl, group)
         return water_fill(linked.alpha, self._beta(linked))[1][layers - 1]
 
+    def _floor(self, group: Group) -> np.ndarray:
+        """A stage's averaging time for 1..L layers, inf beyond its memory: the least its timed row can be, whoever
+        its neighbours (``_timed_row`` asks it once per pair of them)."""
+        floor = self._floors.get(group)
+        if floor is None:
+            st = self.stats(group)
+            floor = st.ar_fixed + st.ar_per_layer * self.steps
+            floor[st.cap:] = np.inf
+            _make_room(self._floors)
+            self._floors[group] = floor
+        return floor
+
     def _timed_row(self, prev: Group | None, group: Group, nxt: Group | None) -> np.ndarray:
         """A stage's times for 1..L layers with time-set shares (inf beyond its memory), given its neighbours: all
         a timed score needs of it when no shared tensors tie it to other stages, so a move rescores only the
@@ -419,13 +440,10 @@ class Engine:
         row = self._rows.get(key)
         if row is None:
             _make_room(self._rows)
-            st = self.stats(group)
             edges = (self.boundary(prev, group) if prev is not None else 0.0) + \
                 (self.boundary(group, nxt) if nxt is not None else 0.0)
-            row = np.maximum(self.wl.microbatches * (edges + self.levels(group)),
-                             st.ar_fixed + st.ar_per_layer * self.steps)
-            row[st.cap:] = np.inf
-            self._rows[key] = row
+            floor = self._floor(group)  # first: its `stats` leaves the partners `levels` takes
+            row = self._rows[key] = np.maximum(self.wl.microbatches * (edges + self.levels(group)), floor)
         return row
 
     def score(self, groups: Sequence[Group], *, timed: bool = False) -> Score:
