@@ -74,6 +74,8 @@ class Group:
         return FS if device in self.fs else BS if device in self.bs else CLIENT
 
     def without(self, device: int) -> "Group":
+        if device not in self.fs and device not in self.bs and device not in self.clients:
+            return self  # moves ask it of every stage: the others stay the same objects, cheap to hash and compare
         return Group(tuple(x for x in self.fs if x != device), tuple(x for x in self.bs if x != device),
                      tuple(x for x in self.clients if x != device))
 
