@@ -101,7 +101,8 @@ def default_budget_s(devices: int) -> float:
     job) on five swarms (500-503, 600; planner seeds 0-3) ran 41 rounds where it ran 22 on this 2-core machine, and
     its plans ended 1.069x the best known in the mean where they ended 1.088x; the better of two seeds' (0 and 1, 2
     and 3, as the default 2 jobs run) 1.037x where 1.046x, 8 of 10 within 5% where 7. Given 45 s (67 rounds, as
-    25.25 s would give on a machine about twice as fast): 1.054x and 1.029x, 9 of 10."""
+    25.25 s would give on a machine about twice as fast): 1.054x and 1.029x, 9 of 10. With the engine's faster
+    scoring since (``search.partners``), 25.25 s runs 54 rounds there: 1.062x and 1.029x, 9 of 10."""
     if devices <= 64:
         return 4.0 + 40.0 * devices / 1024
     return min(44.0, 6.5 + 37.5 * math.log2(devices / 64) / 4)
