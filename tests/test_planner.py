@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -843,12 +844,46 @@ def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_
     assert searches(engine, **every) == refine_module.SEARCHES == 3
     best = min(found, key=refine_module.ranked)
     assert started[-1] == best[0] and len({refine_module.ranked(f) for f in found}) == 3  # each its own plan
-    assert then[-1] == [groups for groups, _ in sorted(found, key=refine_module.ranked)[1:]]  # where it stalls
+    assert list(then[-1]) == [groups for groups, _ in sorted(found, key=refine_module.ranked)[1:]]  # where it stalls
     assert searches(engine, out_of_time=lambda: False, max_rounds=0) == 1  # no more allowed
     assert searches(engine) == 1
     assert searches(engine, **every, searches=2) == 2
     assert searches(engine, **{**every, "may_search": iter([True, False]).__next__}) == 2
     assert searches(small := large_engine(96, seed=317), **every) == 1 and not thinly_walked(small.net.size, WALK_COVER)
+
+
+def test_where_a_large_swarms_phase_stalls_on_every_start_it_goes_on_from_new_clusterings_while_time_allows(
+        monkeypatch) -> None:
+    """Where the anytime phase descends and has stalled on every start it was given, it goes on from the local
+    optimum of a new clustering, searched only then, while the time left is RESTART_ROOM times the first search's;
+    without a clock never, and without a bound on time (``math.inf``, as where rounds bound the phase) at every stall.
+    Rounds are made to find nothing (each hands back its start)."""
+    engine = large_engine(200, seed=317)
+    paper = paper_plan(engine, seed=0)
+    found: list[tuple[list[Group], Score] | None] = []
+    real_search = refine_module.local_optimum
+
+    def local_optimum(*args, **kwargs):
+        found.append(real_search(*args, **kwargs))
+        return found[-1]
+
+    monkeypatch.setattr(refine_module, "local_optimum", local_optimum)
+    monkeypatch.setattr(anytime_module, "_local_search",
+                        lambda engine, start, rng, wide=False: (start, engine.score(start, timed=True)))
+
+    def run(**kwargs) -> tuple[int, int, int]:
+        found.clear()
+        _, record = refine_module.refined_layouts(engine, paper, seed=0, out_of_time=lambda: False,
+                                                  may_search=lambda: True, anytime_patience=2, **kwargs)
+        assert record is not None and record.searches == refine_module.SEARCHES
+        return len(found), record.restarts, record.rounds
+
+    assert run() == (3, 2, 6)  # the other searches' optima, then the end
+    # the first search took 10 s; at the stalls after the 3 searches' starts 35 s were left, then 25 s
+    assert refine_module.RESTART_ROOM * 10 == 30
+    assert run(time_left=iter([100.0, 90.0, 35.0, 25.0]).__next__) == (4, 3, 8)
+    assert len({refine_module.ranked(f) for f in found if f is not None}) == 4  # the new clustering's own plan
+    assert run(time_left=lambda: math.inf, max_rounds=11) == (6, 5, 11)
 
 
 def test_a_kicks_random_moves_keep_its_plan_within_a_slack_of_its_start(monkeypatch) -> None:

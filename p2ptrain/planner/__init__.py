@@ -3,6 +3,7 @@ the baselines. ``make_plan`` is the entry point the CLI and the runtime share.""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from p2ptrain.planner.anytime import PATIENCE
@@ -46,15 +47,16 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
-    out_of_time = may_search = None
+    out_of_time = may_search = time_left = None
     if rounds is not None:
-        out_of_time, may_search = (lambda: False), (lambda: True)
+        out_of_time, may_search, time_left = (lambda: False), (lambda: True), (lambda: math.inf)
     elif budget_s > 0:
         if clock is None:
             raise ValueError("a planning budget needs a clock")
         start = clock()
         out_of_time = lambda: clock() >= start + budget_s  # noqa: E731
         may_search = lambda: clock() < start + SEARCH_SHARE * budget_s  # noqa: E731
+        time_left = lambda: start + budget_s - clock()  # noqa: E731
     reliable = swarm.reliable
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
@@ -78,7 +80,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
             layouts = paper_layouts
         else:
             refined, search = refined_layouts(engine, paper, seed=seed, stages=stages, out_of_time=out_of_time,
-                                              may_search=may_search, searches=searches, max_rounds=rounds,
+                                              may_search=may_search, time_left=time_left, searches=searches,
+                                              max_rounds=rounds,
                                               anytime_patience=patience)
             layouts = better(engine, refined, paper_layouts)
     elif stages is not None:

@@ -10,8 +10,8 @@ first-improvement local search (``Engine.improve``). Each round draws from a gen
 and the round's number and scores a fixed number of moves, so the result depends only on the seed and how many
 rounds completed; the clock only decides how many (a round the budget cuts short is dropped). Once ``PATIENCE``
 rounds in a row found nothing better, the phase goes on from the next of the other starts it was given (a large swarm's
-other clusterings' local optima, ``refine``), its rounds numbered on, and ends when none is left, so a small swarm is
-not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another may go
+other clusterings' local optima, then new ones' while the budget has room, ``refine``), its rounds numbered on, and ends
+when none is left, so a small swarm is not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another may go
 further: at twice the default budget of then (28 s; 25.25 s now, ``default_budget_s``), 6 of 12 plans on 256 devices
 (swarms 503 and 600, planner seeds 0-5) stalled before it, and with the other starts the 12 ended 1.035x the best known
 plans in the mean (1.041 without), the worst 1.088x (1.129: geo-256-seed503, seed 4, 158.19 -> 148.31 s of PT); at the
@@ -50,7 +50,7 @@ so a move recomputes only the stages it touches.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,7 +123,7 @@ def thinly_walked(devices: int, cover: int) -> bool:
 
 def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
             out_of_time: Callable[[], bool], patience: int = PATIENCE, max_rounds: int | None = None,
-            then: Sequence[list[Group]] = ()) -> tuple[list[Group], Score, SearchRecord]:
+            then: Iterable[list[Group]] = ()) -> tuple[list[Group], Score, SearchRecord]:
     """Anneal in rounds from ``groups`` (scored with time-set shares) until ``out_of_time()`` or ``max_rounds``
     rounds; after ``patience`` rounds in a row found nothing better, from the next of ``then``, and the phase ends
     when none is left (module doc). The best plan found and what was done. With ``fixed_stages`` no move changes the
@@ -132,17 +132,16 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     moves = round_moves(engine.net.size)
     score = engine.score(groups, timed=True)
     best, best_score = groups, score
-    pending = list(then)
+    pending = iter(then)  # drawn only once a start stalls: a large swarm's may be searched for then (``refine``)
     large = thinly_walked(engine.net.size, WALK_COVER)
     kind = DESCENT if large else WALK
     while max_rounds is None or rounds < max_rounds:
         if misses >= patience:
-            if not pending:
+            other = next(pending, None)
+            if other is None:
                 break
-            groups, misses, restarts = pending.pop(0), 0, restarts + 1
+            groups, misses, restarts = other, 0, restarts + 1
             score, kind = engine.score(groups, timed=True), DESCENT if large else WALK
-            if score.better_than(best_score):
-                best, best_score = groups, score
         rng = np.random.default_rng([seed, rounds])
         if kind == WALK:
             result = _round(engine, groups, score, rng=rng, moves=moves, hot=HOTS[rounds % len(HOTS)],
@@ -161,10 +160,11 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
             kind = DESCENT if better else AFTER_A_MISS[kind]
         if better:
             groups, score, misses = trial, trial_score, 0
-            if score.better_than(best_score):
-                best, best_score, improved = groups, score, improved + 1
         else:
             misses += 1
+        # another start counts from its first completed round on, as in a replay of the rounds completed
+        if score.better_than(best_score):
+            best, best_score, improved = groups, score, improved + int(better)
     return best, best_score, SearchRecord(rounds=rounds, scored=engine.scored, improved=improved, restarts=restarts)
 
 

@@ -21,7 +21,12 @@
    planner's seed's, then seeds drawn from it), each after the first only while the first ``SEARCH_SHARE`` of the
    budget lasts (``make_plan``: the anytime phase keeps time on a larger swarm or a slower machine), and the anytime
    phase starts from the best; where it stalls (``anytime.PATIENCE`` rounds find nothing), it goes on from the others,
-   the better first. Over 30 plans at the default budget of then (14 s; swarms 500-503 and 600, planner seeds 0-5,
+   the better first, then from new clusterings' local optima, each searched at a stall while the budget left is
+   ``RESTART_ROOM`` times the first search's time, so a larger budget keeps searching where the phase used to end: at
+   twice the default budget (50.5 s, 2 jobs, planner seed 0) both jobs stalled on geo-256-seed503 by 23.9 s and the
+   plan stayed at 147.22 s of PT; with the restarts the search went on to the end and the plan ended at 144.65 s; the
+   same on swarms 500-502 and 600 (restarts on 500 found nothing better). At the default budget stalls come too late for
+   a restart (the same plans on 503 and 600). Over 30 plans at the default budget of then (14 s; swarms 500-503 and 600, planner seeds 0-5,
    against the best known, ``planner-gap-256*.md``) the mean ratio fell from 1.069 to 1.051, the worst from 1.193 to
    1.129, and 16 ended within 5% against 11; on 480 devices (seeds 0-3) the plans ended 112.4-114.0 s of PT where
    one search left them 109.8-126.4 s.
@@ -41,8 +46,9 @@ refined plan is never worse than the paper's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -58,6 +64,9 @@ SEARCHES = 3  # runs of steps 1-3, each from its own clustering, where the anyti
 # the share of the budget after which no more of them start: at 480 devices one takes 6.7 s of the 22.75 s budget here,
 # and three left the anytime phase 7-13 rounds where one left it 41
 SEARCH_SHARE = 0.5
+# where the anytime phase stalls with this many times the first quick search's time left, it goes on from a new one's
+# optimum: the search itself, and descents from it as long again twice over
+RESTART_ROOM = 3.0
 RACE_FIRST = 1000  # plans the race's first local search of each start scores; every later round doubles it
 
 
@@ -170,13 +179,15 @@ def race(engine: Engine, starts: list[tuple[list[Group], Score]], *, seed: int,
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
                     out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
                     anytime_patience: int = PATIENCE, searches: int = SEARCHES,
-                    may_search: Callable[[], bool] | None = None,
+                    may_search: Callable[[], bool] | None = None, time_left: Callable[[], float] | None = None,
                     rounds: int = 200, budget: int = 2000,
                     starts: int = 3, screen: int = 3, kick_total: int = 2000, patience: int = 6,
                     kick_budget: int = 200) -> tuple[list[StageLayout] | None, SearchRecord | None]:
     """The refined plan (module doc); with ``out_of_time``, the anytime phase runs until it says the budget is
     spent (or ``max_rounds`` rounds), from the best of up to ``searches`` runs of steps 1-3 where its rounds are
-    descents, each after the first only while ``may_search()`` (none without it); what it did comes back beside the
+    descents, each after the first only while ``may_search()`` (none without it), and where the phase stalls there,
+    from the optima of new clusterings while ``time_left()`` seconds are ``RESTART_ROOM`` times the first run's (none
+    without it; ``math.inf``, as where ``max_rounds`` bounds the phase: no bound); what it did comes back beside the
     plan."""
     reliable = np.flatnonzero(engine.reliable)
     most = min(len(reliable) // 2, engine.layers)
@@ -192,28 +203,53 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
                              patience=anytime_patience)
     search = dict(rounds=rounds, budget=budget, starts=starts, screen=screen, kick_total=kick_total,
                   patience=patience, kick_budget=kick_budget)
+    left = time_left() if time_left is not None else math.inf
     optima = [local_optimum(engine, paper, levels, chosen, seed=seed, stages=stages, **search)]
+    took = left - time_left() if time_left is not None and math.isfinite(left) else 0.0  # a quick search's time
     # where the anytime phase only descends (a large swarm), it seldom leaves the basin it starts in
     descends = may_search is not None and thinly_walked(engine.net.size, WALK_COVER)
     for i in range(1, searches if descends else 1):
         if not may_search():
             break
-        other = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
-        optima.append(local_optimum(engine, paper, divisive_levels(engine, reliable, stages or most, other,
-                                                                   reach=stages is not None), 1, seed=other,
-                                    stages=stages, **search))
+        optima.append(_other_optimum(engine, paper, i, seed=seed, stages=stages, **search))
     found = [o for o in optima if o is not None]
     if not found:
         return None, None
     best = found[0]
     for optimum in found[1:]:
         best = optimum if optimum[1].better_than(best[1]) else best
-    # where the phase stalls, it goes on from the others, the better first
-    rest = sorted((o for o in found if o is not best), key=ranked)
-    layouts, record = _searched(engine, best, then=[groups for groups, _ in rest], seed=seed,
-                                fixed_stages=stages is not None, out_of_time=out_of_time, max_rounds=max_rounds,
-                                patience=anytime_patience)
+    # where the phase stalls, it goes on from the others, the better first, then (where it descends) from the optima
+    # of new clusterings while the budget has room for them
+    rest = [groups for groups, _ in sorted((o for o in found if o is not best), key=ranked)]
+    room = (lambda: False) if time_left is None else (lambda: time_left() >= RESTART_ROOM * took)
+    then = _restarts(engine, paper, rest, first=len(optima), room=room, seed=seed, stages=stages,
+                     **search) if descends else rest
+    layouts, record = _searched(engine, best, then=then, seed=seed, fixed_stages=stages is not None,
+                                out_of_time=out_of_time, max_rounds=max_rounds, patience=anytime_patience)
     return layouts, None if record is None else dataclasses.replace(record, searches=len(optima))
+
+
+def _other_optimum(engine: Engine, paper: PaperResult | None, i: int, *, seed: int, stages: int | None,
+                   **search: int) -> tuple[list[Group], Score] | None:
+    """``local_optimum`` from the ``i``-th clustering after the planner's seed's (its seed drawn from both)."""
+    reliable = np.flatnonzero(engine.reliable)
+    most = min(len(reliable) // 2, engine.layers)
+    other = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+    levels = divisive_levels(engine, reliable, stages or most, other, reach=stages is not None)
+    return local_optimum(engine, paper, levels, 1, seed=other, stages=stages, **search)
+
+
+def _restarts(engine: Engine, paper: PaperResult | None, rest: list[list[Group]], *, first: int,
+              room: Callable[[], bool], seed: int, stages: int | None, **search: int) -> Iterator[list[Group]]:
+    """``rest``, then the local optima of the ``first``-th and later clusterings (``_other_optimum``), each searched
+    only when the anytime phase asks for it and ``room()``."""
+    yield from rest
+    i = first
+    while room():
+        optimum = _other_optimum(engine, paper, i, seed=seed, stages=stages, **search)
+        i += 1
+        if optimum is not None:
+            yield optimum[0]
 
 
 def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[np.ndarray]], chosen: int, *,
