@@ -1,17 +1,17 @@
 """The refined planner's anytime phase: simulated annealing over stage memberships while a time budget lasts.
 
-The refined search (``refine``) ends in a local optimum of its moves. Given more time (``--budget-s``), this phase
-keeps improving the best plan in rounds. A round anneals from the best plan so far: it makes random moves (a device
-to idleness, to a near stage or the other server role, or anywhere; two devices of near stages, or any two, trading
-places; a device and its nearest mates moving together, to a near stage, to idleness or into a new stage; two
-neighbouring stages trading places, a stage moved elsewhere in the pipeline or a run of stages reversed; two stages
-merged; a stage split), accepts a worse plan with a probability that falls as the round goes on, and ends in a
-first-improvement local search (``Engine.improve``). Each round draws from a generator seeded by the planner's seed
-and the round's number and scores a fixed number of moves, so the result depends only on the seed and how many
-rounds completed; the clock only decides how many (a round the budget cuts short is dropped). Once ``PATIENCE``
-rounds in a row found nothing better, the phase goes on from the next of the other starts it was given (a large swarm's
-other clusterings' local optima, then new ones' while the budget has room, ``refine``), its rounds numbered on, and ends
-when none is left, so a small swarm is not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another may go
+The refined search (``refine``) ends in a local optimum of its moves. Given more time (``--budget-s``), this phase keeps
+improving the best plan in rounds. A round anneals from the best plan so far: it makes random moves (a device to
+idleness, to a near stage or the other server role, or anywhere; two devices of near stages, or any two, trading places;
+a device and its nearest mates moving together, to a near stage, to idleness or into a new stage; two neighbouring
+stages trading places, a stage moved elsewhere in the pipeline or a run of stages reversed; two stages merged; a stage
+split), accepts a worse plan with a probability that falls as the round goes on, and ends in a first-improvement local
+search (``Engine.improve``). Each round draws from a generator seeded by the planner's seed and the round's number and
+scores a fixed number of moves, so the result depends only on the seed and how many rounds completed; the clock only
+decides how many (a round the budget cuts short is dropped). Once ``PATIENCE`` rounds in a row found nothing better, the
+phase goes on from the next of the other starts it was given (a large swarm's other clusterings' local optima, then new
+ones' while the budget has room, ``refine``), its rounds numbered on, and ends when none is left, so a small swarm is
+not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another may go
 further: at twice the default budget of then (28 s; 25.25 s now, ``default_budget_s``), 6 of 12 plans on 256 devices
 (swarms 503 and 600, planner seeds 0-5) stalled before it, and with the other starts the 12 ended 1.035x the best known
 plans in the mean (1.041 without), the worst 1.088x (1.129: geo-256-seed503, seed 4, 158.19 -> 148.31 s of PT); at the

@@ -14,22 +14,22 @@
    devices between near stages added (the move that keeps both stages' sizes), kept only if better; until a
    run of kicks finds nothing.
 4. Given a time budget, the anytime phase (``anytime``): rounds of simulated annealing from the best plan while the
-   budget lasts. Where its rounds are descents (``anytime.thinly_walked`` below ``WALK_COVER``), they seldom leave
-   the basin of the plan they start from, and which basin steps 1-3 end in turns on the clustering's seed: on
-   256-device swarms (500, 503, 600; planner seeds 0-5) steps 1-3 ended 147-208 s of PT apart from seed to seed,
-   and the final plans up to 1.19x the best known. So there steps 1-3 run from up to ``SEARCHES`` clusterings (the
-   planner's seed's, then seeds drawn from it), each after the first only while the first ``SEARCH_SHARE`` of the
-   budget lasts (``make_plan``: the anytime phase keeps time on a larger swarm or a slower machine), and the anytime
-   phase starts from the best; where it stalls (``anytime.PATIENCE`` rounds find nothing), it goes on from the others,
-   the better first, then from new clusterings' local optima, each searched at a stall while the budget left is
-   ``RESTART_ROOM`` times the first search's time, so a larger budget keeps searching where the phase used to end: at
-   twice the default budget (50.5 s, 2 jobs, planner seed 0) both jobs stalled on geo-256-seed503 by 23.9 s and the
-   plan stayed at 147.22 s of PT; with the restarts the search went on to the end and the plan ended at 144.65 s; the
-   same on swarms 500-502 and 600 (restarts on 500 found nothing better). At the default budget stalls come too late for
-   a restart (the same plans on 503 and 600). Over 30 plans at the default budget of then (14 s; swarms 500-503 and 600, planner seeds 0-5,
-   against the best known, ``planner-gap-256*.md``) the mean ratio fell from 1.069 to 1.051, the worst from 1.193 to
-   1.129, and 16 ended within 5% against 11; on 480 devices (seeds 0-3) the plans ended 112.4-114.0 s of PT where
-   one search left them 109.8-126.4 s.
+   budget lasts. Where its rounds are descents (``anytime.thinly_walked`` below ``WALK_COVER``), they seldom leave the
+   basin of the plan they start from, and which basin steps 1-3 end in turns on the clustering's seed: on 256-device
+   swarms (500, 503, 600; planner seeds 0-5) steps 1-3 ended 147-208 s of PT apart from seed to seed, and the final
+   plans up to 1.19x the best known. So there steps 1-3 run from up to ``SEARCHES`` clusterings (the planner's seed's,
+   then seeds drawn from it), each after the first only while the first ``SEARCH_SHARE`` of the budget lasts
+   (``make_plan``: the anytime phase keeps time on a larger swarm or a slower machine), and the anytime phase starts
+   from the best; where it stalls (``anytime.PATIENCE`` rounds find nothing), it goes on from the others, the better
+   first, then from new clusterings' local optima, each searched at a stall while the budget left is ``RESTART_ROOM``
+   times the first search's time, so a larger budget keeps searching where the phase used to end: at twice the default
+   budget (50.5 s, 2 jobs, planner seed 0) both jobs stalled on geo-256-seed503 by 23.9 s and the plan stayed at 147.22
+   s of PT; with the restarts the search went on to the end and the plan ended at 144.65 s; on swarms 500-502 and 600
+   the plans were the same with and without restarts (on 500 they found nothing better). At the default budget stalls
+   come too late for a restart (the same plans on 503 and 600). Over 30 plans at the default budget of then (14 s;
+   swarms 500-503 and 600, planner seeds 0-5, against the best known, ``planner-gap-256*.md``) the mean ratio fell from
+   1.069 to 1.051, the worst from 1.193 to 1.129, and 16 ended within 5% against 11; on 480 devices (seeds 0-3) the
+   plans ended 112.4-114.0 s of PT where one search left them 109.8-126.4 s.
 On a large swarm (``anytime.thinly_walked`` below ``CORE_COVER``: over 500 devices) steps 1-3 give way to a race of
 small starts. The clustering's stages hold every reliable device, but the good plans found there use few: on
 1,024-device swarms about 300 devices in 12-24 stages. Local moves drop devices one at a time, each new stage costly
