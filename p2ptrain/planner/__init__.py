@@ -81,8 +81,7 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
         else:
             refined, search = refined_layouts(engine, paper, seed=seed, stages=stages, out_of_time=out_of_time,
                                               may_search=may_search, time_left=time_left, searches=searches,
-                                              max_rounds=rounds,
-                                              anytime_patience=patience)
+                                              max_rounds=rounds, anytime_patience=patience)
             layouts = better(engine, refined, paper_layouts)
     elif stages is not None:
         raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")

@@ -242,14 +242,15 @@ def _other_optimum(engine: Engine, paper: PaperResult | None, i: int, *, seed: i
 def _restarts(engine: Engine, paper: PaperResult | None, rest: list[list[Group]], *, first: int,
               room: Callable[[], bool], seed: int, stages: int | None, **search: int) -> Iterator[list[Group]]:
     """``rest``, then the local optima of the ``first``-th and later clusterings (``_other_optimum``), each searched
-    only when the anytime phase asks for it and ``room()``."""
+    only when the anytime phase asks for it and ``room()``, until one has none (with no bound on time, the end)."""
     yield from rest
     i = first
     while room():
         optimum = _other_optimum(engine, paper, i, seed=seed, stages=stages, **search)
+        if optimum is None:
+            return
         i += 1
-        if optimum is not None:
-            yield optimum[0]
+        yield optimum[0]
 
 
 def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[np.ndarray]], chosen: int, *,
