@@ -29,7 +29,13 @@
    come too late for a restart (the same plans on 503 and 600). Over 30 plans at the default budget of then (14 s;
    swarms 500-503 and 600, planner seeds 0-5, against the best known, ``planner-gap-256*.md``) the mean ratio fell from
    1.069 to 1.051, the worst from 1.193 to 1.129, and 16 ended within 5% against 11; on 480 devices (seeds 0-3) the
-   plans ended 112.4-114.0 s of PT where one search left them 109.8-126.4 s.
+   plans ended 112.4-114.0 s of PT where one search left them 109.8-126.4 s. What steps 1-3 end with says little of
+   where the phase ends from there: of 8 clusterings of geo-256-seed600 (planner seed 0, 40 rounds from each), the
+   best after steps 1-3 (175.2 s of PT) ended 6th (153.7 s), the 7th (186.4 s) ended 2nd (144.4 s). Measured at the
+   default budget (2 jobs) against the plans of then, and not adopted: step 2 from the best candidate alone (steps 1-3
+   take half as long: 2.6 s against 5.2 s on geo-256-seed503), the PT of 13 plans 1.005x theirs in the geometric mean
+   (0.972x to 1.073x); two runs of steps 1-3 in each job, the phase going on from the better after 10 rounds from
+   each, 12 plans 1.000x (0.933x to 1.022x).
 On a large swarm (``anytime.thinly_walked`` below ``CORE_COVER``: over 500 devices) steps 1-3 give way to a race of
 small starts. The clustering's stages hold every reliable device, but the good plans found there use few: on
 1,024-device swarms about 300 devices in 12-24 stages. Local moves drop devices one at a time, each new stage costly
