@@ -894,6 +894,36 @@ def test_a_server_restored_behind_its_stage_mates_closes_the_epochs_between_and_
     asyncio.run(scenario())
 
 
+def test_a_replica_one_epoch_behind_an_epoch_closed_without_a_group_is_left_out_of_the_next_group():
+    """A server restored from a checkpoint one epoch older than its stage mate's closes that epoch without a group
+    (`catch_up`): its replica, at that epoch, cannot step it, so it catches up by loading a mate's state and never takes
+    part in the next epoch's round; in that round's group it would hold every member until the timeout, and the mate
+    it loads from would wait for the round (seen in a swarm killed whole and resumed). Back at the stage's epoch, it is
+    in the groups again."""
+    async def scenario() -> None:
+        fs, _ = servers()
+        fs.resume(epoch=5, batch=4)  # its checkpoint is of epoch 5; a stage mate's is of epoch 6
+        fs.expect_replica("fs")
+        assert await fs.end_epoch(EndEpoch(epoch=5, abandoned=False, caught_up=True, layout=LAYOUT), "fs") == Ack()
+        replica = TakeTask(worker="fs", compute=1.0, epoch=5, holds_state=True)
+        await fs.take_task(replica, "fs")
+        await feed(fs, 6)
+        task = await take(fs, "w1", 6)
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await deposited(fs, "w1", 6)
+        reply = await fs.take_task(replica, "fs")
+        assert fs.state.closed_epoch == 6 and members(fs.state.closures[6]) == ["w1"]
+        assert judge(5, {"fs": reply}) == Verdict(epoch_fs=(), catch_up_to=7)
+        await feed(fs, 7)
+        task = await take(fs, "w1", 7)
+        assert await handled(fs, fs.push_input_grads(grads(task, "w1"), "w1")) == Ack()
+        await deposited(fs, "w1", 7)
+        await fs.take_task(dataclasses.replace(replica, epoch=7), "fs")  # it loaded a mate's state of epoch 7
+        assert fs.state.closed_epoch == 7 and members(fs.state.closures[7]) == ["fs", "w1"]
+
+    asyncio.run(scenario())
+
+
 def test_a_server_left_out_of_some_epochs_layouts_closes_them_when_rows_of_a_later_one_come():
     """A server lost for a while (or restarted, and told where its stage stands) is laid out again from epoch 7 on:
     epochs 5 and 6, laid out without it, never come here. One that still holds rows of an earlier epoch waits for it."""

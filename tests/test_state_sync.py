@@ -5,6 +5,7 @@ hivemind P2P on 127.0.0.1 a state of several MiB (several chunks) arrives bit-eq
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -136,6 +137,26 @@ def test_a_joiner_asks_its_stages_servers_before_its_mates():
         joiner = make_worker("joiner", local=local)
         assert await load_state_from_peers(joiner, caller=joiner.caller, servers=["server"],
                                            candidates=[m.worker_id for m in mates]) == 2
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_mate_whose_round_under_way_waits_for_the_asker_refuses_at_once_to_serve_the_state_after_it():
+    """Its step of the round would bring it to the asker's epoch, but the round cannot end while the asker waits for
+    that step: it says at once to ask again (the asker, left out of that round, loads the state once it ended)."""
+    async def scenario() -> None:
+        local: dict[tuple[str, str], Service] = {}
+        mate = serving(make_worker("mate", local=local), local)
+        for epoch in range(2):
+            await step(mate, seed=epoch)
+        mate._stepping, mate._averaging_with[2] = 2, frozenset({"mate", "asker"})  # its round of epoch 2 under way
+        began = time.monotonic()
+        with pytest.raises(Refused, match="behind the asker's 3") as refused:
+            await StageStateServer(worker=mate).download_state(
+                DownloadState(stage=0, start=mate.model.start, end=mate.model.end, at_least=3), "asker")
+        assert refused.value.retry_after_s is not None
+        assert time.monotonic() - began < mate.settings.averaging_timeout_s / 10
 
     asyncio.run(scenario())
 

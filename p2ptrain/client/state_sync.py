@@ -83,8 +83,10 @@ class StageStateServer(Service):
             if worker.stale:
                 raise stale
         # only a step under way will bring it to the asker's epoch: a peer that is itself behind (left out of a
-        # group, catching up) refuses at once, or two such servers asking each other would wait on each other
-        behind = master.epoch < request.at_least and worker.stepping != request.at_least - 1
+        # group, catching up) refuses at once, or two such servers asking each other would wait on each other; so does
+        # one whose round under way waits for the asker, which cannot end while the asker waits for its step
+        behind = master.epoch < request.at_least and (worker.stepping != request.at_least - 1
+                                                      or worker.averages_with(sender))
         if behind or not await master.reached(request.at_least, timeout=worker.settings.averaging_timeout_s):
             # it may get there soon by itself (stepping, catching up, passing abandoned epochs): ask again
             raise Refused(f"this peer's state is of epoch {master.epoch}, behind the asker's {request.at_least}",

@@ -405,8 +405,12 @@ class FrontalServer(StageServer[FrontalState]):
                 return  # a worker that has not polled since: the next polls here tell whether it is gone
             # a worker one epoch behind steps that one when this poll's reply tells it closed, then this one; one
             # further behind (it joined, or restarted and lost what it held) catches up by loading a mate's state and
-            # would never take part in this round: in the group it would hold every member until the timeout
-            ready = {w for w in fresh if state.workers[w].epoch >= epoch - 1}
+            # would never take part in this round: in the group it would hold every member until the timeout. So does
+            # one behind by an epoch that closed here without a group (this server stood past it: it caught up to its
+            # mates' newer checkpoint, or restarted), as a server's replica restored from an older checkpoint does
+            stepped_last = epoch - 1 in state.closures
+            ready = {w for w in fresh
+                     if state.workers[w].epoch >= epoch or (state.workers[w].epoch == epoch - 1 and stepped_last)}
             rows = self._rows_held(epoch)
             lost = contributors - ready
             if not lost and self.config.average_every == 1:
