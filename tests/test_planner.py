@@ -631,6 +631,7 @@ def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kic
 
     monkeypatch.setattr(anytime_module, "_local_search", search)
     monkeypatch.setattr(anytime_module, "_kick", kick)
+    monkeypatch.setattr(anytime_module, "SETTLE", 0)  # a kick's later descents: the next test
     found, _, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=6)
     kinds = [kind for kind, _, _ in rounds]
     assert record.rounds == 6 and found == best[0]
@@ -638,6 +639,56 @@ def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kic
     assert kinds[5] == ("descent" if rounds[4][2] else "kick")
     assert rounds[0][1] <= DESCENT_BUDGET + 2 < rounds[2][1]
     assert len(kicks) == 2 and all(kicked != start for start, kicked in kicks)
+
+
+def test_a_kicks_wide_descent_goes_on_while_it_finds_better_plans(monkeypatch) -> None:
+    """After a kick, wide descents go on from its wide descent's plan while each finds a better one, up to SETTLE
+    more, and the round's plan is the last better one; a round the budget ends in the middle of that is dropped.
+    Descents and wide descents from the best plan are one search each; on a swarm so large that the refined search
+    races cores (640 devices), so is a kick's. The searches are stubbed: each hands back
+    its plan with the PT drawn next (None: the plan's own)."""
+    engine = large_engine(256, seed=311)
+    assert thinly_walked(256, anytime_module.WALK_COVER) and not thinly_walked(256, CORE_COVER)
+    groups = swarm_groups(engine)
+    assert groups is not None
+    start = engine.score(groups, timed=True).pt
+    calls: list[bool] = []  # each search's `wide`
+
+    def searches(pts: list[float | None]):
+        drawn = iter(pts)
+
+        def search(engine: Engine, plan: list[Group], rng: np.random.Generator, *, wide: bool = False):
+            calls.append(wide)
+            pt = next(drawn)
+            return plan, engine.score(plan, timed=True) if pt is None else Score(pt=pt)
+        return search
+
+    # a descent and a wide one find nothing; a kick's wide descent finds 0.9, two more 0.8 and 0.7, the third nothing
+    monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, 0.9 * start, 0.8 * start,
+                                                                    0.7 * start, 0.7 * start, None]))
+    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=4)
+    assert calls == [False, True, True, True, True, True, False]
+    assert (record.rounds, record.improved, score.pt) == (4, 1, 0.7 * start)
+    calls.clear()
+    monkeypatch.setattr(anytime_module, "SETTLE", 2)
+    monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, 0.9 * start, 0.8 * start,
+                                                                    0.7 * start, 0.6 * start]))
+    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=4)
+    assert calls == [False, True, True, True, True, False]
+    assert (record.rounds, score.pt) == (4, 0.6 * start)
+    calls.clear()
+    monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, 0.9 * start, 0.8 * start]))
+    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: len(calls) == 4)
+    assert calls == [False, True, True, True]
+    assert (record.rounds, score.pt) == (2, start)
+    calls.clear()
+    raced = large_engine(640, seed=311)
+    first = swarm_groups(raced)
+    assert first is not None and thinly_walked(640, CORE_COVER)
+    better = 0.9 * raced.score(first, timed=True).pt
+    monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, better, None]))
+    _, score, _ = anytime(raced, first, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=4)
+    assert calls == [False, True, True, False] and score.pt == better
 
 
 def test_where_the_anytime_phase_stalls_it_goes_on_from_its_other_starts(monkeypatch) -> None:

@@ -35,6 +35,19 @@ these rounds ended at 84.0 s of PT where walks after the first failed descent en
 stalled at 91.5 s from a third of the way through the budget; on 256 devices (31 moves a device) they ended 2-6% better
 than walks on 5 of 6 swarms (seeds 500, 502, 600-603) and 0.8% worse on one; on 128 (62 moves a device) 1-2% better on 2
 of 3 and 3.6% worse on one, so walks stay there.
+A kick's wide descent seldom reaches the bottom of the basin it lands in (it scores up to ``WIDE_BUDGET`` plans, and a
+kick that changes the stage count moves many devices' best places), so the kick round goes on with wide descents, each
+from the plan the one before ended with, until one finds nothing better (up to ``SETTLE`` more), and only then is set
+against the best plan. At the default budget (25.25 s, 2 jobs; planner seeds 0-2) on swarms 500-503 and 600 of 256
+devices the 15 plans ended 1.026x the best known in the mean where they ended 1.031x, the worst 1.051x where 1.083x,
+14 within 5% where 11 (PT 0.996x in the geometric mean: 7 lower, 5 higher); on swarms 700-704, not measured before,
+1.023x where 1.030x, the worst 1.053x where 1.065x, 14 within 5% where 10 (0.993x: 8 lower, 6 higher, 0.954x to
+1.040x). Going on from a plan within 2% of the best after a kick that found nothing better, instead of from the best,
+measured no better on top of it (the first 15: 1.029x, worst 1.058x, 13 within 5%). On a swarm so large that the
+refined search races cores (``CORE_COVER``), rounds are few and the kicks' further descents cost more than they find:
+on 1,024 devices (swarms 500-502, planner seed 0) the plans ended 94.8, 88.5 and 83.7 s of PT, 75, 55 and 78 rounds,
+where without them (an earlier run, ``planner-gap-1024-fast.md``) 92.9, 87.5 and 83.7 s, 88, 96 and 83 rounds; so
+there a kick ends with its first wide descent.
 The kick's random moves are bounded because a move made whatever it costs often takes a server far from its stage: on
 geo-256-seed600 (planner seed 0) such kicks left plans of 164-1,638 s of PT from a best of 155 s, the wide descents
 after them ended as high as 306 s, and 1 of 13 paid. With each move kept within 10% of the start's PT, on 20 plans
@@ -71,6 +84,7 @@ DESCENT_SAMPLE, DESCENT_BUDGET, WIDE_SAMPLE, WIDE_BUDGET, KICK = 6, 2000, 24, 40
 # a kick's random moves keep PT within KICK_SLACK of the kick's start; a move that would not is drawn again, up to
 # KICK_TRIES times (module doc; slack 0.05 and 0.2 measured no better than 0.1)
 KICK_SLACK, KICK_TRIES = 0.1, 8
+SETTLE = 4  # more wide descents after a kick's, each from the last one's plan, until one finds nothing (module doc)
 DESCENT, WIDE, KICKED, WALK = "descent", "wide", "kick", "walk"
 AFTER_A_MISS = {DESCENT: WIDE, WIDE: KICKED, KICKED: KICKED}  # a large swarm's next round after one found nothing
 RESHAPE = 0.5  # the share of a large swarm's kicks that change the stage count (module doc)
@@ -134,6 +148,7 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     best, best_score = groups, score
     pending = iter(then)  # drawn only once a start stalls: a large swarm's may be searched for then (``refine``)
     large = thinly_walked(engine.net.size, WALK_COVER)
+    settle = 0 if thinly_walked(engine.net.size, CORE_COVER) else SETTLE  # where rounds are scarce, none (module doc)
     kind = DESCENT if large else WALK
     while max_rounds is None or rounds < max_rounds:
         if misses >= patience:
@@ -151,6 +166,8 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
         else:
             start = groups if kind != KICKED else _kick(engine, groups, rng, fixed_stages)
             result = _local_search(engine, start, rng, wide=kind != DESCENT)
+            if kind == KICKED:
+                result = _settle(engine, result, rng, out_of_time, settle)
         if result is None:
             break
         rounds += 1
@@ -172,6 +189,21 @@ def _local_search(engine: Engine, groups: list[Group], rng: np.random.Generator,
                   wide: bool = False) -> tuple[list[Group], Score]:
     return engine.improve(groups, rng=rng, rounds=200, budget=WIDE_BUDGET if wide else DESCENT_BUDGET, swaps=True,
                           timed=True, sample=WIDE_SAMPLE if wide else DESCENT_SAMPLE)
+
+
+def _settle(engine: Engine, result: tuple[list[Group], Score], rng: np.random.Generator,
+            out_of_time: Callable[[], bool], times: int) -> tuple[list[Group], Score] | None:
+    """A kick's wide descent ``result`` after up to ``times`` more wide descents, each from the plan the one before
+    ended with, until one finds nothing better; None if the budget ended first (the round is dropped, as a replay
+    would not have it)."""
+    for _ in range(times):
+        if out_of_time():
+            return None
+        settled = _local_search(engine, result[0], rng, wide=True)
+        if not settled[1].better_than(result[1]):
+            break
+        result = settled
+    return result
 
 
 def _kick(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group]:
