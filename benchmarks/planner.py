@@ -1,11 +1,12 @@
 """Planner benchmark: PT and efficiency of every planner on every ``peers/`` file and on generated geo-distributed
 swarms of 64, 256 and 1,024 devices, the planners' wall time; the refined plan with its default budget against the
-best plan long runs find (generated swarms of 32 to 1,024 devices, seeds 500-502, and the paper files), with its gap
-to the bound; and the §4.4 stage-count comparison.
+best plan long runs find (generated swarms of 32 to 1,024 devices, seeds 500-502 or those of --gap-swarms, and the
+paper files), with its gap to the bound; and the §4.4 stage-count comparison.
 
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
                                  [--gap-sizes 32,64,256,1024] [--gap-swarm-seeds 500,501,502] [--no-gap-files]
-                                 [--gap-planner-seeds 1] [--gap-known FILE,...] [--stem NAME]
+                                 [--gap-swarms SIZE:SEED,... ...] [--gap-planner-seeds 1] [--gap-known FILE,...]
+                                 [--stem NAME]
 
 writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
 some --parts, ``planner-PARTS.*``; with --stem, ``NAME.*``.
@@ -142,6 +143,15 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
           + (f"  planner seeds 0-{planner_seeds - 1}: worst {max(row['seeds_vs_best']):.3f}"
              if planner_seeds > 1 else ""), flush=True)
     return row
+
+
+def swarms_by_size(text: str) -> tuple[int, list[int]]:
+    """``--gap-swarms``' ``SIZE:SEED,SEED``: a size and the seeds of its generated swarms."""
+    size, _, seeds = text.partition(":")
+    try:
+        return int(size), [int(seed) for seed in seeds.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes SIZE:SEED,SEED,... (e.g. 32:900,901), not {text!r}") from None
 
 
 def gap_markdown(rows: list[dict], factor: float, seeds: int) -> list[str]:
@@ -311,6 +321,9 @@ def main() -> None:
     parser.add_argument("--gap-swarm-seeds", default="500,501,502",
                         help="the seeds of the generated swarms of each size (one at a time: a 1,024-device swarm's "
                              "long runs take about 25 minutes)")
+    parser.add_argument("--gap-swarms", nargs="+", type=swarms_by_size, metavar="SIZE:SEED,...",
+                        help="generated swarms by size, each with its own seeds (`32:900,901 256:700`), in place of "
+                             "--gap-sizes and --gap-swarm-seeds")
     parser.add_argument("--gap-files", action=argparse.BooleanOptionalAction, default=True,
                         help="whether the gap section also takes the paper's swarm files")
     parser.add_argument("--gap-known", default="",
@@ -334,8 +347,13 @@ def main() -> None:
     gaps = []
     if "gap" in parts:
         factor, seeds = (2.0, 1) if args.quick else (args.gap_factor, args.gap_seeds)
-        generated = [(32, 500), (32, 501), (64, 500)] if args.quick else \
-            [(int(n), int(seed)) for n in args.gap_sizes.split(",") if n for seed in args.gap_swarm_seeds.split(",")]
+        if args.quick:
+            generated = [(32, 500), (32, 501), (64, 500)]
+        elif args.gap_swarms:
+            generated = [(n, seed) for n, seeds in args.gap_swarms for seed in seeds]
+        else:
+            generated = [(int(n), int(seed)) for n in args.gap_sizes.split(",") if n
+                         for seed in args.gap_swarm_seeds.split(",")]
         cases = [(f"geo-{n}-seed{seed}", geo_swarm(n, seed), model, GEO_BATCH["tokens"], GEO_BATCH["microbatches"])
                  for n, seed in generated]
         if not args.quick and args.gap_files:
