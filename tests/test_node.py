@@ -1,7 +1,7 @@
 """`p2ptrain.Peer` from Python: two stages' peers built in this process (no subprocess, no argparse), with real
 DHT nodes and p2p daemons on 127.0.0.1, train one epoch, and every peer stops; the same with a tokenizer file; a
-data source whose push a stage-0 FS refuses trains on; a DHT node stuck in its shutdown is killed; a peer whose
-whole process group gets SIGTERM stops in order."""
+data source whose push a stage-0 FS refuses trains on; a DHT node stuck in its shutdown is killed, and one killed
+holding hivemind's update lock leaves it free; a peer whose whole process group gets SIGTERM stops in order."""
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +18,11 @@ from collections.abc import Awaitable, Callable
 
 import hivemind
 import pytest
+from hivemind.utils.mpfuture import MPFuture
 
 from p2ptrain import NetworkOptions, NodeOptions, Peer, Placement, RunConfig
 from p2ptrain.cli import LOOPBACK
+from p2ptrain.dht import node as dht_node
 from p2ptrain.dht import readers
 from p2ptrain.dht.node import start_dht, stop_dht
 from p2ptrain.protocol.messages import EndEpoch
@@ -152,6 +154,38 @@ def test_a_dht_node_that_does_not_shut_down_is_killed():
         os.kill(dht.pid, signal.SIGSTOP)
         stop_dht(dht)
         assert not dht.is_alive(), "the stuck DHT node outlived stop_dht"
+    finally:
+        if dht.is_alive():
+            os.kill(dht.pid, signal.SIGKILL)
+            dht.join(10)
+
+
+async def hold_the_update_lock(dht: hivemind.DHT, node: object) -> None:
+    """Run in a DHT process: take hivemind's update lock and block the node's loop for good (it never shuts down)."""
+    MPFuture._update_lock.acquire()
+    time.sleep(3600)
+
+
+def test_a_dht_node_killed_holding_hiveminds_update_lock_does_not_hang_the_next_one(monkeypatch, caplog):
+    """Every DHT process forked from this one answers under one lock; a node killed while it held the lock left it held
+    and every later node in this process hung at its start (seen in CI, after the test above killed its node just as
+    that node reported itself ready). stop_dht releases a lock its killed node left held."""
+    monkeypatch.setattr(dht_node, "UPDATE_LOCK_WAIT_S", 1.0)
+    lock = MPFuture._update_lock
+    dht = start_dht("holder", host_maddrs=[LOOPBACK])
+    try:
+        dht.run_coroutine(hold_the_update_lock, return_future=True)
+        deadline = time.monotonic() + 30
+        while lock.acquire(block=False):  # until the node holds it
+            lock.release()
+            assert time.monotonic() < deadline, "the DHT node never took the update lock"
+            time.sleep(0.05)
+        stop_dht(dht)
+        assert not dht.is_alive() and dht.exitcode < 0
+        assert lock.acquire(timeout=5), "the killed node's update lock is still held"
+        lock.release()
+        assert "died holding hivemind's update lock" in caplog.text
+        stop_dht(start_dht("after", host_maddrs=[LOOPBACK]))
     finally:
         if dht.is_alive():
             os.kill(dht.pid, signal.SIGKILL)

@@ -10,6 +10,7 @@ from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.mpfuture import MPFuture
 
 from p2ptrain.dht.keys import make_validators
 from p2ptrain.dht.readers import READ_TIMEOUT_S, wait_for_reads
@@ -22,6 +23,13 @@ logger = logging.getLogger(__name__)
 _HELD = {signal.SIGINT, signal.SIGTERM}
 _holding = 0  # threads holding the signals back now
 _lock = threading.Lock()
+
+# A DHT process sends each answer to its parent under hivemind's update lock (`MPFuture._update_lock`), one lock
+# shared by every DHT process forked from the same parent; a node killed while it holds it leaves it held, and every
+# DHT this process starts later hangs at its start (seen in CI: a test's node SIGKILLed just as it reported itself
+# ready, then every later test's node stuck in `MPFuture._send_update`). A send under the lock is one pipe write: a
+# lock not free for this long is the dead node's.
+UPDATE_LOCK_WAIT_S = 10.0
 
 
 def _release_in_child() -> None:
@@ -59,7 +67,8 @@ def stop_dht(dht: hivemind.DHT, *, kill_wait_s: float = 10.0) -> None:
     whole process group (pkill -f, systemd) from killing the node under its parent, which then shuts it down in
     order; but a node that did not end in time would stay alive, and the process's exit would join it for good.
 
-    Reads of the node under way end first (`readers.wait_for_reads`): shut down under a read, it would never answer."""
+    Reads of the node under way end first (`readers.wait_for_reads`): shut down under a read, it would never answer.
+    A node that ended by a signal (either fallback) and left hivemind's update lock held gets it released for it."""
     if not wait_for_reads(dht, READ_TIMEOUT_S):
         logger.warning(f"reads of the DHT node still under way after {READ_TIMEOUT_S:g} s: stopping it")
     dht.shutdown()
@@ -67,3 +76,17 @@ def stop_dht(dht: hivemind.DHT, *, kill_wait_s: float = 10.0) -> None:
         logger.warning(f"the DHT node (pid {dht.pid}) did not shut down in {dht.shutdown_timeout:g} s: killing it")
         dht.kill()
         dht.join(kill_wait_s)
+    if not dht.is_alive() and dht.exitcode is not None and dht.exitcode < 0:
+        _free_update_lock(dht)
+
+
+def _free_update_lock(dead: hivemind.DHT) -> None:
+    """Release hivemind's update lock if `dead`, killed, left it held (any process may release a multiprocessing
+    Lock); a lock taken by a live DHT process is free again well within UPDATE_LOCK_WAIT_S."""
+    lock = MPFuture._update_lock
+    if lock.acquire(timeout=UPDATE_LOCK_WAIT_S):
+        lock.release()
+        return
+    logger.warning(f"the DHT node (pid {dead.pid}) died holding hivemind's update lock: releasing it, or every DHT "
+                   f"started later in this process would hang at its start")
+    lock.release()
