@@ -145,6 +145,14 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
     return row
 
 
+def integers(text: str) -> list[int]:
+    """``--gap-sizes``' and ``--gap-swarm-seeds``' comma-separated integers; empty for none."""
+    try:
+        return [int(item) for item in text.split(",") if item]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes integers separated by commas (e.g. 32,64), not {text!r}") from None
+
+
 def swarms_by_size(text: str) -> tuple[int, list[int]]:
     """``--gap-swarms``' ``SIZE:SEED,SEED``: a size and the seeds of its generated swarms."""
     size, _, seeds = text.partition(":")
@@ -315,10 +323,10 @@ def main() -> None:
     parser.add_argument("--gap-planner-seeds", type=int, default=1,
                         help="also make the default-budget plan with planner seeds 1..N-1 and report each one's "
                              "ratio (default 1: seed 0's alone, the CLI's default)")
-    parser.add_argument("--gap-sizes", default="32,64,256,1024",
+    parser.add_argument("--gap-sizes", type=integers, default="32,64,256,1024",
                         help="device counts of the gap section's generated swarms; empty for none (the paper files "
                              "alone)")
-    parser.add_argument("--gap-swarm-seeds", default="500,501,502",
+    parser.add_argument("--gap-swarm-seeds", type=integers, default="500,501,502",
                         help="the seeds of the generated swarms of each size (one at a time: a 1,024-device swarm's "
                              "long runs take about 25 minutes)")
     parser.add_argument("--gap-swarms", nargs="+", type=swarms_by_size, metavar="SIZE:SEED,...",
@@ -350,10 +358,9 @@ def main() -> None:
         if args.quick:
             generated = [(32, 500), (32, 501), (64, 500)]
         elif args.gap_swarms:
-            generated = [(n, seed) for n, seeds in args.gap_swarms for seed in seeds]
+            generated = [(n, seed) for n, swarm_seeds in args.gap_swarms for seed in swarm_seeds]
         else:
-            generated = [(int(n), int(seed)) for n in args.gap_sizes.split(",") if n
-                         for seed in args.gap_swarm_seeds.split(",")]
+            generated = [(n, seed) for n in args.gap_sizes for seed in args.gap_swarm_seeds]
         cases = [(f"geo-{n}-seed{seed}", geo_swarm(n, seed), model, GEO_BATCH["tokens"], GEO_BATCH["microbatches"])
                  for n, seed in generated]
         if not args.quick and args.gap_files:
