@@ -190,6 +190,10 @@ def test_a_dht_node_killed_holding_hiveminds_update_lock_does_not_hang_the_next_
         if dht.is_alive():
             os.kill(dht.pid, signal.SIGKILL)
             dht.join(10)
+        # a failure here must not hang every later test's node: release the lock whether this test took it or the
+        # dead node still holds it
+        lock.acquire(timeout=5)
+        lock.release()
 
 
 def read_runs(dht: hivemind.DHT) -> tuple[threading.Thread, list[BaseException | list[str]]]:
