@@ -6,7 +6,7 @@ paper files), with its gap to the bound; and the §4.4 stage-count comparison.
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
                                  [--gap-sizes 32,64,256,1024] [--gap-swarm-seeds 500,501,502] [--no-gap-files]
                                  [--gap-swarms SIZE:SEED,... ...] [--gap-planner-seeds 1] [--gap-known FILE,...]
-                                 [--stem NAME]
+                                 [--gap-long-jobs 1] [--stem NAME]
 
 writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
 some --parts, ``planner-PARTS.*``; with --stem, ``NAME.*``.
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 # the planner's matrices are small: BLAS threads only contend for the 2 cores (set before numpy loads)
@@ -92,23 +94,29 @@ def known_bests(paths: list[Path]) -> dict[str, tuple[float, str]]:
     return known
 
 
+def long_run(swarm: Swarm, model, seed: int, budget_s: float, kwargs: dict) -> dict:
+    """One long run of the refined search: one job, the planner's ``seed``, never stopping before ``budget_s``."""
+    start = time.perf_counter()
+    long = make_plan(swarm, model, seed=seed, budget_s=budget_s, clock=time.monotonic, patience=1_000_000, **kwargs)
+    return {"seed": seed, "pt": long.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
+            "rounds": long.search.rounds if long.search else 0}
+
+
 def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, factor: float, seeds: int,
-            samples: int, planner_seeds: int = 1, known: tuple[float, str] | None = None) -> dict:
+            samples: int, planner_seeds: int = 1, known: tuple[float, str] | None = None, long_jobs: int = 1) -> dict:
     """The refined plan with the CLI's default budget and jobs against the best plan found by long runs of the
-    refined search (``factor`` times the budget, one job, seeds 1..``seeds``, never stopping early), and every other
-    planner against
-    that best; the gap to the bound; plan times. With ``planner_seeds`` N > 1, the same default-budget plan with
-    planner seeds 1..N-1 too (`--seed`: which plan a user gets turns on it), their plans among those the best is
-    taken from. ``known``: an earlier run's best PT of this swarm and its file (``known_bests``), which joins the
-    best."""
+    refined search (``factor`` times the budget, one job, seeds 1..``seeds``, never stopping early; ``long_jobs`` at
+    once, each in its own process), and every other planner against that best; the gap to the bound; plan times. With
+    ``planner_seeds`` N > 1, the same default-budget plan with planner seeds 1..N-1 too (`--seed`: which plan a user
+    gets turns on it), their plans among those the best is taken from. ``known``: an earlier run's best PT of this
+    swarm and its file (``known_bests``), which joins the best."""
     kwargs = {"batch_tokens": tokens, "microbatches": microbatches}
     budget = default_budget_s(len(swarm.devices))
     start = time.perf_counter()
     default = make_plan(swarm, model, budget_s=budget, clock=time.monotonic, jobs=default_jobs(), **kwargs)
     row: dict = {"swarm": name, "devices": len(swarm.devices), "budget_s": budget,
                  "default_pt": default.predicted.batch_time_s, "default_wall_s": time.perf_counter() - start,
-                 "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap,
-                 "long": []}
+                 "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap}
     row["seeds"] = []
     for seed in range(1, planner_seeds):
         start = time.perf_counter()
@@ -116,12 +124,12 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
                           **kwargs)
         row["seeds"].append({"seed": seed, "pt": other.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
                              "rounds": other.search.rounds if other.search else 0})
-    for seed in range(1, seeds + 1):
-        start = time.perf_counter()
-        long = make_plan(swarm, model, seed=seed, budget_s=factor * budget, clock=time.monotonic,
-                         patience=1_000_000, **kwargs)
-        row["long"].append({"seed": seed, "pt": long.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
-                            "rounds": long.search.rounds if long.search else 0})
+    if long_jobs > 1:
+        with ProcessPoolExecutor(long_jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            runs = [pool.submit(long_run, swarm, model, seed, factor * budget, kwargs) for seed in range(1, seeds + 1)]
+            row["long"] = [run.result() for run in runs]
+    else:
+        row["long"] = [long_run(swarm, model, seed, factor * budget, kwargs) for seed in range(1, seeds + 1)]
     if known is not None:
         row["known_pt"], row["known_from"] = known
     best = min([row["default_pt"], *(r["pt"] for r in row["long"] + row["seeds"]),
@@ -320,6 +328,9 @@ def main() -> None:
                              "gap (the default refined plan against long runs), sec44 (the stage-count comparison)")
     parser.add_argument("--gap-factor", type=float, default=10.0, help="a long run's budget over the default")
     parser.add_argument("--gap-seeds", type=int, default=3, help="long runs per swarm")
+    parser.add_argument("--gap-long-jobs", type=int, default=1,
+                        help="long runs at once, each in its own process: a long run is one job, so on 2 idle cores "
+                             "2 halve their wall time (default 1)")
     parser.add_argument("--gap-planner-seeds", type=int, default=1,
                         help="also make the default-budget plan with planner seeds 1..N-1 and report each one's "
                              "ratio (default 1: seed 0's alone, the CLI's default)")
@@ -369,7 +380,8 @@ def main() -> None:
         known = known_bests([Path(p) for p in args.gap_known.split(",") if p])
         for name, swarm, spec, tokens, microbatches in cases:
             gaps.append(gap_row(swarm, name, spec, tokens, microbatches, factor=factor, seeds=seeds,
-                                samples=samples, planner_seeds=args.gap_planner_seeds, known=known.get(name)))
+                                samples=samples, planner_seeds=args.gap_planner_seeds, known=known.get(name),
+                                long_jobs=args.gap_long_jobs))
     comparison = [] if "sec44" not in parts else [
         c for tokens in (524288, 262144, 131072) for c in stage_comparison(ROOT / "peers" / "paper-sec44.toml", tokens)]
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/planner.py", *sys.argv[1:]])

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=index, default=0)
     parser.add_argument("--budget-s", type=non_negative, metavar="SECONDS",
                         help="how long the refined planner keeps improving its plan (its anytime search; 0: none; "
-                             "default: 6.5 s at 64 devices, 25 s at 256 and 44 s from 1,024 (fewer devices: "
+                             "default: 6.5 s at 64 devices, 25 s at 128 and 44 s from 256 (fewer devices: "
                              "4 s plus 40 s per 1,024; more: growing with the log of their count); it stops sooner "
                              "once rounds stop finding better plans)")
     parser.add_argument("--rounds", type=index, metavar="N",

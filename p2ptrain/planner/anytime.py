@@ -12,7 +12,7 @@ decides how many (a round the budget cuts short is dropped). Once ``PATIENCE`` r
 phase goes on from the next of the other starts it was given (a large swarm's other clusterings' local optima, then new
 ones' while the budget has room, ``refine``), its rounds numbered on, and ends when none is left, so a small swarm is
 not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another may go
-further: at twice the default budget of then (28 s; 25.25 s now, ``default_budget_s``), 6 of 12 plans on 256 devices
+further: at twice the default budget of then (28 s; 44 s now, ``default_budget_s``), 6 of 12 plans on 256 devices
 (swarms 503 and 600, planner seeds 0-5) stalled before it, and with the other starts the 12 ended 1.035x the best known
 plans in the mean (1.041 without), the worst 1.088x (1.129: geo-256-seed503, seed 4, 158.19 -> 148.31 s of PT); at the
 14 s of then the phase seldom stalled: 29 of 30 such plans were the same, and the 30th completed 2 rounds fewer
@@ -38,16 +38,16 @@ of 3 and 3.6% worse on one, so walks stay there.
 A kick's wide descent seldom reaches the bottom of the basin it lands in (it scores up to ``WIDE_BUDGET`` plans, and a
 kick that changes the stage count moves many devices' best places), so the kick round goes on with wide descents, each
 from the plan the one before ended with, until one finds nothing better (up to ``SETTLE`` more), and only then is set
-against the best plan. At the default budget (25.25 s, 2 jobs; planner seeds 0-2) on swarms 500-503 and 600 of 256
-devices the 15 plans ended 1.026x the best known in the mean where they ended 1.031x, the worst 1.051x where 1.083x,
+against the best plan. At the default budget of then (25.25 s, 2 jobs; planner seeds 0-2) on swarms 500-503 and 600 of
+256 devices the 15 plans ended 1.026x the best known in the mean where they ended 1.031x, the worst 1.051x where 1.083x,
 14 within 5% where 11 (PT 0.996x in the geometric mean: 7 lower, 5 higher); on swarms 700-704, not measured before,
-1.023x where 1.030x, the worst 1.053x where 1.065x, 14 within 5% where 10 (0.993x: 8 lower, 6 higher, 0.954x to
-1.040x). Going on from a plan within 2% of the best after a kick that found nothing better, instead of from the best,
-measured no better on top of it (the first 15: 1.029x, worst 1.058x, 13 within 5%). On a swarm so large that the
-refined search races cores (``CORE_COVER``), rounds are few and the kicks' further descents cost more than they find:
-on 1,024 devices (swarms 500-502, planner seed 0) the plans ended 94.8, 88.5 and 83.7 s of PT, 75, 55 and 78 rounds,
-where without them (an earlier run, ``planner-gap-1024-fast.md``) 92.9, 87.5 and 83.7 s, 88, 96 and 83 rounds; so
-there a kick ends with its first wide descent.
+1.023x where 1.030x, the worst 1.053x where 1.065x, 14 within 5% where 10 (0.993x: 8 lower, 6 higher, 0.954x to 1.040x).
+Going on from a plan within 2% of the best after a kick that found nothing better, instead of from the best, measured no
+better on top of it (the first 15: 1.029x, worst 1.058x, 13 within 5%). On a swarm so large that the refined search
+races cores (``CORE_COVER``), rounds are few and the kicks' further descents cost more than they find: on 1,024 devices
+(swarms 500-502, planner seed 0) the plans ended 94.8, 88.5 and 83.7 s of PT, 75, 55 and 78 rounds, where without them
+(an earlier run, ``planner-gap-1024-fast.md``) 92.9, 87.5 and 83.7 s, 88, 96 and 83 rounds; so there a kick ends with
+its first wide descent.
 The kick's random moves are bounded because a move made whatever it costs often takes a server far from its stage: on
 geo-256-seed600 (planner seed 0) such kicks left plans of 164-1,638 s of PT from a best of 155 s, the wide descents
 after them ended as high as 306 s, and 1 of 13 paid. With each move kept within 10% of the start's PT, on 20 plans
@@ -108,18 +108,18 @@ class SearchRecord:
 
 
 def default_budget_s(devices: int) -> float:
-    """The CLI's budget: 4 s plus 40 s per 1,024 devices up to 64 (6.5 s), then growing with the log of the swarm's
-    size to 44 s at 1,024 and no further, so that a whole planning process stays under 10 s at 64 devices and 60 s at
-    1,024 (the refined search before this phase takes about 0.4 s and 6 s there). Between them the phase gets the
-    rounds it still gains from: at 256 devices (25.25 s, where 4 s plus 40 s per 1,024 gave 14 s) one search (one
-    job) on five swarms (500-503, 600; planner seeds 0-3) ran 41 rounds where it ran 22 on this 2-core machine, and
-    its plans ended 1.069x the best known in the mean where they ended 1.088x; the better of two seeds' (0 and 1, 2
-    and 3, as the default 2 jobs run) 1.037x where 1.046x, 8 of 10 within 5% where 7. Given 45 s (67 rounds, as
-    25.25 s would give on a machine about twice as fast): 1.054x and 1.029x, 9 of 10. With the engine's faster
-    scoring since (``search.partners``), 25.25 s runs 54 rounds there: 1.062x and 1.029x, 9 of 10."""
+    """The CLI's budget: 4 s plus 40 s per 1,024 devices up to 64 (6.5 s), then growing with the log of the swarm's size
+    to 44 s at 256 devices and no further, so that a whole planning process stays under 10 s at 64 devices and 60 s at
+    1,024 (the refined search before this phase takes about 0.4 s and 6 s there). Between them the phase gets the rounds
+    it still gains from. On swarms 700-704 of 256 devices (planner seed 0, 2 jobs) 44 s ran 68-92 rounds and ended
+    1.013, 1.004, 1.037, 1.044 and 1.040x the best plans of the long runs (10 x 25.25 s each, 3 seeds), where the 25.25
+    s of before (growing to 44 s at 1,024) ran 41-62 and ended 1.022, 1.004, 1.057, 1.057 and 1.042x. At 128 devices
+    (swarms 900-903, planner seeds 0-2) 25.25 s where 15.9 s: 2 plans better (by 1.3 and 4.3%), 10 within 0.2%; what
+    stays apart there is the basin the search settles in (geo-128-seed901's seed 2: 235.5 s of PT either way, the long
+    runs' 221.3 s)."""
     if devices <= 64:
         return 4.0 + 40.0 * devices / 1024
-    return min(44.0, 6.5 + 37.5 * math.log2(devices / 64) / 4)
+    return min(44.0, 6.5 + 37.5 * math.log2(devices / 64) / 2)
 
 
 def round_moves(devices: int) -> int:

@@ -19,7 +19,7 @@ and those leave its anytime phase less time. So each of several jobs runs one (`
 plans with 2 jobs the mean was 1.032x (1 quick search each), 1.031x (2) and 1.040x (3); the worst 1.083x, 1.102x and
 1.101x; within 5% 22, 23 and 20; the planner's seed 0 within 5% on 4, 3 and 3 of the 5 swarms. On geo-480-seed500
 (planner seeds 0-3, 2 jobs) the plans' mean PT was 108.5, 107.9 and 108.0 s, the worst 114.0, 114.0 and 117.4 s.
-At the default budget since (25.25 s at 256 devices) 2 each again measured no better than 1: on 22 plans (swarms
+At the default budget of then (25.25 s at 256 devices) 2 each again measured no better than 1: on 22 plans (swarms
 500-503, 600 and 700-704, planner seeds 0-2, 2 jobs) the PT of 2 over 1's was 1.002 in the geometric mean, lower on 4
 (by up to 6.9%), higher on 10 (by up to 5.3%) and the same on 8.
 """
