@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from p2ptrain.cli import count  # noqa: E402
 from p2ptrain.planner import PLANNERS, PlanningError, Swarm, make_plan, model_spec  # noqa: E402
 from p2ptrain.planner.anytime import default_budget_s  # noqa: E402
 from p2ptrain.planner.cost import Workload, evaluate  # noqa: E402
@@ -328,7 +329,7 @@ def main() -> None:
                              "gap (the default refined plan against long runs), sec44 (the stage-count comparison)")
     parser.add_argument("--gap-factor", type=float, default=10.0, help="a long run's budget over the default")
     parser.add_argument("--gap-seeds", type=int, default=3, help="long runs per swarm")
-    parser.add_argument("--gap-long-jobs", type=int, default=1,
+    parser.add_argument("--gap-long-jobs", type=count, default=1,
                         help="long runs at once, each in its own process: a long run is one job, so on 2 idle cores "
                              "2 halve their wall time (default 1)")
     parser.add_argument("--gap-planner-seeds", type=int, default=1,
