@@ -13,6 +13,14 @@
 3. Iterated local search from the best plan: a few random moves, then the local search again with swaps of two
    devices between near stages added (the move that keeps both stages' sizes), kept only if better; until a
    run of kicks finds nothing.
+   Steps 2 and 3 score plans with row shares set by time, as the plan ends with and the anytime phase scores (step 1
+   screens under the contract's compute shares). Scored at compute shares they ended with fewer stages than the phase's
+   best plans hold: on geo-256-seed703 (planner seed 1) at 7 stages, and the phase took about 100 rounds of kicks, a
+   stage at a time, to reach the 10 of its best plans (scored by time, planner seed 0's phase started from 9). Scored by
+   time, at the default budget (2 jobs, planner seed 0) on swarms 700-704 of 256 devices, the plans ended 144.1, 134.3,
+   141.5, 149.8 and 155.7 s of PT where 145.5, 137.2, 144.7, 153.6 and 156.1 s; on 128 devices (swarms 900, 901) 208.3
+   and 225.1 s where 205.7 and 230.5; on 64 (900-902) 569.9, 436.8 and 437.2 where 580.8, 433.4 and 440.3; on 32
+   (900-902) 1,174.4, 821.7 and 766.6 where 1,156.6, 821.7 and 766.6.
 4. Given a time budget, the anytime phase (``anytime``): rounds of simulated annealing from the best plan while the
    budget lasts. Where its rounds are descents (``anytime.thinly_walked`` below ``WALK_COVER``), they seldom leave the
    basin of the plan they start from, and which basin steps 1-3 end in turns on the clustering's seed: on 256-device
@@ -103,22 +111,21 @@ def split_stage(engine: Engine, groups: list[Group], k: int, seed: int) -> list[
     return groups[:k] + [Group.of(h.fs, h.bs, c) for h, c in zip(halves, clients)] + groups[k + 1:]
 
 
-def reshape(engine: Engine, groups: list[Group], score: Score, *, rng: np.random.Generator, rounds: int,
-            budget: int, seed: int, fixed_stages: bool, reshapes: int = 4,
-            splits: int = 3) -> tuple[list[Group], Score]:
+def reshape(engine: Engine, groups: list[Group], *, rng: np.random.Generator, rounds: int, budget: int, seed: int,
+            fixed_stages: bool, reshapes: int = 4, splits: int = 3) -> tuple[list[Group], Score]:
     """Local search, then K±1 while a searched result is better: merging any two neighbouring stages, or
-    splitting one of the ``splits`` stages with the most servers."""
-    groups, score = engine.improve(groups, rng=rng, rounds=rounds, budget=budget)
+    splitting one of the ``splits`` stages with the most servers; scored with time-set shares (module doc)."""
+    groups, score = engine.improve(groups, rng=rng, rounds=rounds, budget=budget, timed=True)
     for _ in range(0 if fixed_stages else reshapes):
         largest = sorted(range(len(groups)), key=lambda k: -len(groups[k].servers))[:splits]
         options = [split_stage(engine, groups, k, seed) for k in largest]
         options += [merge_stages(groups, k) for k in range(len(groups) - 1)]
-        scored = [(engine.score(o), i) for i, o in enumerate(options) if o is not None]
+        scored = [(engine.score(o, timed=True), i) for i, o in enumerate(options) if o is not None]
         scored = [(s, i) for s, i in scored if np.isfinite(s.pt)]
         if not scored:
             break
         _, i = min(scored, key=lambda item: (item[0].pt, item[0].smooth))
-        trial, trial_score = engine.improve(options[i], rng=rng, rounds=rounds, budget=budget)
+        trial, trial_score = engine.improve(options[i], rng=rng, rounds=rounds, budget=budget, timed=True)
         if not trial_score.better_than(score):
             break
         groups, score = trial, trial_score
@@ -129,13 +136,15 @@ def perturb(engine: Engine, groups: list[Group], score: Score, *, rng: np.random
             patience: int, rounds: int, kick_budget: int, strength: int = 3) -> tuple[list[Group], Score]:
     """Iterated local search: from the best plan, make ``strength`` random feasible moves whatever they cost,
     search locally again, and keep the result if it is better; until ``budget`` plans were scored, or
-    ``patience`` kicks in a row found nothing better."""
+    ``patience`` kicks in a row found nothing better. ``score``: ``groups``' with time-set shares, as it scores."""
     misses, stop = 0, engine.scored + budget
     while engine.scored < stop and misses < patience:
         trial = groups
         for _ in range(strength):
-            trial = next((o for o in engine.neighbours(trial, rng, 3, 6) if np.isfinite(engine.score(o).pt)), trial)
-        trial, trial_score = engine.improve(trial, rng=rng, rounds=rounds, budget=kick_budget, swaps=True)
+            trial = next((o for o in engine.neighbours(trial, rng, 3, 6)
+                          if np.isfinite(engine.score(o, timed=True).pt)), trial)
+        trial, trial_score = engine.improve(trial, rng=rng, rounds=rounds, budget=kick_budget, swaps=True,
+                                            timed=True)
         if trial_score.better_than(score):
             groups, score, misses = trial, trial_score, 0
         else:
@@ -287,8 +296,8 @@ def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[n
         return None
     candidates.sort(key=ranked)
     best: tuple[list[Group], Score] | None = None
-    for groups, score in candidates[:starts]:
-        result = reshape(engine, groups, score, rng=rng, rounds=rounds, budget=budget, seed=seed,
+    for groups, _ in candidates[:starts]:
+        result = reshape(engine, groups, rng=rng, rounds=rounds, budget=budget, seed=seed,
                          fixed_stages=stages is not None)
         if best is None or result[1].better_than(best[1]):
             best = result
