@@ -327,8 +327,10 @@ class Engine:
         self._floors: dict[Group, np.ndarray] = {}
         self._partners: dict[Group, Partners] = {}  # computed by `stats`, not yet taken by `levels`
         self._rows: dict[tuple[Group | None, Group, Group | None], np.ndarray] = {}
+        self._last: tuple[tuple[Group, ...], np.ndarray] = ((), np.empty((0, self.layers)))  # ``_timed_table``
         self._closest: dict[int, np.ndarray] = {}
         self._near: dict[Group, np.ndarray] = {}
+        self.by_speed = [int(x) for x in np.argsort(-net.flops, kind="stable")]  # every device, the fastest first
 
     def stats(self, group: Group) -> GroupStats:
         cached = self._stats.get(group)
@@ -448,17 +450,40 @@ class Engine:
             row = self._rows[key] = np.maximum(self.wl.microbatches * (edges + self.levels(group)), floor)
         return row
 
+    def _timed_table(self, groups: Sequence[Group]) -> np.ndarray | None:
+        """The stages' ``_timed_row``s, one per row; None where a stage lacks a server role. A move changes a stage or
+        two of the plan it was made from, and the search scores many moves of one plan in turn: so the rows of the
+        last table pass on where a stage and its neighbours are the very objects they were there (every row of it
+        came from the same cache), and only the others are looked up, which at a dozen stages and more cost more
+        than their arithmetic."""
+        last, table = self._last
+        count = len(groups)
+        same = len(last) == count
+        kept = [same and g is last[k] for k, g in enumerate(groups)]
+        if not all(g.valid for g, k in zip(groups, kept) if not k):  # the last plan's stages were valid
+            return None
+        kept = [same, *kept, same]  # the ends' missing neighbours are the same
+        h = table.copy() if same else np.empty((count, self.layers))
+        for k, group in enumerate(groups):
+            if not (kept[k] and kept[k + 1] and kept[k + 2]):
+                h[k] = self._timed_row(groups[k - 1] if k else None, group, groups[k + 1] if k < count - 1 else None)
+        self._last = (tuple(groups), h)
+        return h
+
     def score(self, groups: Sequence[Group], *, timed: bool = False) -> Score:
         """PT of the memberships with their best layer counts, under compute-proportional shares (the contract's)
         or, ``timed``, shares set by time (what the refined plan ends with); the latter scores no ties."""
         self.scored += 1
-        if not groups or len(groups) > self.layers or not all(g.valid for g in groups):
+        if not groups or len(groups) > self.layers:
             return INFEASIBLE
         if timed and self.held is None:
-            around = (None, *groups, None)
-            h = np.stack([self._timed_row(around[k], g, around[k + 2]) for k, g in enumerate(groups)])
+            h = self._timed_table(groups)
+            if h is None:
+                return INFEASIBLE
             pt, load = timed_time(h, self.layers)  # inf where a stage holds no layer or all of them too few
             return Score(pt, None, self.layers, h, load) if np.isfinite(pt) else INFEASIBLE
+        if not all(g.valid for g in groups):
+            return INFEASIBLE
         c = self.curves(groups)
         if c.cap.min() < 1 or c.cap.sum() < self.layers:
             return INFEASIBLE
@@ -554,7 +579,7 @@ class Engine:
         for x in rng.choice(placed, size=min(sample, len(placed)), replace=False):
             movers[int(x)] = home[int(x)]
         if idle:
-            strong = sorted(idle, key=lambda x: -self.net.flops[x])[:sample]
+            strong = [x for x in self.by_speed if x not in home][:sample]
             drawn = rng.choice(np.asarray(idle), size=min(sample, len(idle)), replace=False)
             for x in [*strong, *(int(v) for v in drawn)]:
                 movers[x] = -1
