@@ -47,7 +47,7 @@ from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
 from p2ptrain.planner.portfolio import SEARCHES_EACH, plan_on_cores, portfolio_seeds
 from p2ptrain.planner.presets import ModelSpec, config_spec
-from p2ptrain.planner.refine import CORES, core, core_starts, race
+from p2ptrain.planner.refine import CORE_LAYERS, CORES, core, core_starts, race
 from p2ptrain.planner.search import Engine, Group, Score, allocate, partners
 from p2ptrain.planner.swarmfile import load_swarm
 from p2ptrain.protocol.messages import GroupMember, StageGroup
@@ -826,7 +826,7 @@ def test_a_core_is_the_members_nearest_the_clusters_medoid() -> None:
 
 
 def test_a_large_swarm_races_cores_of_its_clusters_and_keeps_the_best_searched() -> None:
-    """On a large swarm the starts are cores of levels of 2 to 5 layers a stage; successive halving searches them
+    """On a large swarm the starts are cores of levels of CORE_LAYERS layers a stage; successive halving searches them
     all, then the better half with twice the budget, until one is left: better than every start, the same for
     the same seed, and the best start untouched if the budget is spent before the first round."""
     devices = 640
@@ -835,8 +835,9 @@ def test_a_large_swarm_races_cores_of_its_clusters_and_keeps_the_best_searched()
     levels = paper_plan(engine, seed=0).levels
     starts = core_starts(engine, levels, seed=0)
     layers = engine.layers
-    assert {len(groups) for groups, _ in starts} <= set(range(int(layers / 5), int(np.ceil(layers / 2)) + 1))
-    assert len({len(groups) for groups, _ in starts}) >= 3
+    most, fewest = CORE_LAYERS
+    assert {len(groups) for groups, _ in starts} <= set(range(int(layers / most), int(np.ceil(layers / fewest)) + 1))
+    assert len({len(groups) for groups, _ in starts}) == 3
     assert all(len(g.servers) <= max(CORES) for groups, _ in starts for g in groups)
     best_start = min(score.pt for _, score in starts)
     before = engine.scored

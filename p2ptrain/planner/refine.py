@@ -51,8 +51,12 @@ to score while stages are large: on geo-1024-seed502, 12 s of local search from 
 stages) reached 169-402 s of PT, 4-6 s from the cores of 6, 12 or 24 servers of 12 clusters reached 118-138 s. And
 no early score told which start ends best (the 6-stage start screened first; 18 stages ended twice as fast). So the
 starts are each cluster's core (the ``CORES`` servers nearest its medoid; clients admitted as in step 1) at a few
-levels of 2 to 5 layers a stage, and successive halving picks one (``race``): every start gets a local search, the
-better half goes on with twice the budget, until one is left, which the anytime phase takes.
+levels of 2 to 3.75 layers a stage (``CORE_LAYERS``), and successive halving picks one (``race``): every start gets a
+local search, the better half goes on with twice the budget, until one is left, which the anytime phase takes. Levels
+of up to 5 layers a stage (12 stages of a 60-layer model) lost: at the default budget (one job, 18 plans: swarms 711
+and 712 of 1,024 devices, planner seeds 10-15; 710 and 713, seeds 0-2) the race picked 12 stages in 6 and those
+ended at 89.9 s of PT in the mean, against 83.8 s for the 10 it took 16 stages in; without them the plans' PT was
+0.976x in the geometric mean (lower in 11, higher in 5, the same in 2; 0.794x to 1.102x, so seeds decide more).
 5. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
@@ -74,6 +78,7 @@ from p2ptrain.planner.search import Engine, Group, Score, merge_stages
 from p2ptrain.planner.shares import timed_layouts
 
 CORES = (8, 16)  # servers a large swarm's start keeps of each cluster (module doc)
+CORE_LAYERS = (3.75, 2.0)  # the most and fewest layers a stage of a large swarm's start holds (module doc)
 SEARCHES = 3  # runs of steps 1-3, each from its own clustering, where the anytime phase descends (module doc)
 # the share of the budget after which no more of them start: at 480 devices one takes 6.7 s of the 22.75 s budget here,
 # and three left the anytime phase 7-13 rounds where one left it 41
@@ -161,9 +166,10 @@ def core(engine: Engine, members: np.ndarray, size: int) -> np.ndarray:
 
 
 def core_starts(engine: Engine, levels: list[list[np.ndarray]], seed: int) -> list[tuple[list[Group], Score]]:
-    """A large swarm's starts (module doc), scored with time-set shares: the cores of levels of 2 to 5 layers a
-    stage, ordered and split into FS/BS by the paper's rules, with clients admitted."""
-    counts = {int(round(k)) for k in np.geomspace(engine.layers / 5, engine.layers / 2, 4)}
+    """A large swarm's starts (module doc), scored with time-set shares: the cores of three levels of ``CORE_LAYERS``
+    layers a stage, ordered and split into FS/BS by the paper's rules, with clients admitted."""
+    most, fewest = CORE_LAYERS
+    counts = {int(round(k)) for k in np.geomspace(engine.layers / most, engine.layers / fewest, 3)}
     starts: dict[tuple[Group, ...], Score] = {}
     for k in sorted(counts & set(range(1, len(levels) + 1))):
         clusters = order_clusters(engine, levels[k - 1], seed)
