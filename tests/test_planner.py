@@ -584,7 +584,10 @@ def test_a_timed_score_reusing_the_last_plans_rows_is_the_score_of_a_fresh_engin
     groups, rng = swarm_groups(engine), np.random.default_rng(3)
     assert groups is not None
     scores = []
-    for moved in filter(None, (random_move(engine, groups, rng, False) for _ in range(400))):
+    for _ in range(400):
+        moved = random_move(engine, groups, rng, False)  # a move of the plan kept so far
+        if moved is None:
+            continue
         score, fresh = engine.score(moved, timed=True), Engine(engine.net, engine.wl, engine.reliable).score(
             moved, timed=True)
         assert (score.pt, score.load) == (fresh.pt, fresh.load) and (score.table is None) == (fresh.table is None)
