@@ -666,9 +666,9 @@ def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kic
 
 
 def test_a_kicks_wide_descent_goes_on_while_it_finds_better_plans(monkeypatch) -> None:
-    """After a kick whose wide descent ended within SETTLE_SLACK of the best plan's PT, wide descents go on from its
-    plan while each finds a better one, up to SETTLE more, and the round's plan is the last better one; a round the
-    budget ends in the middle of that is dropped.
+    """After a kick whose wide descent ended within SETTLE_SLACK of the PT of the plan it kicked, wide descents go on
+    from its plan while each finds a better one, up to SETTLE more, and the round's plan is the last better one; a
+    round the budget ends in the middle of that is dropped.
     Descents and wide descents from the best plan are one search each; on a swarm so large that the refined search
     races cores (640 devices), so is a kick's. The searches are stubbed: each hands back
     its plan with the PT drawn next (None: the plan's own)."""

@@ -50,11 +50,12 @@ above their start, and one of them (from 1.135x) settled below it; their further
 of the 22 kicks that paid had ended theirs within 7.6%. So the further descents follow only a kick within
 ``SETTLE_SLACK`` of its start: at the default budget (44 s; one job and one quick search each, as in the portfolio;
 swarms 700-704, 711 and 712, planner seeds 0 and 1, and 711 and 712 seed 2) the 16 plans ran 14% more rounds, and their
-PT was 0.997x in the geometric mean, lower in 7 (by up to 1.9%), higher in 1 (by 0.4%), the same in 8. On a swarm so
-large that the refined search races cores (``CORE_COVER``), rounds are few and the kicks' further descents cost more
-than they find: on 1,024 devices (swarms 500-502, planner seed 0) the plans ended 94.8, 88.5 and 83.7 s of PT, 75, 55
-and 78 rounds, where without them (an earlier run, ``planner-gap-1024-fast.md``) 92.9, 87.5 and 83.7 s, 88, 96 and 83
-rounds; so there a kick ends with its first wide descent.
+PT was 0.997x in the geometric mean, lower in 7 (by up to 1.9%), higher in 1 (by 0.4%), the same in 8; on swarms
+720-723, not used to choose it (seeds 0 and 1), the 8 plans were the same. On a swarm so large that the refined search
+races cores (``CORE_COVER``), rounds are few and the kicks' further descents cost more than they find: on 1,024 devices
+(swarms 500-502, planner seed 0) the plans ended 94.8, 88.5 and 83.7 s of PT, 75, 55 and 78 rounds, where without them
+(an earlier run, ``planner-gap-1024-fast.md``) 92.9, 87.5 and 83.7 s, 88, 96 and 83 rounds; so there a kick ends with
+its first wide descent.
 The kick's random moves are bounded because a move made whatever it costs often takes a server far from its stage: on
 geo-256-seed600 (planner seed 0) such kicks left plans of 164-1,638 s of PT from a best of 155 s, the wide descents
 after them ended as high as 306 s, and 1 of 13 paid. With each move kept within 10% of the start's PT, on 20 plans
