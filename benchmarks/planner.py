@@ -117,7 +117,9 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
     default = make_plan(swarm, model, budget_s=budget, clock=time.monotonic, jobs=default_jobs(), **kwargs)
     row: dict = {"swarm": name, "devices": len(swarm.devices), "budget_s": budget,
                  "default_pt": default.predicted.batch_time_s, "default_wall_s": time.perf_counter() - start,
-                 "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap}
+                 "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap,
+                 # which job's search the plan came from: the planner's seed or another the portfolio drew from it
+                 "default_seed": default.search.seed if default.search else None}
     row["seeds"] = []
     for seed in range(1, planner_seeds):
         start = time.perf_counter()
@@ -171,13 +173,14 @@ def swarms_by_size(text: str) -> tuple[int, list[int]]:
         raise argparse.ArgumentTypeError(f"takes SIZE:SEED,SEED,... (e.g. 32:900,901), not {text!r}") from None
 
 
-def gap_markdown(rows: list[dict], factor: float, seeds: int) -> list[str]:
+def gap_markdown(rows: list[dict], factor: float, seeds: int, long_jobs: int = 1) -> list[str]:
+    at_once = f"{long_jobs} at once, " if long_jobs > 1 else ""
     out = ["", "## The refined plan against the best plan found", "",
            f"default: `python -m p2ptrain.plan`'s refined plan with its default budget (`--budget-s`, "
            f"`planner.anytime.default_budget_s`) and jobs (`--jobs`: {default_jobs()} here, `planner.portfolio`); "
            + (f"best: the best of it and of {seeds} long runs of the refined search ({factor:g} x the budget each, "
-              f"one job, seeds 1-{seeds}, no early stop)" if seeds else "best: the best of it and of earlier runs' "
-              "plans (`--gap-known`; no long runs here)")
+              f"one job, seeds 1-{seeds}, {at_once}no early stop)" if seeds
+              else "best: the best of it and of earlier runs' plans (`--gap-known`; no long runs here)")
            + "; ratio = default PT / best PT (must-show "
            "1: at most 1.05); gap = default PT over the bound, less 1; the other planners' PT over the best PT "
            "(must-show 3: none below the default's ratio)."
@@ -389,7 +392,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     text = markdown(rows, comparison, command, samples)
     if gaps:
-        text += "\n".join(gap_markdown(gaps, *((2.0, 1) if args.quick else (args.gap_factor, args.gap_seeds)))) + "\n"
+        text += "\n".join(gap_markdown(gaps, factor, seeds, args.gap_long_jobs)) + "\n"
     stem = args.stem or ("planner" if parts == {"planners", "gap", "sec44"} else "planner-" + "-".join(sorted(parts)))
     (RESULTS / f"{stem}.md").write_text(text)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"command": command, "geo_model": GEO_MODEL,
