@@ -48,7 +48,7 @@ from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisectio
 from p2ptrain.planner.portfolio import SEARCHES_EACH, plan_on_cores, portfolio_seeds
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.refine import CORE_LAYERS, CORES, core, core_starts, race
-from p2ptrain.planner.search import Engine, Group, Score, allocate, partners
+from p2ptrain.planner.search import Engine, Group, Score, allocate, merge_stages, partners
 from p2ptrain.planner.swarmfile import load_swarm
 from p2ptrain.protocol.messages import GroupMember, StageGroup
 from p2ptrain.protocol.sharing import shared_rounds
@@ -598,6 +598,26 @@ def test_a_timed_score_reusing_the_last_plans_rows_is_the_score_of_a_fresh_engin
         else:
             infeasible += 1
     assert infeasible and reshaped
+
+
+def test_idle_devices_join_a_near_stage_in_a_role_they_may_take_where_that_lowers_the_timed_score() -> None:
+    """``Engine.admit_idle`` only adds: from 8 stages of one FS and one BS each, idle devices join (reliable ones as
+    servers or clients, the others as clients), every member keeps its stage and role, PT falls, and the score handed
+    back is the plan's as a fresh engine scores it."""
+    engine = large_engine(96, seed=311)
+    full = swarm_groups(engine)
+    assert full is not None and len(full) == 16
+    groups = [merge_stages(full, k)[k] for k in range(0, 16, 2)]
+    groups = [Group.of(g.fs[:1], g.bs[:1]) for g in groups]
+    start = engine.score(groups, timed=True)
+    admitted, score = engine.admit_idle(groups)
+    assert len(admitted) == len(groups) and score.pt < 0.5 * start.pt
+    assert score.pt == Engine(engine.net, engine.wl, engine.reliable).score(admitted, timed=True).pt
+    members = [x for g in admitted for x in g.workers]
+    assert len(members) == len(set(members)) > 2 * len(groups)
+    for before, after in zip(groups, admitted):
+        assert set(before.fs) <= set(after.fs) and set(before.bs) <= set(after.bs)
+        assert all(engine.reliable[x] for x in after.servers)
 
 
 def large_engine(devices: int, seed: int) -> Engine:

@@ -12,7 +12,12 @@
    counts of moves and scored plans, not by time.
 3. Iterated local search from the best plan: a few random moves, then the local search again with swaps of two
    devices between near stages added (the move that keeps both stages' sizes), kept only if better; until a
-   run of kicks finds nothing.
+   run of kicks finds nothing. Then every idle device, the fastest first, joins whichever of its two nearest stages,
+   in whichever role, lowers PT most (``Engine.admit_idle``), if any does: step 1 admits only unreliable devices, as
+   clients and at compute shares, and the local searches try a handful of drawn idle devices at a time. Measured at
+   the default budget (one job and one quick search each, two runs at once; planner seed 0), on swarms 701, 711, 712
+   and 720 of 256 devices the plans ended 136.95, 123.81, 154.41 and 133.96 s of PT where 134.91, 128.81, 162.37 and
+   142.82 s.
    Steps 2 and 3 score plans with row shares set by time, as the plan ends with and the anytime phase scores (step 1
    screens under the contract's compute shares). Scored at compute shares they ended with fewer stages than the phase's
    best plans hold: on geo-256-seed703 (planner seed 1) at 7 stages, and the phase took about 100 rounds of kicks, a
@@ -52,7 +57,12 @@ stages) reached 169-402 s of PT, 4-6 s from the cores of 6, 12 or 24 servers of 
 no early score told which start ends best (the 6-stage start screened first; 18 stages ended twice as fast). So the
 starts are each cluster's core (the ``CORES`` servers nearest its medoid; clients admitted as in step 1) at a few
 levels of 2 to 3.75 layers a stage (``CORE_LAYERS``), and successive halving picks one (``race``): every start gets a
-local search, the better half goes on with twice the budget, until one is left, which the anytime phase takes. Levels
+local search, the better half goes on with twice the budget, until one is left, which the anytime phase takes once
+idle devices joined it as in step 3. The starts hold about 140 devices, and the anytime phase's descents added a few
+at a time: on geo-1024-seed710 (planner seed 0) 140 in the race's winner, 296 in the plan at the default budget, 310
+after 95 s. Admitted at once (0.4 s there: 140 -> 371), measured as above, the plans ended 75.48 and 71.48 s of PT on
+swarm 710 (planner seeds 0 and 1) and 74.26 s on 720 (seed 0) where 87.07, 84.42 and 85.77 s: below the best of the
+long runs of before (75.76 and 76.19 s, 10 x the budget). Levels
 of up to 5 layers a stage (12 stages of a 60-layer model) lost: at the default budget (one job, 18 plans: swarms 711
 and 712 of 1,024 devices, planner seeds 10-15; 710 and 713, seeds 0-2) the race picked 12 stages in 6 and those
 ended at 89.9 s of PT in the mean, against 83.8 s for the 10 it took 16 stages in; without them the plans' PT was
@@ -219,7 +229,8 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     if out_of_time is not None and stages is None and thinly_walked(engine.net.size, CORE_COVER):
         cores = core_starts(engine, levels, seed)
         if cores:  # else the refined search's own starts (`starts` is their count)
-            return _searched(engine, race(engine, cores, seed=seed, out_of_time=out_of_time), seed=seed,
+            winner, _ = race(engine, cores, seed=seed, out_of_time=out_of_time)
+            return _searched(engine, engine.admit_idle(winner), seed=seed,
                              fixed_stages=False, out_of_time=out_of_time, max_rounds=max_rounds,
                              patience=anytime_patience)
     search = dict(rounds=rounds, budget=budget, starts=starts, screen=screen, kick_total=kick_total,
@@ -308,8 +319,9 @@ def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[n
         if best is None or result[1].better_than(best[1]):
             best = result
     assert best is not None
-    return perturb(engine, *best, rng=rng, budget=kick_total, patience=patience, rounds=rounds,
-                   kick_budget=kick_budget)
+    searched, _ = perturb(engine, *best, rng=rng, budget=kick_total, patience=patience, rounds=rounds,
+                          kick_budget=kick_budget)
+    return engine.admit_idle(searched)
 
 
 def _searched(engine: Engine, best: tuple[list[Group], Score], *, seed: int, fixed_stages: bool,

@@ -647,3 +647,22 @@ class Engine:
             if choice is not None:
                 groups = choice
         return groups
+
+    def admit_idle(self, groups: list[Group], fan: int = 2) -> tuple[list[Group], Score]:
+        """Greedy, scored with time-set shares: every idle device, the fastest first, into whichever of its ``fan``
+        nearest stages and roles (a server's or a client's where it is reliable) lowers the score most, else left
+        idle; the plan and its score."""
+        best = self.score(groups, timed=True)
+        placed = {x for g in groups for x in g.workers}
+        for device in (x for x in self.by_speed if x not in placed):
+            choice = None
+            for k in self.targets(self.near(groups, device), -1, fan):
+                for role in (FS, BS, CLIENT) if self.reliable[device] else (CLIENT,):
+                    moved = list(groups)
+                    moved[k] = groups[k].adding(device, role)
+                    score = self.score(moved, timed=True)
+                    if score.better_than(best):
+                        choice, best = moved, score
+            if choice is not None:
+                groups = choice
+        return groups, best
