@@ -601,7 +601,7 @@ def test_a_timed_score_reusing_the_last_plans_rows_is_the_score_of_a_fresh_engin
 
 
 def test_idle_devices_join_a_near_stage_in_a_role_they_may_take_where_that_lowers_the_timed_score() -> None:
-    """``Engine.admit_idle`` only adds: from 8 stages of one FS and one BS each, idle devices join (reliable ones as
+    """``Engine.admit`` of every idle device only adds: from 8 stages of one FS and one BS each, idle devices join (reliable ones as
     servers or clients, the others as clients), every member keeps its stage and role, PT falls, and the score handed
     back is the plan's as a fresh engine scores it."""
     engine = large_engine(96, seed=311)
@@ -610,7 +610,7 @@ def test_idle_devices_join_a_near_stage_in_a_role_they_may_take_where_that_lower
     groups = [merge_stages(full, k)[k] for k in range(0, 16, 2)]
     groups = [Group.of(g.fs[:1], g.bs[:1]) for g in groups]
     start = engine.score(groups, timed=True)
-    admitted, score = engine.admit_idle(groups)
+    admitted, score = engine.admit(groups, engine.idle(groups), timed=True)
     assert len(admitted) == len(groups) and score.pt < 0.5 * start.pt
     assert score.pt == Engine(engine.net, engine.wl, engine.reliable).score(admitted, timed=True).pt
     members = [x for g in admitted for x in g.workers]

@@ -13,7 +13,7 @@
 3. Iterated local search from the best plan: a few random moves, then the local search again with swaps of two
    devices between near stages added (the move that keeps both stages' sizes), kept only if better; until a
    run of kicks finds nothing. Then every idle device, the fastest first, joins whichever of its two nearest stages,
-   in whichever role, lowers PT most (``Engine.admit_idle``), if any does: step 1 admits only unreliable devices, as
+   in whichever role, lowers PT most (``Engine.admit``), if any does: step 1 admits only unreliable devices, as
    clients and at compute shares, and the local searches try a handful of drawn idle devices at a time. Measured at
    the default budget (one job and one quick search each, two runs at once; planner seed 0), on swarms 701, 711, 712
    and 720 of 256 devices the plans ended 136.95, 123.81, 154.41 and 133.96 s of PT where 134.91, 128.81, 162.37 and
@@ -105,8 +105,8 @@ def ranked(plan: tuple[list[Group], Score]) -> tuple[float, float]:
 
 
 def complete(engine: Engine, groups: list[Group]) -> tuple[list[Group], Score]:
-    groups = engine.admit_clients(groups, np.flatnonzero(~engine.reliable))
-    return groups, engine.score(groups)
+    """Step 1's clients: the idle unreliable devices admitted, scored at the contract's compute shares."""
+    return engine.admit(groups, [x for x in engine.idle(groups) if not engine.reliable[x]], timed=False)
 
 
 def split_stage(engine: Engine, groups: list[Group], k: int, seed: int) -> list[Group] | None:
@@ -230,7 +230,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
         cores = core_starts(engine, levels, seed)
         if cores:  # else the refined search's own starts (`starts` is their count)
             winner, _ = race(engine, cores, seed=seed, out_of_time=out_of_time)
-            return _searched(engine, engine.admit_idle(winner), seed=seed,
+            return _searched(engine, engine.admit(winner, engine.idle(winner), timed=True), seed=seed,
                              fixed_stages=False, out_of_time=out_of_time, max_rounds=max_rounds,
                              patience=anytime_patience)
     search = dict(rounds=rounds, budget=budget, starts=starts, screen=screen, kick_total=kick_total,
@@ -321,7 +321,7 @@ def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[n
     assert best is not None
     searched, _ = perturb(engine, *best, rng=rng, budget=kick_total, patience=patience, rounds=rounds,
                           kick_budget=kick_budget)
-    return engine.admit_idle(searched)
+    return engine.admit(searched, engine.idle(searched), timed=True)
 
 
 def _searched(engine: Engine, best: tuple[list[Group], Score], *, seed: int, fixed_stages: bool,

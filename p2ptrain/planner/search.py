@@ -632,35 +632,24 @@ class Engine:
                 break
         return groups, best
 
-    def admit_clients(self, groups: list[Group], clients: Iterable[int], fan: int = 2) -> list[Group]:
-        """Greedy: strongest client first, into whichever of its nearest stages lowers the score, else idle."""
-        best = self.score(groups)
-        near = self.nearness(groups)
-        for u in sorted(clients, key=lambda x: -self.net.flops[x]):
-            choice = None
-            for k in self.targets(near[u], -1, fan):
-                moved = list(groups)
-                moved[k] = groups[k].adding(u, CLIENT)
-                s = self.score(moved)
-                if s.better_than(best):
-                    choice, best = moved, s
-            if choice is not None:
-                groups = choice
-        return groups
-
-    def admit_idle(self, groups: list[Group], fan: int = 2) -> tuple[list[Group], Score]:
-        """Greedy, scored with time-set shares: every idle device, the fastest first, into whichever of its ``fan``
-        nearest stages and roles (a server's or a client's where it is reliable) lowers the score most, else left
-        idle; the plan and its score."""
-        best = self.score(groups, timed=True)
+    def idle(self, groups: Sequence[Group]) -> list[int]:
+        """Every device in no stage, the fastest first."""
         placed = {x for g in groups for x in g.workers}
-        for device in (x for x in self.by_speed if x not in placed):
+        return [x for x in self.by_speed if x not in placed]
+
+    def admit(self, groups: list[Group], devices: Iterable[int], *, timed: bool,
+              fan: int = 2) -> tuple[list[Group], Score]:
+        """Greedy: each idle device of ``devices`` in turn joins whichever of its ``fan`` nearest stages, in whichever
+        role it may take (a server's or a client's where it is reliable, a client's otherwise), lowers the score
+        (``timed`` or not) most, else stays idle; the plan and its score."""
+        best = self.score(groups, timed=timed)
+        for device in devices:
             choice = None
             for k in self.targets(self.near(groups, device), -1, fan):
                 for role in (FS, BS, CLIENT) if self.reliable[device] else (CLIENT,):
                     moved = list(groups)
                     moved[k] = groups[k].adding(device, role)
-                    score = self.score(moved, timed=True)
+                    score = self.score(moved, timed=timed)
                     if score.better_than(best):
                         choice, best = moved, score
             if choice is not None:
