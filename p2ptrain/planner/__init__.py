@@ -6,7 +6,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from p2ptrain.planner.anytime import PATIENCE
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
@@ -27,7 +26,7 @@ __all__ = ["PLANNERS", "Device", "ModelSpec", "Plan", "PlanningError", "Predicti
 def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, planner: str = "refined",
               stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
               average_every: int = 1, budget_s: float = 0.0, clock: Callable[[], float] | None = None,
-              rounds: int | None = None, searches: int | None = None, patience: int = PATIENCE,
+              rounds: int | None = None, searches: int | None = None, patience: int | None = None,
               jobs: int = 1) -> Plan:
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
@@ -36,7 +35,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     ``searches``: on a large swarm, the anytime phase starts from the best of up to that many runs of the refined
     search's first steps (``refine``), with a budget those that start in its first ``SEARCH_SHARE`` (default:
     ``SEARCHES``, or ``portfolio.SEARCHES_EACH`` in each of several ``jobs``); ``patience``:
-    the anytime phase ends once that many rounds in a row found no better plan (or goes on from another start);
+    the anytime phase ends once that many rounds in a row found no better plan (or goes on from another start; default:
+    ``anytime.PATIENCE``, and no bound where a large swarm's race leaves it a single start, ``refine``);
     ``jobs``: with a budget, the refined planner searches from that many seeds at once, in as many processes, and
     keeps the best plan (``portfolio``).
 

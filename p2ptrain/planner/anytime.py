@@ -11,9 +11,10 @@ scores a fixed number of moves, so the result depends only on the seed and how m
 decides how many (a round the budget cuts short is dropped). Once ``PATIENCE`` rounds in a row found nothing better, the
 phase goes on from the next of the other starts it was given (a large swarm's other clusterings' local optima, then new
 ones' while the budget has room, ``refine``), its rounds numbered on, and ends when none is left, so a small swarm is
-not searched for the whole budget. The best plan of all its starts is the result. Where a start stalls, another may go
-further: at twice the default budget of then (28 s; 44 s now, ``default_budget_s``), 6 of 12 plans on 256 devices
-(swarms 503 and 600, planner seeds 0-5) stalled before it, and with the other starts the 12 ended 1.035x the best known
+not searched for the whole budget (after a large swarm's race of starts there is none, and the phase goes on,
+``refine``). The best plan of all its starts is the result. Where a start stalls, another may go further: at twice
+the default budget of then (28 s; 44 s now, ``default_budget_s``), 6 of 12 plans on 256 devices (swarms 503 and 600,
+planner seeds 0-5) stalled before it, and with the other starts the 12 ended 1.035x the best known
 plans in the mean (1.041 without), the worst 1.088x (1.129: geo-256-seed503, seed 4, 158.19 -> 148.31 s of PT); at the
 14 s of then the phase seldom stalled: 29 of 30 such plans were the same, and the 30th completed 2 rounds fewer
 (replayed, the same).
@@ -152,7 +153,7 @@ def thinly_walked(devices: int, cover: int) -> bool:
 
 
 def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
-            out_of_time: Callable[[], bool], patience: int = PATIENCE, max_rounds: int | None = None,
+            out_of_time: Callable[[], bool], patience: float = PATIENCE, max_rounds: int | None = None,
             then: Iterable[list[Group]] = ()) -> tuple[list[Group], Score, SearchRecord]:
     """Anneal in rounds from ``groups`` (scored with time-set shares) until ``out_of_time()`` or ``max_rounds``
     rounds; after ``patience`` rounds in a row found nothing better, from the next of ``then``, and the phase ends

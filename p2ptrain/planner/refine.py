@@ -62,7 +62,11 @@ idle devices joined it as in step 3. The starts hold about 140 devices, and the 
 at a time: on geo-1024-seed710 (planner seed 0) 140 in the race's winner, 296 in the plan at the default budget, 310
 after 95 s. Admitted at once (0.4 s there: 140 -> 371), measured as above, the plans ended 75.48 and 71.48 s of PT on
 swarm 710 (planner seeds 0 and 1) and 74.26 s on 720 (seed 0) where 87.07, 84.42 and 85.77 s: below the best of the
-long runs of before (75.76 and 76.19 s, 10 x the budget). Levels
+long runs of before (75.76 and 76.19 s, 10 x the budget). The phase has no other start to go on from there, so no run
+of rounds without a better plan ends it: of 7 plans (swarms 710-712 and 720, planner seed 0; 710, seed 1), two had
+stalled (``PATIENCE`` rounds) at 22 and 30 s of the 44 and ended at 75.48 and 71.48 s of PT; going on, 74.67 and 71.44
+s; the other 5 the same. Going on instead from the race's runners-up, idle devices admitted, found nothing in the time
+left (they started at 160 and 189 s). Levels
 of up to 5 layers a stage (12 stages of a 60-layer model) lost: at the default budget (one job, 18 plans: swarms 711
 and 712 of 1,024 devices, planner seeds 10-15; 710 and 713, seeds 0-2) the race picked 12 stages in 6 and those
 ended at 89.9 s of PT in the mean, against 83.8 s for the 10 it took 16 stages in; without them the plans' PT was
@@ -209,7 +213,7 @@ def race(engine: Engine, starts: list[tuple[list[Group], Score]], *, seed: int,
 
 def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
                     out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
-                    anytime_patience: int = PATIENCE, searches: int = SEARCHES,
+                    anytime_patience: int | None = None, searches: int = SEARCHES,
                     may_search: Callable[[], bool] | None = None, time_left: Callable[[], float] | None = None,
                     rounds: int = 200, budget: int = 2000,
                     starts: int = 3, screen: int = 3, kick_total: int = 2000, patience: int = 6,
@@ -219,7 +223,8 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     descents, each after the first only while ``may_search()`` (none without it), and where the phase stalls there,
     from the optima of new clusterings while ``time_left()`` seconds are ``RESTART_ROOM`` times the first run's (none
     without it; ``math.inf``, as where ``max_rounds`` bounds the phase: no bound); what it did comes back beside the
-    plan."""
+    plan. ``anytime_patience``: rounds in a row without a better plan after which the phase goes on from another start
+    or ends (default: ``PATIENCE``, and no bound after a large swarm's race, module doc)."""
     reliable = np.flatnonzero(engine.reliable)
     most = min(len(reliable) // 2, engine.layers)
     if paper is not None and len(paper.levels) >= (stages or most):
@@ -232,7 +237,7 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
             winner, _ = race(engine, cores, seed=seed, out_of_time=out_of_time)
             return _searched(engine, engine.admit(winner, engine.idle(winner), timed=True), seed=seed,
                              fixed_stages=False, out_of_time=out_of_time, max_rounds=max_rounds,
-                             patience=anytime_patience)
+                             patience=math.inf if anytime_patience is None else anytime_patience)
     search = dict(rounds=rounds, budget=budget, starts=starts, screen=screen, kick_total=kick_total,
                   patience=patience, kick_budget=kick_budget)
     left = time_left() if time_left is not None else math.inf
@@ -257,7 +262,8 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
     then = _restarts(engine, paper, rest, first=len(optima), room=room, seed=seed, stages=stages,
                      **search) if descends else rest
     layouts, record = _searched(engine, best, then=then, seed=seed, fixed_stages=stages is not None,
-                                out_of_time=out_of_time, max_rounds=max_rounds, patience=anytime_patience)
+                                out_of_time=out_of_time, max_rounds=max_rounds,
+                                patience=PATIENCE if anytime_patience is None else anytime_patience)
     return layouts, None if record is None else dataclasses.replace(record, searches=len(optima))
 
 
@@ -325,7 +331,7 @@ def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[n
 
 
 def _searched(engine: Engine, best: tuple[list[Group], Score], *, seed: int, fixed_stages: bool,
-              out_of_time: Callable[[], bool] | None, max_rounds: int | None, patience: int,
+              out_of_time: Callable[[], bool] | None, max_rounds: int | None, patience: float,
               then: Sequence[list[Group]] = ()) -> tuple[list[StageLayout] | None, SearchRecord | None]:
     """The anytime phase from ``best``, then ``then`` (given a budget), and the better layout of what it started and
     ended with."""
