@@ -601,9 +601,9 @@ def test_a_timed_score_reusing_the_last_plans_rows_is_the_score_of_a_fresh_engin
 
 
 def test_idle_devices_join_a_near_stage_in_a_role_they_may_take_where_that_lowers_the_timed_score() -> None:
-    """``Engine.admit`` of every idle device only adds: from 8 stages of one FS and one BS each, idle devices join (reliable ones as
-    servers or clients, the others as clients), every member keeps its stage and role, PT falls, and the score handed
-    back is the plan's as a fresh engine scores it."""
+    """``Engine.admit`` of every idle device only adds: from 8 stages of one FS and one BS each, idle devices join
+    (reliable ones as servers or clients, the others as clients), every member keeps its stage and role, PT falls, and
+    the score handed back is the plan's as a fresh engine scores it."""
     engine = large_engine(96, seed=311)
     full = swarm_groups(engine)
     assert full is not None and len(full) == 16
@@ -619,6 +619,30 @@ def test_idle_devices_join_a_near_stage_in_a_role_they_may_take_where_that_lower
         assert set(before.fs) <= set(after.fs) and set(before.bs) <= set(after.bs)
         assert all(engine.reliable[x] for x in after.servers)
 
+
+
+def test_a_kick_that_changes_the_stage_count_admits_idle_devices_where_they_lower_pt(monkeypatch) -> None:
+    """From 8 stages of one FS and one BS each, a kick that splits or merges stages is followed by idle devices joining
+    (more than 3 a stage where the kick alone leaves fewer, PT below the kick's start); a kick that keeps the count is
+    the kick alone."""
+    engine, alone = large_engine(96, seed=311), large_engine(96, seed=311)
+    monkeypatch.setattr(alone, "admit", lambda groups, devices, *, timed: (groups, alone.score(groups, timed=timed)))
+    full = swarm_groups(engine)
+    assert full is not None
+    groups = [Group.of(g.fs[:1], g.bs[:1]) for g in (merge_stages(full, k)[k] for k in range(0, 16, 2))]
+    start = engine.score(groups, timed=True).pt
+    reshaped = kept = 0
+    for seed in range(12):
+        kicked = anytime_module._kick(engine, groups, np.random.default_rng(seed), False)
+        plain = anytime_module._kick(alone, groups, np.random.default_rng(seed), False)
+        if len(kicked) != len(groups):
+            reshaped += 1
+            assert sum(len(g.workers) for g in plain) <= 3 * len(plain) < sum(len(g.workers) for g in kicked)
+            assert engine.score(kicked, timed=True).pt < start
+        else:
+            kept += 1
+            assert kicked == plain
+    assert reshaped and kept
 
 def large_engine(devices: int, seed: int) -> Engine:
     swarm = geo_swarm(devices, seed=seed)
