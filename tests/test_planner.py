@@ -620,7 +620,6 @@ def test_idle_devices_join_a_near_stage_in_a_role_they_may_take_where_that_lower
         assert all(engine.reliable[x] for x in after.servers)
 
 
-
 def test_a_kick_that_changes_the_stage_count_admits_idle_devices_where_they_lower_pt(monkeypatch) -> None:
     """From 8 stages of one FS and one BS each, a kick that splits or merges stages is followed by idle devices joining
     (more than 3 a stage where the kick alone leaves fewer, PT below the kick's start); a kick that keeps the count is
@@ -643,6 +642,7 @@ def test_a_kick_that_changes_the_stage_count_admits_idle_devices_where_they_lowe
             kept += 1
             assert kicked == plain
     assert reshaped and kept
+
 
 def large_engine(devices: int, seed: int) -> Engine:
     swarm = geo_swarm(devices, seed=seed)

@@ -579,7 +579,7 @@ class Engine:
         for x in rng.choice(placed, size=min(sample, len(placed)), replace=False):
             movers[int(x)] = home[int(x)]
         if idle:
-            strong = [x for x in self.by_speed if x not in home][:sample]
+            strong = self.idle(groups)[:sample]
             drawn = rng.choice(np.asarray(idle), size=min(sample, len(idle)), replace=False)
             for x in [*strong, *(int(v) for v in drawn)]:
                 movers[x] = -1
