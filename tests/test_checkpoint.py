@@ -3,6 +3,7 @@ corrupt or mismatched one is refused with a message naming the file and what dif
 and a swarm whose peers are all SIGKILLed and started again with the same commands resumes at the saved epoch."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -178,11 +179,15 @@ class RestartableSwarm(Swarm):
             if name != "bootstrap":
                 self.start(f"{name}.{incarnation}", command)
 
-    def kill_all(self) -> None:
+    def signal_all(self, signum: int) -> None:
         for process in self.processes.values():
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)  # the peer and its p2p daemon, without notice
-                process.wait()
+                os.killpg(process.pid, signum)  # the peer and its p2p daemon
+
+    def kill_all(self) -> None:
+        self.signal_all(signal.SIGKILL)  # without notice
+        for process in self.processes.values():
+            process.wait()
         self.processes.clear()  # dead, daemons and all: `failed` asks about the next incarnation only
         self._close_reader()
 
@@ -231,6 +236,22 @@ def with_flag(command: list[str], flag: str, value: str) -> list[str]:
     return [*command[: at + 1], value, *command[at + 2:]]
 
 
+def arrangement(epochs: dict[str, list[int]]) -> dict[str, int] | None:
+    """The epoch each server's newest checkpoint is cut back to, from the epochs of its checkpoints on disk (newest
+    first): stage 0 further back than stage 1 (its epochs between are abandoned), its FS further back than its BS
+    (the FS takes the BS's newer state, as the holders of one stage must agree), and stage 1's servers one epoch apart
+    (the one behind closes that epoch without a group, `catch_up`, so its replica, which cannot step it, must be
+    left out of the next epoch's round, or that round would wait for it while it waits for a mate's state after the
+    round); the newest such choice, or None where the checkpoints on disk allow none."""
+    for fs1, bs1 in itertools.product(epochs["fs1"], epochs["bs1"]):
+        if abs(fs1 - bs1) != 1:
+            continue
+        for bs0, fs0 in itertools.product(epochs["bs0"], epochs["fs0"]):
+            if 4 <= fs0 < bs0 < min(fs1, bs1):
+                return {"fs0": fs0, "bs0": bs0, "fs1": fs1, "bs1": bs1}
+    return None
+
+
 def wait_for(swarm: RestartableSwarm, condition, what: str, timeout: float = 240) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -251,24 +272,23 @@ def test_a_swarm_killed_whole_resumes_from_its_checkpoints(tmp_path):
         # past epoch 8 at least: stage 0's FS, saving every 4 epochs, then holds two checkpoints, the older one of
         # epoch 4 or later
         before = wait_for(swarm, lambda r: r["epoch"] >= 11, "the swarm did not train 12 epochs")
-        swarm.kill_all()  # at once: the losses before the kill are those `before` saw
-        # servers save when their own stage steps, so a swarm killed whole may leave its servers' newest checkpoints at
-        # different epochs, even two of one stage (a save behind its mate's). Checkpoints are removed so that stage 0
-        # stands further back than stage 1 (its epochs between are abandoned), and its FS (saving every 4 epochs)
-        # further back than its BS (every 2): the FS takes the BS's newer state, as the holders of one stage must
-        # agree. Stage 1 saves every epoch, so its newest stand past the BS's older one however the kill falls
+        # servers save when their own stage steps, and the stages average and step apart, so a kill leaves their
+        # newest checkpoints at different epochs, stage 0's at times past stage 1's, and only the newest 2 of each
+        # server stay (`checkpoint.KEPT`). The swarm is frozen at once (SIGSTOP), and killed where its checkpoints on
+        # disk allow the arrangement below, else let go on for a moment
         ckpt = tmp_path / "ckpt"
-        # and stage 1's two servers one epoch apart (as a kill may leave them): the one behind closes that epoch
-        # without a group (`catch_up`), so its replica, which cannot step it, must be left out of the next epoch's
-        # round, or that round would wait for it while it waits for a mate's state after the round
-        fs1, bs1 = manifests(ckpt / "fs1")[0][0], manifests(ckpt / "bs1")[0][0]
-        if abs(fs1 - bs1) != 1:
-            remove_newest(ckpt / ("fs1" if fs1 >= bs1 else "bs1"))
-        stage1 = min(manifests(ckpt / "fs1")[0][0], manifests(ckpt / "bs1")[0][0])
-        remove_newest(ckpt / "bs0")
-        for name, bound in (("bs0", lambda: stage1), ("fs0", lambda: manifests(ckpt / "bs0")[0][0])):
-            while manifests(ckpt / name)[0][0] >= bound():
-                assert len(manifests(ckpt / name)) > 1, f"every checkpoint of {name} stands at or past {bound()}"
+        deadline = time.monotonic() + 60
+        while True:
+            swarm.signal_all(signal.SIGSTOP)
+            chosen = arrangement({name: [epoch for epoch, _ in manifests(ckpt / name)] for name, _, _ in SERVERS})
+            if chosen is not None:
+                break
+            swarm.signal_all(signal.SIGCONT)
+            assert time.monotonic() < deadline, "the checkpoints on disk never allowed the arrangement"
+            time.sleep(0.3)
+        swarm.kill_all()  # the losses before the kill are those `before` saw, or earlier
+        for name, epoch in chosen.items():
+            while manifests(ckpt / name)[0][0] > epoch:
                 remove_newest(ckpt / name)
         saved = {name: json.loads(manifests(ckpt / name)[0][1].read_text())["epoch"] for name, _, _ in SERVERS}
         assert all(epoch >= 4 for epoch in saved.values()) and saved["fs0"] % 2 == saved["bs0"] % 2 == 0, saved
