@@ -6,6 +6,8 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from threadpoolctl import threadpool_limits
+
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
@@ -70,31 +72,35 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
                              model=model, batch_tokens=batch_tokens, microbatches=microbatches, planner=planner,
                              stages=stages, random_samples=random_samples, average_every=average_every,
                              searches=searches, patience=patience)
-    net, search = swarm.network(), None
-    engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches,
-                                   average_every=average_every), reliable)
-    if planner in ("paper", "refined"):
-        paper = paper_plan(engine, seed=seed, stages=stages)
-        paper_layouts = None if paper is None else [g.layout(n) for g, n in zip(paper.groups, paper.layers)]
-        if planner == "paper":
-            layouts = paper_layouts
+    # one BLAS thread (numpy's and scipy's OpenBLAS): the planner's matrices are small, and OpenBLAS gives a process
+    # a thread per core whose waits spin, so a portfolio's jobs would take turns on the cores (``portfolio``); one
+    # thread also keeps a replay on one core bit for bit the search it replays
+    with threadpool_limits(limits=1, user_api="blas"):
+        net, search = swarm.network(), None
+        engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches,
+                                       average_every=average_every), reliable)
+        if planner in ("paper", "refined"):
+            paper = paper_plan(engine, seed=seed, stages=stages)
+            paper_layouts = None if paper is None else [g.layout(n) for g, n in zip(paper.groups, paper.layers)]
+            if planner == "paper":
+                layouts = paper_layouts
+            else:
+                refined, search = refined_layouts(engine, paper, seed=seed, stages=stages, out_of_time=out_of_time,
+                                                  may_search=may_search, time_left=time_left, searches=searches,
+                                                  max_rounds=rounds, anytime_patience=patience)
+                layouts = better(engine, refined, paper_layouts)
+        elif stages is not None:
+            raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")
+        elif planner == "random":
+            layouts = random_layouts(engine, samples=random_samples, seed=seed)[0]
+        elif planner == "swarm":
+            layouts = swarm_layouts(engine)
         else:
-            refined, search = refined_layouts(engine, paper, seed=seed, stages=stages, out_of_time=out_of_time,
-                                              may_search=may_search, time_left=time_left, searches=searches,
-                                              max_rounds=rounds, anytime_patience=patience)
-            layouts = better(engine, refined, paper_layouts)
-    elif stages is not None:
-        raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")
-    elif planner == "random":
-        layouts = random_layouts(engine, samples=random_samples, seed=seed)[0]
-    elif planner == "swarm":
-        layouts = swarm_layouts(engine)
-    else:
-        layouts = dtfm_layouts(engine, seed=seed)
-    if layouts is None:
-        shared = sum(t.memory_bytes for t in model.shared)
-        raise PlanningError(f"the {planner} planner found no plan whose servers can hold {model.layers} layers of "
-                            f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each"
-                            + (f" beside {shared / 2**30:.3g} GiB of shared tensors" if shared else ""))
-    search = None if search is None else dataclasses.replace(search, seed=seed)
-    return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner, reliable=reliable, search=search)
+            layouts = dtfm_layouts(engine, seed=seed)
+        if layouts is None:
+            shared = sum(t.memory_bytes for t in model.shared)
+            raise PlanningError(f"the {planner} planner found no plan whose servers can hold {model.layers} layers of "
+                                f"{model.memory_bytes_per_layer / 2**30:.3g} GiB each"
+                                + (f" beside {shared / 2**30:.3g} GiB of shared tensors" if shared else ""))
+        search = None if search is None else dataclasses.replace(search, seed=seed)
+        return build_plan(swarm.ids, net, engine.wl, layouts, planner=planner, reliable=reliable, search=search)

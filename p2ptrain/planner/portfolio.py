@@ -28,6 +28,10 @@ default budget (44 s; swarms 600 and 700-704 of 256 devices, planner seed 0, a b
 half the budget on, PT 0.994x in the geometric mean (lower on 3, by up to 3.5%; higher on 1, by 2.1%; the same on 2);
 shared from the start, 0.999x (lower on 2, by up to 2.9%; higher on 3, by up to 1.2%). The jobs give up the other
 seeds' basins, where one would have gone further, and ran 6% and 20% fewer rounds in all.
+Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
+geo-1024-seed710 two planning processes at once took 22 s to reach the large swarm's race (``refine``; 2.2 s with one
+thread each), and `python -m p2ptrain.plan` there (2 jobs, default budget) ran 102 rounds of the anytime phase, where
+149 with one thread each (69.99 s of PT where 69.62 s).
 """
 from __future__ import annotations
 
