@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from p2ptrain.cli import count  # noqa: E402
-from p2ptrain.planner import PLANNERS, PlanningError, Swarm, make_plan, model_spec  # noqa: E402
+from p2ptrain.planner import PLANNERS, Plan, PlanningError, Swarm, make_plan, model_spec  # noqa: E402
 from p2ptrain.planner.anytime import default_budget_s  # noqa: E402
 from p2ptrain.planner.cost import Workload, evaluate  # noqa: E402
 from p2ptrain.planner.generate import GEO_BATCH, GEO_MODEL, geo_swarm  # noqa: E402
@@ -95,12 +95,19 @@ def known_bests(paths: list[Path]) -> dict[str, tuple[float, str]]:
     return known
 
 
+def plan_shape(plan: Plan) -> dict:
+    """What tells two plans' basins apart at a glance: per stage, its layers, servers and clients; the idle count."""
+    return {"stages": len(plan.stages), "layers": [stop - start for start, stop in (s.layers for s in plan.stages)],
+            "servers": [len(s.fs) + len(s.bs) for s in plan.stages], "clients": [len(s.clients) for s in plan.stages],
+            "idle": len(plan.idle)}
+
+
 def long_run(swarm: Swarm, model, seed: int, budget_s: float, kwargs: dict) -> dict:
     """One long run of the refined search: one job, the planner's ``seed``, never stopping before ``budget_s``."""
     start = time.perf_counter()
     long = make_plan(swarm, model, seed=seed, budget_s=budget_s, clock=time.monotonic, patience=1_000_000, **kwargs)
     return {"seed": seed, "pt": long.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
-            "rounds": long.search.rounds if long.search else 0}
+            "rounds": long.search.rounds if long.search else 0, "shape": plan_shape(long)}
 
 
 def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, factor: float, seeds: int,
@@ -119,7 +126,8 @@ def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, f
                  "default_pt": default.predicted.batch_time_s, "default_wall_s": time.perf_counter() - start,
                  "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap,
                  # which job's search the plan came from: the planner's seed or another the portfolio drew from it
-                 "default_seed": default.search.seed if default.search else None}
+                 "default_seed": default.search.seed if default.search else None,
+                 "default_shape": plan_shape(default)}
     row["seeds"] = []
     for seed in range(1, planner_seeds):
         start = time.perf_counter()
@@ -173,6 +181,13 @@ def swarms_by_size(text: str) -> tuple[int, list[int]]:
         raise argparse.ArgumentTypeError(f"takes SIZE:SEED,SEED,... (e.g. 32:900,901), not {text!r}") from None
 
 
+def stage_counts(row: dict) -> str:
+    """The default's and each long run's stage count and idle devices (rows of before ``plan_shape`` have none)."""
+    def one(shape: dict | None) -> str:
+        return "-" if shape is None else f"{shape['stages']} ({shape['idle']})"
+    return one(row.get("default_shape")) + "; " + ", ".join(one(r.get("shape")) for r in row["long"])
+
+
 def gap_markdown(rows: list[dict], factor: float, seeds: int, long_jobs: int = 1) -> list[str]:
     at_once = f"{long_jobs} at once, " if long_jobs > 1 else ""
     out = ["", "## The refined plan against the best plan found", "",
@@ -187,13 +202,15 @@ def gap_markdown(rows: list[dict], factor: float, seeds: int, long_jobs: int = 1
            + (" Where an earlier run (`--gap-known`) found a better plan of a swarm, its PT is the best; which rows "
               "take it is listed below the table." if any("known_pt" in r for r in rows) else ""), "",
            "| swarm | devices | budget s | default PT s | plan wall s | rounds | best PT s | ratio | gap to bound | "
-           "paper | swarm | dtfm | random | never worse |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "paper | swarm | dtfm | random | never worse | stages (idle): default; long runs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         o = r["others_vs_best"]
         out.append(f"| {r['swarm']} | {r['devices']} | {r['budget_s']:.1f} | {r['default_pt']:.5g} | "
                    f"{r['default_wall_s']:.1f} | {r['default_rounds']} | {r['best_pt']:.5g} | "
                    f"{r['default_vs_best']:.3f} | {r['gap']:.2f} | {o['paper']:.3f} | {o['swarm']:.3f} | "
-                   f"{o['dtfm']:.3f} | {o['random']:.3f} | {'yes' if r['never_worse'] else 'NO'} |")
+                   f"{o['dtfm']:.3f} | {o['random']:.3f} | {'yes' if r['never_worse'] else 'NO'} | "
+                   + stage_counts(r) + " |")
     worst = max(rows, key=lambda r: r["default_vs_best"]) if rows else None
     if worst is not None:
         out += ["", f"Worst ratio: {worst['default_vs_best']:.3f} ({worst['swarm']}); within 5% on "
