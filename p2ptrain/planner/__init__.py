@@ -73,8 +73,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
                              stages=stages, random_samples=random_samples, average_every=average_every,
                              searches=searches, patience=patience)
     # one BLAS thread (numpy's and scipy's OpenBLAS): the planner's matrices are small, and OpenBLAS gives a process
-    # a thread per core whose waits spin, so a portfolio's jobs would take turns on the cores (``portfolio``); one
-    # thread also keeps a replay on one core bit for bit the search it replays
+    # a thread per core whose waits spin, so a portfolio's jobs would take turns on the cores (``portfolio``); and a
+    # replay on one core (``jobs`` 1) runs the same BLAS as the portfolio's search it replays
     with threadpool_limits(limits=1, user_api="blas"):
         net, search = swarm.network(), None
         engine = Engine(net, Workload(model=model, batch_tokens=batch_tokens, microbatches=microbatches,
