@@ -188,6 +188,12 @@ def stage_counts(row: dict) -> str:
     return one(row.get("default_shape")) + "; " + ", ".join(one(r.get("shape")) for r in row["long"])
 
 
+def long_ratios(row: dict) -> str:
+    """Each long run's PT over the best: how far apart runs of 10x the budget from other seeds end, the spread of
+    the reference the default's ratio is taken against."""
+    return ", ".join(f"{r['pt'] / row['best_pt']:.3f}" for r in row["long"]) or "-"
+
+
 def gap_markdown(rows: list[dict], factor: float, seeds: int, long_jobs: int = 1) -> list[str]:
     at_once = f"{long_jobs} at once, " if long_jobs > 1 else ""
     out = ["", "## The refined plan against the best plan found", "",
@@ -202,19 +208,29 @@ def gap_markdown(rows: list[dict], factor: float, seeds: int, long_jobs: int = 1
            + (" Where an earlier run (`--gap-known`) found a better plan of a swarm, its PT is the best; which rows "
               "take it is listed below the table." if any("known_pt" in r for r in rows) else ""), "",
            "| swarm | devices | budget s | default PT s | plan wall s | rounds | best PT s | ratio | gap to bound | "
-           "paper | swarm | dtfm | random | never worse | stages (idle): default; long runs |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "long runs / best | paper | swarm | dtfm | random | never worse | stages (idle): default; long runs |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         o = r["others_vs_best"]
         out.append(f"| {r['swarm']} | {r['devices']} | {r['budget_s']:.1f} | {r['default_pt']:.5g} | "
                    f"{r['default_wall_s']:.1f} | {r['default_rounds']} | {r['best_pt']:.5g} | "
-                   f"{r['default_vs_best']:.3f} | {r['gap']:.2f} | {o['paper']:.3f} | {o['swarm']:.3f} | "
-                   f"{o['dtfm']:.3f} | {o['random']:.3f} | {'yes' if r['never_worse'] else 'NO'} | "
+                   f"{r['default_vs_best']:.3f} | {r['gap']:.2f} | {long_ratios(r)} | {o['paper']:.3f} | "
+                   f"{o['swarm']:.3f} | {o['dtfm']:.3f} | {o['random']:.3f} | {'yes' if r['never_worse'] else 'NO'} | "
                    + stage_counts(r) + " |")
     worst = max(rows, key=lambda r: r["default_vs_best"]) if rows else None
     if worst is not None:
         out += ["", f"Worst ratio: {worst['default_vs_best']:.3f} ({worst['swarm']}); within 5% on "
                     f"{sum(r['default_vs_best'] <= 1.05 for r in rows)} of {len(rows)}."]
+    spreads = {r["swarm"]: max(x["pt"] for x in r["long"]) / min(x["pt"] for x in r["long"])
+               for r in rows if len(r["long"]) > 1}
+    if spreads:
+        medians = {r["swarm"]: r["default_pt"] / float(np.median([x["pt"] for x in r["long"]]))
+                   for r in rows if r["swarm"] in spreads}
+        widest = max(spreads, key=spreads.get)
+        out += ["", f"The long runs apart: a swarm's worst long run over its best, up to {spreads[widest]:.3f} "
+                    f"({widest}); the default within 5% of the median long run on "
+                    f"{sum(v <= 1.05 for v in medians.values())} of {len(medians)} (worst "
+                    f"{max(medians.values()):.3f}, {max(medians, key=medians.get)})."]
     known = [r for r in rows if "known_pt" in r]
     if known:
         out += ["", "Earlier runs' bests: " + "; ".join(
