@@ -221,16 +221,15 @@ def gap_markdown(rows: list[dict], factor: float, seeds: int, long_jobs: int = 1
     if worst is not None:
         out += ["", f"Worst ratio: {worst['default_vs_best']:.3f} ({worst['swarm']}); within 5% on "
                     f"{sum(r['default_vs_best'] <= 1.05 for r in rows)} of {len(rows)}."]
-    spreads = {r["swarm"]: max(x["pt"] for x in r["long"]) / min(x["pt"] for x in r["long"])
-               for r in rows if len(r["long"]) > 1}
-    if spreads:
-        medians = {r["swarm"]: r["default_pt"] / float(np.median([x["pt"] for x in r["long"]]))
-                   for r in rows if r["swarm"] in spreads}
-        widest = max(spreads, key=spreads.get)
+    apart = [r for r in rows if len(r["long"]) > 1]
+    if apart:
+        spreads = {r["swarm"]: max(x["pt"] for x in r["long"]) / min(x["pt"] for x in r["long"]) for r in apart}
+        medians = {r["swarm"]: r["default_pt"] / float(np.median([x["pt"] for x in r["long"]])) for r in apart}
+        widest, farthest = max(spreads, key=spreads.get), max(medians, key=medians.get)
         out += ["", f"The long runs apart: a swarm's worst long run over its best, up to {spreads[widest]:.3f} "
                     f"({widest}); the default within 5% of the median long run on "
                     f"{sum(v <= 1.05 for v in medians.values())} of {len(medians)} (worst "
-                    f"{max(medians.values()):.3f}, {max(medians, key=medians.get)})."]
+                    f"{medians[farthest]:.3f}, {farthest})."]
     known = [r for r in rows if "known_pt" in r]
     if known:
         out += ["", "Earlier runs' bests: " + "; ".join(
@@ -291,12 +290,12 @@ def markdown(rows: list[dict], comparison: list[dict], command: str, samples: in
 
 
 def planners_markdown(rows: list[dict], samples: int) -> list[str]:
-    out = ["", f"PT: predicted time per global batch (docs/design.md §3 cost model), seconds; eff = LB/PT. random = best of "
-           f"{samples} random valid plans. ok = refined PT <= 0.9 x random and <= DT-FM.", "",
+    out = ["", "PT: predicted time per global batch (docs/design.md §3 cost model), seconds; eff = LB/PT. random = "
+           f"best of {samples} random valid plans. ok = refined PT <= 0.9 x random and <= DT-FM.", "",
            "bound: the largest of LB, the memory-aware lower bound (`cost.memory_lower_bound`: devices that no "
            "stage of a valid plan has room for, and the two reliable servers every stage needs, are counted) and the "
-           "link-aware one (`cost.link_lower_bound`: each device's least latency and inverse bandwidth to a server, the "
-           "cheapest transfer between stages, and the layers a stage can average within the batch time); "
+           "link-aware one (`cost.link_lower_bound`: each device's least latency and inverse bandwidth to a server, "
+           "the cheapest transfer between stages, and the layers a stage can average within the batch time); "
            "no plan has a lower PT. reachable = 0.9 x random >= bound: where it is 'no', no planner can meet the 0.9 "
            "target, and refined/bound says how far from the best possible the refined plan is.", "",
            "| swarm | devices (reliable) | " + " | ".join(f"{p} PT (eff)" for p in PLANNERS) +

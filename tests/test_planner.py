@@ -541,22 +541,27 @@ def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_
                       model=swarm.model, planner="refined", stages=10_000, **kwargs)
 
 
+def blas_threads() -> list[int]:
+    """The thread count of each BLAS library loaded in this process."""
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
 def test_the_planner_runs_its_blas_on_one_thread_and_gives_the_callers_threads_back(monkeypatch) -> None:
     """A portfolio's jobs would otherwise each run a spinning OpenBLAS thread per core (``portfolio`` module doc)."""
     swarm = load_swarm(PEERS / "paper-case3.toml")
     assert swarm.model is not None
-    before = [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+    before = blas_threads()
     assert before, "numpy's BLAS is loaded"
     seen: list[list[int]] = []
 
     def clustering(*args, **kwargs):
-        seen.append([lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"])
+        seen.append(blas_threads())
         return paper_plan(*args, **kwargs)
 
     monkeypatch.setattr(planner_module, "paper_plan", clustering)
     make_plan(swarm, swarm.model, batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches, rounds=1)
     assert seen and all(threads == [1] * len(before) for threads in seen)
-    assert [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"] == before
+    assert blas_threads() == before
 
 
 def test_the_anytime_search_ends_once_its_rounds_stop_finding_better_plans() -> None:

@@ -296,7 +296,8 @@ def _energy(score: Score) -> float:
     return score.pt + LOAD_WEIGHT * (score.load if score.load is not None else score.pt)
 
 
-def random_move(engine: Engine, groups: list[Group], rng: np.random.Generator, fixed_stages: bool) -> list[Group] | None:
+def random_move(engine: Engine, groups: list[Group], rng: np.random.Generator,
+                fixed_stages: bool) -> list[Group] | None:
     """A random neighbour of ``groups`` (module doc), or None where the drawn move does not apply."""
     draw = rng.random()
     if draw < 0.2:
@@ -388,7 +389,8 @@ def _cluster(engine: Engine, groups: list[Group], rng: np.random.Generator, *, n
     order = engine.closest(device)
     same = order[(homes[order] == home) & ((home < 0) | (roles[order] == role))]
     mates = [int(x) for x in same[:int(rng.integers(4, 13) if new_stage else rng.integers(2, 9))]]
-    moved = [g if k != home else Group.of(*(tuple(x for x in part if x not in mates) for part in (g.fs, g.bs, g.clients)))
+    moved = [g if k != home else Group.of(*(tuple(x for x in part if x not in mates)
+                                            for part in (g.fs, g.bs, g.clients)))
              for k, g in enumerate(groups)]
     reliable = [x for x in mates if engine.reliable[x]]
     if new_stage:

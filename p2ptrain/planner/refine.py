@@ -79,8 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -332,7 +331,7 @@ def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[n
 
 def _searched(engine: Engine, best: tuple[list[Group], Score], *, seed: int, fixed_stages: bool,
               out_of_time: Callable[[], bool] | None, max_rounds: int | None, patience: float,
-              then: Sequence[list[Group]] = ()) -> tuple[list[StageLayout] | None, SearchRecord | None]:
+              then: Iterable[list[Group]] = ()) -> tuple[list[StageLayout] | None, SearchRecord | None]:
     """The anytime phase from ``best``, then ``then`` (given a budget), and the better layout of what it started and
     ended with."""
     finalists, record = [best], None
