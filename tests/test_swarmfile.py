@@ -134,6 +134,12 @@ BAD = {
                              "[[link]] #1", "unknown site 'home-2'"),
     "no link and no defaults": (EXAMPLE.replace("latency_ms = 1.0\nbandwidth_mbps = 10000\n", "", 1),
                                 "[defaults]", "no latency_ms for links inside site 'home-1'"),
+    "no link between sites and no defaults": (
+        EXAMPLE.replace("latency_ms = 1.0\nbandwidth_mbps = 10000\n", "", 1)
+        .replace('name = "home-1"\n', 'name = "home-1"\nlatency_ms = 2\nbandwidth_mbps = 1000\n')
+        .replace('name = "lab"\n', 'name = "lab"\nlatency_ms = 2\nbandwidth_mbps = 1000\n')
+        .replace('id = "loner"\n', 'id = "loner"\nsite = "lab"\n'),
+        "[defaults]", "no latency_ms for the link between sites 'home-1' and 'lab'"),
     "unknown preset": (EXAMPLE.replace('"llama-33b"', '"llama-34b"'), "[model]", "unknown preset"),
     "unknown averaging codec": (EXAMPLE.replace('preset = "llama-33b"',
                                                 'preset = "llama-33b"\naveraging_codec = "int4"'),
