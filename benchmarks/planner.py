@@ -6,7 +6,7 @@ paper files), with its gap to the bound; and the §4.4 stage-count comparison.
     python benchmarks/planner.py [--quick] [--parts planners,gap,sec44] [--gap-factor 10] [--gap-seeds 3]
                                  [--gap-sizes 32,64,256,1024] [--gap-swarm-seeds 500,501,502] [--no-gap-files]
                                  [--gap-swarms SIZE:SEED,... ...] [--gap-planner-seeds 1] [--gap-known FILE,...]
-                                 [--gap-long-jobs 1] [--stem NAME]
+                                 [--gap-long-jobs 1] [--gap-heats N] [--stem NAME]
 
 writes ``benchmarks/results/planner.md`` (tables and the command), ``planner.json`` and ``planner.png``; with only
 some --parts, ``planner-PARTS.*``; with --stem, ``NAME.*``.
@@ -105,34 +105,39 @@ def plan_shape(plan: Plan) -> dict:
 def long_run(swarm: Swarm, model, seed: int, budget_s: float, kwargs: dict) -> dict:
     """One long run of the refined search: one job, the planner's ``seed``, never stopping before ``budget_s``."""
     start = time.perf_counter()
-    long = make_plan(swarm, model, seed=seed, budget_s=budget_s, clock=time.monotonic, patience=1_000_000, **kwargs)
+    long = make_plan(swarm, model, seed=seed, budget_s=budget_s, clock=time.monotonic, patience=1_000_000, heats=1,
+                     **kwargs)
     return {"seed": seed, "pt": long.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
             "rounds": long.search.rounds if long.search else 0, "shape": plan_shape(long)}
 
 
 def gap_row(swarm: Swarm, name: str, model, tokens: int, microbatches: int, *, factor: float, seeds: int,
-            samples: int, planner_seeds: int = 1, known: tuple[float, str] | None = None, long_jobs: int = 1) -> dict:
+            samples: int, planner_seeds: int = 1, known: tuple[float, str] | None = None, long_jobs: int = 1,
+            heats: int | None = None) -> dict:
     """The refined plan with the CLI's default budget and jobs against the best plan found by long runs of the
     refined search (``factor`` times the budget, one job, seeds 1..``seeds``, never stopping early; ``long_jobs`` at
     once, each in its own process), and every other planner against that best; the gap to the bound; plan times. With
     ``planner_seeds`` N > 1, the same default-budget plan with planner seeds 1..N-1 too (`--seed`: which plan a user
     gets turns on it), their plans among those the best is taken from. ``known``: an earlier run's best PT of this
-    swarm and its file (``known_bests``), which joins the best."""
+    swarm and its file (``known_bests``), which joins the best. ``heats``: the default-budget plans' (`--heats`;
+    None: the CLI's default)."""
     kwargs = {"batch_tokens": tokens, "microbatches": microbatches}
     budget = default_budget_s(len(swarm.devices))
     start = time.perf_counter()
-    default = make_plan(swarm, model, budget_s=budget, clock=time.monotonic, jobs=default_jobs(), **kwargs)
+    default = make_plan(swarm, model, budget_s=budget, clock=time.monotonic, jobs=default_jobs(), heats=heats,
+                        **kwargs)
     row: dict = {"swarm": name, "devices": len(swarm.devices), "budget_s": budget,
                  "default_pt": default.predicted.batch_time_s, "default_wall_s": time.perf_counter() - start,
                  "default_rounds": default.search.rounds if default.search else 0, "gap": default.predicted.gap,
                  # which job's search the plan came from: the planner's seed or another the portfolio drew from it
                  "default_seed": default.search.seed if default.search else None,
+                 "default_heats": default.search.heats if default.search else None,
                  "default_shape": plan_shape(default)}
     row["seeds"] = []
     for seed in range(1, planner_seeds):
         start = time.perf_counter()
         other = make_plan(swarm, model, seed=seed, budget_s=budget, clock=time.monotonic, jobs=default_jobs(),
-                          **kwargs)
+                          heats=heats, **kwargs)
         row["seeds"].append({"seed": seed, "pt": other.predicted.batch_time_s, "wall_s": time.perf_counter() - start,
                              "rounds": other.search.rounds if other.search else 0})
     if long_jobs > 1:
@@ -367,6 +372,9 @@ def main() -> None:
     parser.add_argument("--gap-long-jobs", type=count, default=1,
                         help="long runs at once, each in its own process: a long run is one job, so on 2 idle cores "
                              "2 halve their wall time (default 1)")
+    parser.add_argument("--gap-heats", type=count,
+                        help="the default-budget plans' heats (`python -m p2ptrain.plan --heats`; default: the CLI's "
+                             "default); the long runs search one seed each")
     parser.add_argument("--gap-planner-seeds", type=int, default=1,
                         help="also make the default-budget plan with planner seeds 1..N-1 and report each one's "
                              "ratio (default 1: seed 0's alone, the CLI's default)")
@@ -417,7 +425,7 @@ def main() -> None:
         for name, swarm, spec, tokens, microbatches in cases:
             gaps.append(gap_row(swarm, name, spec, tokens, microbatches, factor=factor, seeds=seeds,
                                 samples=samples, planner_seeds=args.gap_planner_seeds, known=known.get(name),
-                                long_jobs=args.gap_long_jobs))
+                                long_jobs=args.gap_long_jobs, heats=args.gap_heats))
     comparison = [] if "sec44" not in parts else [
         c for tokens in (524288, 262144, 131072) for c in stage_comparison(ROOT / "peers" / "paper-sec44.toml", tokens)]
     command = "python " + " ".join(shlex.quote(a) for a in ["benchmarks/planner.py", *sys.argv[1:]])

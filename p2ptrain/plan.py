@@ -23,7 +23,7 @@ from p2ptrain.models.configs import ModelConfig
 from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
-from p2ptrain.planner.portfolio import DEFAULT_JOBS, default_jobs
+from p2ptrain.planner.portfolio import DEFAULT_JOBS, HEATS, default_jobs
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, config_spec, model_spec
 from p2ptrain.planner.refine import SEARCHES
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with a budget, the refined planner searches from N seeds at once, in as many "
                              "processes, and keeps the best plan, whose `search` records the seed that replays it "
                              f"(default: {DEFAULT_JOBS}, or the cores this process may use where fewer)")
+    parser.add_argument("--heats", type=count, metavar="N",
+                        help="with a budget, each job first searches N seeds in turn for half the budget, then the "
+                             "best seeds search again from the start for the rest (default: "
+                             f"{HEATS} from 167 to 500 devices, where the search descends; 1 elsewhere)")
     parser.add_argument("--json", type=writable_file, help="write the plan as JSON to this file")
     live = parser.add_argument_group("live planning (plan what the peers of a running swarm announced)")
     live.add_argument("--initial-peers", nargs="+", help="multiaddrs of peers of the swarm, instead of a swarm file")
@@ -128,10 +132,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--budget-s and --rounds both bound the refined planner's search; give one")
     if args.searches is not None and args.rounds is None:
         parser.error("--searches replays a plan's search with --rounds N; give --rounds too")
-    if args.jobs is not None and args.rounds is not None:
-        parser.error("--rounds replays one search (give --seed the plan's `search.seed`); --jobs applies to a budget")
-    if (args.budget_s is not None or args.rounds is not None or args.jobs is not None) and args.planner != "refined":
-        flag = "budget-s" if args.budget_s is not None else "rounds" if args.rounds is not None else "jobs"
+    for flag in ("jobs", "heats"):
+        if getattr(args, flag) is not None and args.rounds is not None:
+            parser.error(f"--rounds replays one search (give --seed the plan's `search.seed`); --{flag} applies to a "
+                         "budget")
+    searching = {"budget-s": args.budget_s, "rounds": args.rounds, "jobs": args.jobs, "heats": args.heats}
+    if args.planner != "refined" and any(value is not None for value in searching.values()):
+        flag = next(name for name, value in searching.items() if value is not None)
         parser.error(f"--{flag} applies to the refined planner, not {args.planner}")
     if args.initial_peers is not None:
         return live_main(parser, args)
@@ -186,7 +193,7 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
                          stages=stages, seed=args.seed, average_every=args.average_every, budget_s=budget_s,
                          clock=time.monotonic, rounds=args.rounds, searches=args.searches,
-                         jobs=args.jobs or default_jobs())
+                         jobs=args.jobs or default_jobs(), heats=args.heats)
     except PlanningError as error:
         print(f"{args.swarm}: {error}", file=sys.stderr)
         return 1
@@ -266,7 +273,7 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
                           stop=stop, average_every=args.average_every, budget_s=args.budget_s, rounds=args.rounds,
-                          searches=args.searches, jobs=args.jobs or default_jobs())
+                          searches=args.searches, jobs=args.jobs or default_jobs(), heats=args.heats)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

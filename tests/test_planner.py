@@ -20,6 +20,7 @@ from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, format_plan, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
 from p2ptrain.planner import paper as paper_module
+from p2ptrain.planner import portfolio as portfolio_module
 from p2ptrain.planner import refine as refine_module
 from p2ptrain.planner.anytime import (
     CORE_COVER,
@@ -46,7 +47,7 @@ from p2ptrain.planner.cost import (
 )
 from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
-from p2ptrain.planner.portfolio import SEARCHES_EACH, plan_on_cores, portfolio_seeds
+from p2ptrain.planner.portfolio import SEARCHES_EACH, default_heats, plan_on_cores, portfolio_seeds
 from p2ptrain.planner.presets import ModelSpec, config_spec
 from p2ptrain.planner.refine import CORE_LAYERS, CORES, core, core_starts, race
 from p2ptrain.planner.search import Engine, Group, Score, allocate, merge_stages, partners
@@ -539,6 +540,49 @@ def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_
     with pytest.raises(PlanningError, match="--stages 10000"):  # none finds a plan: this process's error
         plan_on_cores(jobs=2, seed=0, budget_s=1.0, clock=time.monotonic, plan=make_plan, swarm=swarm,
                       model=swarm.model, planner="refined", stages=10_000, **kwargs)
+
+
+def test_in_heats_each_job_searches_seeds_in_turn_then_the_best_search_again_for_the_rest_of_the_budget(
+        monkeypatch) -> None:
+    """`heats`: each job searches that many seeds for `HEAT_SHARE` of the budget, one after another, then the seeds
+    whose plans were best (as many as jobs) search again from the start until the deadline; the best plan of all is
+    kept, and its record's seed, rounds and searches replay it on one core."""
+    swarm = load_swarm(PEERS / "paper-case3.toml")
+    assert swarm.model is not None
+    kwargs = {"model": swarm.model, "batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
+    seeds = portfolio_seeds(0, 3)
+    calls: list[tuple[int, float]] = []
+
+    def ranked_by_seed(*, seed: int, budget_s: float, **kw) -> Plan:
+        """A real plan whose batch time says which seed it came from: the last of `seeds` is the best."""
+        calls.append((seed, budget_s))
+        plan = make_plan(seed=seed, budget_s=budget_s, **kw)
+        pt = 100.0 - seeds.index(seed)
+        return replace(plan, predicted=replace(plan.predicted, batch_time_s=pt))
+
+    kept = plan_on_cores(jobs=1, heats=3, seed=0, budget_s=3.0, clock=time.monotonic, plan=ranked_by_seed,
+                         swarm=swarm, planner="refined", **kwargs)
+    assert [seed for seed, _ in calls] == [*seeds, seeds[2]]
+    heat_s = portfolio_module.HEAT_SHARE * 3.0 / 3
+    assert all(budget <= heat_s + 1e-6 for _, budget in calls[:3])
+    assert calls[3][1] == pytest.approx(3.0 - 3 * heat_s, abs=0.5)  # the rest of the budget, from the start
+    assert kept.search is not None and (kept.search.seed, kept.search.jobs, kept.search.heats) == (seeds[2], 1, 3)
+    assert kept.predicted.batch_time_s == 98.0
+
+    plan = make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, heats=2,
+                     batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches)
+    assert plan.search is not None and (plan.search.jobs, plan.search.heats) == (2, 2)
+    assert plan.search.seed in portfolio_seeds(0, 4)
+    replayed = make_plan(swarm, swarm.model, seed=plan.search.seed, rounds=plan.search.rounds,
+                         searches=plan.search.searches, batch_tokens=swarm.batch_tokens,
+                         microbatches=swarm.microbatches)
+    assert replace(replayed, search=None) == replace(plan, search=None)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "the best of 4 searches from as many seeds, 2 at once" in format_plan(plan, title="")
+
+    # by default only where the rounds descend and steps 1-3 run (not a large swarm's race of cores)
+    monkeypatch.setattr(portfolio_module, "HEATS", 4)
+    assert [default_heats(n) for n in (32, 64, 128, 256, 480, 1024)] == [1, 1, 1, 4, 4, 1]
 
 
 def blas_threads() -> list[int]:

@@ -50,10 +50,10 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
 def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int, microbatches: int, planner: str,
                stages: int | None, seed: int, expect: int, settings: RuntimeConfig, stop: threading.Event,
                average_every: int = 1, budget_s: float | None = 0.0, rounds: int | None = None,
-               searches: int | None = None, jobs: int = 1) -> Plan | None:
+               searches: int | None = None, jobs: int = 1, heats: int | None = None) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time. The
     refined planner's anytime search runs for `budget_s` (None: `default_budget_s` of the peers found) or `rounds`,
-    from `jobs` seeds at once (`planner.portfolio`).
+    from `jobs` seeds at once, each first in `heats` (`planner.portfolio`).
 
     Raises SwarmFileError or PlanningError when the announced swarm cannot be planned.
     """
@@ -64,7 +64,7 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int,
     budget_s = default_budget_s(len(swarm.devices)) if budget_s is None else budget_s
     return make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=planner, stages=stages,
                      seed=seed, average_every=average_every, budget_s=budget_s, clock=time.monotonic, rounds=rounds,
-                     searches=searches, jobs=jobs)
+                     searches=searches, jobs=jobs, heats=heats)
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,

@@ -11,7 +11,7 @@ from threadpoolctl import threadpool_limits
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import Workload
 from p2ptrain.planner.paper import paper_plan
-from p2ptrain.planner.portfolio import SEARCHES_EACH, plan_on_cores
+from p2ptrain.planner.portfolio import SEARCHES_EACH, default_heats, plan_on_cores
 from p2ptrain.planner.presets import ModelSpec, config_spec, model_spec
 from p2ptrain.planner.records import Plan, PlanningError, Prediction, StagePlan, build_plan, format_plan
 from p2ptrain.planner.refine import SEARCH_SHARE, SEARCHES, better, refined_layouts
@@ -29,7 +29,7 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
               stages: int | None = None, seed: int = 0, random_samples: int = RANDOM_SAMPLES,
               average_every: int = 1, budget_s: float = 0.0, clock: Callable[[], float] | None = None,
               rounds: int | None = None, searches: int | None = None, patience: int | None = None,
-              jobs: int = 1) -> Plan:
+              jobs: int = 1, heats: int | None = None) -> Plan:
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
     the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
@@ -40,7 +40,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     the anytime phase ends once that many rounds in a row found no better plan (or goes on from another start; default:
     ``anytime.PATIENCE``, and no bound where a large swarm's race leaves it a single start, ``refine``);
     ``jobs``: with a budget, the refined planner searches from that many seeds at once, in as many processes, and
-    keeps the best plan (``portfolio``).
+    keeps the best plan (``portfolio``); ``heats``: each of them first searches that many seeds in turn for part of the
+    budget, and the best seeds search again (default: ``portfolio.default_heats``).
 
     Deterministic for a given seed (and, with a budget, the numbers of rounds and searches it completed, which the
     plan records with the seed of the search it kept: ``seed``, ``rounds`` and ``searches`` replay them) on the same
@@ -63,15 +64,17 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
                             f"has {int(reliable.sum())} reliable devices and the model {model.layers} layers")
-    portfolio = jobs > 1 and planner == "refined" and rounds is None and out_of_time is not None
+    if heats is None:
+        heats = default_heats(len(swarm.devices))
+    portfolio = (jobs > 1 or heats > 1) and planner == "refined" and rounds is None and out_of_time is not None
     if searches is None:
         searches = SEARCHES_EACH if portfolio else SEARCHES
     if portfolio:
         assert clock is not None
-        return plan_on_cores(jobs=jobs, seed=seed, budget_s=budget_s, clock=clock, plan=make_plan, swarm=swarm,
-                             model=model, batch_tokens=batch_tokens, microbatches=microbatches, planner=planner,
-                             stages=stages, random_samples=random_samples, average_every=average_every,
-                             searches=searches, patience=patience)
+        return plan_on_cores(jobs=jobs, heats=heats, seed=seed, budget_s=budget_s, clock=clock, plan=make_plan,
+                             swarm=swarm, model=model, batch_tokens=batch_tokens, microbatches=microbatches,
+                             planner=planner, stages=stages, random_samples=random_samples,
+                             average_every=average_every, searches=searches, patience=patience)
     # one BLAS thread (numpy's and scipy's OpenBLAS): the planner's matrices are small, and OpenBLAS gives a process
     # a thread per core whose waits spin, so a portfolio's jobs would take turns on the cores (``portfolio``); and a
     # replay on one core (``jobs`` 1) runs the same BLAS as the portfolio's search it replays

@@ -128,6 +128,7 @@ class SearchRecord:
     restarts: int = 0  # times the phase went on from another start after ``PATIENCE`` rounds found nothing
     seed: int | None = None  # the seed of the search that found the plan (``portfolio``); None in plans of before it
     jobs: int = 1  # searches that ran at once, from as many seeds (``portfolio``)
+    heats: int = 1  # seeds each of them searched in turn before the best searched again (``portfolio``)
 
 
 def default_budget_s(devices: int) -> float:

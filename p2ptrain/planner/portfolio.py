@@ -28,6 +28,13 @@ default budget (44 s; swarms 600 and 700-704 of 256 devices, planner seed 0, a b
 half the budget on, PT 0.994x in the geometric mean (lower on 3, by up to 3.5%; higher on 1, by 2.1%; the same on 2);
 shared from the start, 0.999x (lower on 2, by up to 2.9%; higher on 3, by up to 1.2%). The jobs give up the other
 seeds' basins, where one would have gone further, and ran 6% and 20% fewer rounds in all.
+Which seed's search ends best shows early where the rounds are descents (``refine``): of 8 seeds of one job on
+geo-256-seed710 and 711 (44 s each), the seed with the best plan at 8 s ended best on both. So ``heats``: each job first
+searches several seeds in turn, each for a share of the first ``HEAT_SHARE`` of the budget, and the best seeds (as many
+as jobs) search again from the start until the deadline; the best plan of all is kept, one seed's whole search, which
+its seed and rounds replay. Tried by hand (4 seeds a job, 2 jobs, 44 s; swarms 710, 711, 712 and 720 of 256 devices,
+planner seeds 0-2), the plans ended 1.037x the best known in the mean where 1.044x, the worst 1.060x where 1.071x, 10
+of 12 within 5% where 6; 2 seeds a job for 30% of the budget, 1.042x, 1.068x and 5.
 Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
 geo-1024-seed710 two planning processes at once took 22 s to reach the large swarm's race (``refine``; 2.2 s with one
 thread each), and `python -m p2ptrain.plan` there (2 jobs, default budget) ran 102 rounds of the anytime phase, where
@@ -35,6 +42,7 @@ thread each), and `python -m p2ptrain.plan` there (2 jobs, default budget) ran 1
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -45,10 +53,13 @@ from typing import Any
 
 import numpy as np
 
+from p2ptrain.planner.anytime import CORE_COVER, WALK_COVER, thinly_walked
 from p2ptrain.planner.records import Plan, PlanningError
 
 DEFAULT_JOBS = 2  # searches at once by default, where there are the cores: the measured setting (module doc)
 SEARCHES_EACH = 1  # runs of the refined search's first steps in each of several jobs (``refine.SEARCHES`` alone)
+HEATS = 1  # seeds each job searches in turn before the best search again, where rounds descend (module doc)
+HEAT_SHARE = 0.5  # the budget's share the heats take
 
 
 def default_jobs() -> int:
@@ -69,38 +80,67 @@ def portfolio_seeds(seed: int, jobs: int) -> list[int]:
     return seeds
 
 
+def default_heats(devices: int) -> int:
+    """``HEATS`` where the refined search's rounds are descents and no race of cores replaces its first steps (from
+    167 to 500 devices: ``refine``), one elsewhere."""
+    descends = thinly_walked(devices, WALK_COVER) and not thinly_walked(devices, CORE_COVER)
+    return HEATS if descends else 1
+
+
 def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], float],
-                  plan: Callable[..., Plan], **kwargs: Any) -> Plan:
-    """The best of ``plan(seed=s, budget_s=..., ...)`` over ``portfolio_seeds(seed, jobs)``: the first in this
-    process on ``clock``, the others in spawned processes until the same deadline (``time.monotonic``'s, which every
-    process shares); its search record says which seed found it and how many searched. Raises what the first raises
-    where no search finds a plan."""
-    seeds = portfolio_seeds(seed, jobs)
-    deadline = time.monotonic() + budget_s
-    with ProcessPoolExecutor(max_workers=jobs - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        others = [pool.submit(_search, plan, seed=s, deadline=deadline, **kwargs) for s in seeds[1:]]
-        found: list[tuple[float, int, Plan]] = []
-        failure: PlanningError | None = None
-        try:
-            first = plan(seed=seed, budget_s=budget_s, clock=clock, **kwargs)
-            found.append((first.predicted.batch_time_s, 0, first))
-        except PlanningError as error:  # no plan from this seed; another may find one
-            failure = error
-        for i, future in enumerate(others, start=1):
-            try:
-                other = future.result()
-            except PlanningError:
-                continue
-            found.append((other.predicted.batch_time_s, i, other))
-    if not found:
-        assert failure is not None
-        raise failure
-    _, i, best = min(found, key=lambda item: item[:2])
+                  plan: Callable[..., Plan], heats: int = 1, **kwargs: Any) -> Plan:
+    """The best of ``plan(seed=s, budget_s=..., ...)`` over ``portfolio_seeds(seed, jobs * heats)``, ``jobs`` at once:
+    the first of them in this process on ``clock``, the others in spawned processes until the same deadlines
+    (``time.monotonic``'s, which every process shares). With ``heats`` over one, each job first searches ``heats``
+    seeds in turn for ``HEAT_SHARE`` of the budget, then the ``jobs`` seeds whose plans were best search again from
+    the start until the budget ends (module doc). The plan's search record says which seed found it, how many searched
+    at once and in how many heats. Raises what this process's first search raises where no search finds a plan."""
+    start = time.monotonic()
+    seeds = portfolio_seeds(seed, jobs * heats)
+    outcomes: dict[tuple[int, int], Plan | PlanningError] = {}  # by heat (0: the last search) and seed's index
+    pool = (ProcessPoolExecutor(max_workers=jobs - 1, mp_context=multiprocessing.get_context("spawn")) if jobs > 1
+            else None)
+    with pool or contextlib.nullcontext():
+        finalists = list(range(jobs))
+        if heats > 1:
+            lanes = [list(range(job, jobs * heats, jobs)) for job in range(jobs)]
+            ends = [start + (k + 1) * HEAT_SHARE * budget_s / heats for k in range(heats)]
+            outcomes |= {(1, i): o for i, o in _run(pool, plan, seeds, lanes, ends, clock=clock, **kwargs)}
+            ranked = sorted((o.predicted.batch_time_s, i) for (_, i), o in outcomes.items() if isinstance(o, Plan))
+            finalists = [i for _, i in ranked[:jobs]]
+        if finalists:
+            outcomes |= {(0, i): o for i, o in _run(pool, plan, seeds, [[i] for i in finalists], [start + budget_s],
+                                                     clock=clock, **kwargs)}
+    found = [(o.predicted.batch_time_s, heat, i) for (heat, i), o in outcomes.items() if isinstance(o, Plan)]
+    if not found:  # this process's first search's error
+        raise next(o for o in outcomes.values() if isinstance(o, PlanningError))
+    _, heat, i = min(found)
+    best = outcomes[heat, i]
+    assert isinstance(best, Plan)
     if best.search is None:
         return best
-    return dataclasses.replace(best, search=dataclasses.replace(best.search, seed=seeds[i], jobs=jobs))
+    return dataclasses.replace(best, search=dataclasses.replace(best.search, seed=seeds[i], jobs=jobs, heats=heats))
 
 
-def _search(plan: Callable[..., Plan], *, seed: int, deadline: float, **kwargs: Any) -> Plan:
-    """One search of the portfolio, in a spawned process (``plan`` goes there by name, as pickle sends functions)."""
-    return plan(seed=seed, budget_s=max(0.0, deadline - time.monotonic()), clock=time.monotonic, **kwargs)
+def _run(pool: ProcessPoolExecutor | None, plan: Callable[..., Plan], seeds: list[int], lanes: list[list[int]],
+         ends: list[float], *, clock: Callable[[], float], **kwargs: Any) -> list[tuple[int, Plan | PlanningError]]:
+    """Each lane's seeds (by index) searched in turn, each until its end on ``time.monotonic``: the first lane in this
+    process on ``clock``, the others in ``pool``; each search's seed index and outcome, the first lane's first."""
+    others = [pool.submit(_lane, plan, seeds=[seeds[i] for i in lane], ends=ends, clock=time.monotonic, **kwargs)
+              for lane in lanes[1:]] if pool is not None else []
+    here = _lane(plan, seeds=[seeds[i] for i in lanes[0]], ends=ends, clock=clock, **kwargs)
+    return [(i, outcome) for lane, outcomes in zip(lanes, [here, *(future.result() for future in others)])
+            for i, outcome in zip(lane, outcomes)]
+
+
+def _lane(plan: Callable[..., Plan], *, seeds: list[int], ends: list[float], clock: Callable[[], float],
+          **kwargs: Any) -> list[Plan | PlanningError]:
+    """One job's searches of the portfolio, in turn, each until its end on ``time.monotonic`` (in a spawned process
+    ``plan`` goes there by name, as pickle sends functions): each one's plan, or why it found none."""
+    outcomes: list[Plan | PlanningError] = []
+    for seed, end in zip(seeds, ends):
+        try:
+            outcomes.append(plan(seed=seed, budget_s=max(0.0, end - time.monotonic()), clock=clock, **kwargs))
+        except PlanningError as error:  # no plan from this seed; another may find one
+            outcomes.append(error)
+    return outcomes

@@ -189,7 +189,10 @@ def _search_line(s: SearchRecord) -> str:
     line += f", {s.scored} plans scored"
     if s.seed is not None:
         line += f"; seed {s.seed}"
-        if s.jobs > 1:
+        if s.heats > 1:
+            line += (f", the best of {s.jobs * s.heats} searches from as many seeds, {s.jobs} at once, the best "
+                     f"{s.jobs} again for the rest of the budget")
+        elif s.jobs > 1:
             line += f", the best of {s.jobs} searches from as many seeds"
         line += f" (--seed {s.seed} --rounds {s.rounds} --searches {s.searches} replays it)"
     return line
