@@ -32,9 +32,13 @@ Which seed's search ends best shows early where the rounds are descents (``refin
 geo-256-seed710 and 711 (44 s each), the seed with the best plan at 8 s ended best on both. So ``heats``: each job first
 searches several seeds in turn, each for a share of the first ``HEAT_SHARE`` of the budget, and the best seeds (as many
 as jobs) search again from the start until the deadline; the best plan of all is kept, one seed's whole search, which
-its seed and rounds replay. Tried by hand (4 seeds a job, 2 jobs, 44 s; swarms 710, 711, 712 and 720 of 256 devices,
-planner seeds 0-2), the plans ended 1.037x the best known in the mean where 1.044x, the worst 1.060x where 1.071x, 10
-of 12 within 5% where 6; 2 seeds a job for 30% of the budget, 1.042x, 1.068x and 5.
+its seed and rounds replay. On swarms 710, 711, 712 and 720 of 256 devices (planner seeds 0-2, 2 jobs, the default
+budget of 44 s; ``planner-gap-unseen-timed-r`` and ``-s`` in ``benchmarks/results``) 4 heats ended 1.036x the best
+known in the mean where one search a job ended 1.049x, the worst 1.060x where 1.074x, 11 of 12 within 5% where 4, and
+seed 0's plans 1.048, 1.036, 1.038 and 1.043x where 1.057, 1.061, 1.020 and 1.020x; each plan took 43.7-44.7 s as
+before. Tried by hand, 2 seeds a job for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the
+rounds descend (``default_heats``): on smaller swarms one search walks far enough, and a race of cores replaces steps
+1-3 on larger ones.
 Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
 geo-1024-seed710 two planning processes at once took 22 s to reach the large swarm's race (``refine``; 2.2 s with one
 thread each), and `python -m p2ptrain.plan` there (2 jobs, default budget) ran 102 rounds of the anytime phase, where
@@ -58,7 +62,7 @@ from p2ptrain.planner.records import Plan, PlanningError
 
 DEFAULT_JOBS = 2  # searches at once by default, where there are the cores: the measured setting (module doc)
 SEARCHES_EACH = 1  # runs of the refined search's first steps in each of several jobs (``refine.SEARCHES`` alone)
-HEATS = 1  # seeds each job searches in turn before the best search again, where rounds descend (module doc)
+HEATS = 4  # seeds each job searches in turn before the best search again, where rounds descend (module doc)
 HEAT_SHARE = 0.5  # the budget's share the heats take
 
 
