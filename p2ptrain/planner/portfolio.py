@@ -139,12 +139,14 @@ def _run(pool: ProcessPoolExecutor | None, plan: Callable[..., Plan], seeds: lis
 
 def _lane(plan: Callable[..., Plan], *, seeds: list[int], ends: list[float], clock: Callable[[], float],
           **kwargs: Any) -> list[Plan | PlanningError]:
-    """One job's searches of the portfolio, in turn, each until its end on ``time.monotonic`` (in a spawned process
-    ``plan`` goes there by name, as pickle sends functions): each one's plan, or why it found none."""
+    """One job's searches of the portfolio, in turn, each until its end on ``time.monotonic`` and each a single search
+    (where heats are the default, ``plan`` would run heats of its own) (in a spawned process ``plan`` goes there by
+    name, as pickle sends functions): each one's plan, or why it found none."""
     outcomes: list[Plan | PlanningError] = []
     for seed, end in zip(seeds, ends):
         try:
-            outcomes.append(plan(seed=seed, budget_s=max(0.0, end - time.monotonic()), clock=clock, **kwargs))
+            outcomes.append(plan(seed=seed, budget_s=max(0.0, end - time.monotonic()), clock=clock, jobs=1, heats=1,
+                                 **kwargs))
         except PlanningError as error:  # no plan from this seed; another may find one
             outcomes.append(error)
     return outcomes
