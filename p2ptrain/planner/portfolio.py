@@ -36,7 +36,8 @@ its seed and rounds replay. On swarms 710, 711, 712 and 720 of 256 devices (plan
 budget of 44 s; ``planner-gap-unseen-timed-r`` and ``-s`` in ``benchmarks/results``) 4 heats ended 1.036x the best
 known in the mean where one search a job ended 1.049x, the worst 1.060x where 1.074x, 11 of 12 within 5% where 4, and
 seed 0's plans 1.048, 1.036, 1.038 and 1.043x where 1.057, 1.061, 1.020 and 1.020x; each plan took 43.7-44.7 s as
-before. Tried by hand, 2 seeds a job for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the
+before. Run again with seed 0 (``-t``): 1.048, 1.036, 1.074 and 1.038x: the heats run 10-25 rounds in their 5.5 s as
+the other job's load lets them, so which seeds go on varies from run to run. Tried by hand, 2 seeds a job for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the
 rounds descend (``default_heats``): on smaller swarms one search walks far enough, and a race of cores replaces steps
 1-3 on larger ones.
 Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
