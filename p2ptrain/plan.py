@@ -190,6 +190,8 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
                      f"{model.layers} layers; fix: use --stages between 1 and {min(reliable // 2, model.layers)}")
     try:
         budget_s = default_budget_s(len(swarm.devices)) if args.budget_s is None else args.budget_s
+        if args.rounds is not None:  # a replay: rounds alone bound it
+            budget_s = 0.0
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
                          stages=stages, seed=args.seed, average_every=args.average_every, budget_s=budget_s,
                          clock=time.monotonic, rounds=args.rounds, searches=args.searches,

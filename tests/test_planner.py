@@ -551,23 +551,24 @@ def test_in_heats_each_job_searches_seeds_in_turn_then_the_best_search_again_for
     kwargs = {"model": swarm.model, "batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
     seeds = portfolio_seeds(0, 3)
     calls: list[tuple[int, float]] = []
-    singles: list[tuple[int, int]] = []
+    singles: list[tuple[int, int, int | None]] = []
 
-    def ranked_by_seed(*, seed: int, budget_s: float, jobs: int, heats: int, **kw) -> Plan:
+    def ranked_by_seed(*, seed: int, budget_s: float, jobs: int, heats: int, rounds: int | None, **kw) -> Plan:
         """A real plan whose batch time says which seed it came from: the last of `seeds` is the best."""
         calls.append((seed, budget_s))
-        singles.append((jobs, heats))
-        plan = make_plan(seed=seed, budget_s=budget_s, jobs=jobs, heats=heats, **kw)
+        singles.append((jobs, heats, rounds))
+        plan = make_plan(seed=seed, budget_s=budget_s, jobs=jobs, heats=heats, rounds=rounds, **kw)
         pt = 100.0 - seeds.index(seed)
         return replace(plan, predicted=replace(plan.predicted, batch_time_s=pt))
 
     kept = plan_on_cores(jobs=1, heats=3, seed=0, budget_s=3.0, clock=time.monotonic, plan=ranked_by_seed,
                          swarm=swarm, planner="refined", **kwargs)
     assert [seed for seed, _ in calls] == [*seeds, seeds[2]]
-    assert set(singles) == {(1, 1)}  # each a single search, where heats are the default too (a swarm of 167 to 500)
+    # each a single search (where heats are the default too: a swarm of 167 to 500), a heat of HEAT_ROUNDS rounds
+    assert singles == [(1, 1, portfolio_module.HEAT_ROUNDS)] * 3 + [(1, 1, None)]
     heat_s = portfolio_module.HEAT_SHARE * 3.0 / 3
-    assert all(budget <= heat_s + 1e-6 for _, budget in calls[:3])
-    assert calls[3][1] == pytest.approx(3.0 - 3 * heat_s, abs=0.5)  # the rest of the budget, from the start
+    assert all(budget <= (k + 1) * heat_s + 1e-6 for k, (_, budget) in enumerate(calls[:3]))
+    assert 3.0 - 3 * heat_s - 0.5 < calls[3][1] < 3.0  # the rest of the budget, from the start
     assert kept.search is not None and (kept.search.seed, kept.search.jobs, kept.search.heats) == (seeds[2], 1, 3)
     assert kept.predicted.batch_time_s == 98.0
 

@@ -61,7 +61,10 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int,
     if peers is None:
         return None
     swarm = swarm_from_peers(peers, source=f"the live swarm of run {run_id}")
-    budget_s = default_budget_s(len(swarm.devices)) if budget_s is None else budget_s
+    if rounds is not None:  # a replay: rounds alone bound it
+        budget_s = 0.0
+    elif budget_s is None:
+        budget_s = default_budget_s(len(swarm.devices))
     return make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=planner, stages=stages,
                      seed=seed, average_every=average_every, budget_s=budget_s, clock=time.monotonic, rounds=rounds,
                      searches=searches, jobs=jobs, heats=heats)

@@ -33,7 +33,8 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     """Plan ``swarm`` for ``model``; ``stages`` forces the stage count (paper and refined planners only);
     ``average_every``: the run's rounds come once every that many global batches (`--average-every`); ``budget_s``:
     the refined planner keeps improving its plan until that many seconds of ``clock`` passed since the call (its
-    anytime phase; 0: none); ``rounds``: instead, it runs that many rounds of it (or until they stop improving);
+    anytime phase; 0: none); ``rounds``: it runs at most that many rounds of it (without a budget, that many or until
+    they stop improving: the replay of a plan);
     ``searches``: on a large swarm, the anytime phase starts from the best of up to that many runs of the refined
     search's first steps (``refine``), with a budget those that start in its first ``SEARCH_SHARE`` (default:
     ``SEARCHES``, or ``portfolio.SEARCHES_EACH`` in each of several ``jobs``); ``patience``:
@@ -51,15 +52,15 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
     out_of_time = may_search = time_left = None
-    if rounds is not None:
-        out_of_time, may_search, time_left = (lambda: False), (lambda: True), (lambda: math.inf)
-    elif budget_s > 0:
+    if budget_s > 0:
         if clock is None:
             raise ValueError("a planning budget needs a clock")
         start = clock()
         out_of_time = lambda: clock() >= start + budget_s  # noqa: E731
         may_search = lambda: clock() < start + SEARCH_SHARE * budget_s  # noqa: E731
         time_left = lambda: start + budget_s - clock()  # noqa: E731
+    elif rounds is not None:
+        out_of_time, may_search, time_left = (lambda: False), (lambda: True), (lambda: math.inf)
     reliable = swarm.reliable
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "

@@ -30,14 +30,16 @@ shared from the start, 0.999x (lower on 2, by up to 2.9%; higher on 3, by up to 
 seeds' basins, where one would have gone further, and ran 6% and 20% fewer rounds in all.
 Which seed's search ends best shows early where the rounds are descents (``refine``): of 8 seeds of one job on
 geo-256-seed710 and 711 (44 s each), the seed with the best plan at 8 s ended best on both. So ``heats``: each job first
-searches several seeds in turn, each for a share of the first ``HEAT_SHARE`` of the budget, and the best seeds (as many
-as jobs) search again from the start until the deadline; the best plan of all is kept, one seed's whole search, which
+searches several seeds in turn, each for ``HEAT_ROUNDS`` rounds of the anytime phase within a share of the first
+``HEAT_SHARE`` of the budget, and the best seeds (as many as jobs) search again from the start until the deadline; the best plan of all is kept, one seed's whole search, which
 its seed and rounds replay. On swarms 710, 711, 712 and 720 of 256 devices (planner seeds 0-2, 2 jobs, the default
 budget of 44 s; ``planner-gap-unseen-timed-r`` and ``-s`` in ``benchmarks/results``) 4 heats ended 1.036x the best
 known in the mean where one search a job ended 1.049x, the worst 1.060x where 1.074x, 11 of 12 within 5% where 4, and
 seed 0's plans 1.048, 1.036, 1.038 and 1.043x where 1.057, 1.061, 1.020 and 1.020x; each plan took 43.7-44.7 s as
-before. Run again with seed 0 (``-t``): 1.048, 1.036, 1.074 and 1.038x: the heats run 10-25 rounds in their 5.5 s as
-the other job's load lets them, so which seeds go on varies from run to run. Tried by hand, 2 seeds a job for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the
+before. Run again with seed 0 (``-t``): 1.048, 1.036, 1.074 and 1.038x: heats of 5.5 s ran 10-25 rounds as the other
+job's load let them, so which seeds went on varied from run to run. So a heat runs ``HEAT_ROUNDS`` rounds (within its
+time, which it seldom needs at 256 devices): then (``-u``) 1.033x in the mean, the worst 1.060x, 10 of 12 within 5%,
+seed 0's plans 1.038, 1.036, 1.038 and 1.038x. Tried by hand, 2 seeds a job for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the
 rounds descend (``default_heats``): on smaller swarms one search walks far enough, and a race of cores replaces steps
 1-3 on larger ones.
 Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
@@ -64,7 +66,8 @@ from p2ptrain.planner.records import Plan, PlanningError
 DEFAULT_JOBS = 2  # searches at once by default, where there are the cores: the measured setting (module doc)
 SEARCHES_EACH = 1  # runs of the refined search's first steps in each of several jobs (``refine.SEARCHES`` alone)
 HEATS = 4  # seeds each job searches in turn before the best search again, where rounds descend (module doc)
-HEAT_SHARE = 0.5  # the budget's share the heats take
+HEAT_SHARE = 0.5  # the budget's share the heats take at most
+HEAT_ROUNDS = 10  # rounds of the anytime phase a heat runs, so that the other job's load moves no heat's plan
 
 
 def default_jobs() -> int:
@@ -97,8 +100,8 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
     """The best of ``plan(seed=s, budget_s=..., ...)`` over ``portfolio_seeds(seed, jobs * heats)``, ``jobs`` at once:
     the first of them in this process on ``clock``, the others in spawned processes until the same deadlines
     (``time.monotonic``'s, which every process shares). With ``heats`` over one, each job first searches ``heats``
-    seeds in turn for ``HEAT_SHARE`` of the budget, then the ``jobs`` seeds whose plans were best search again from
-    the start until the budget ends (module doc). The plan's search record says which seed found it, how many searched
+    seeds in turn, each for ``HEAT_ROUNDS`` rounds within its share of ``HEAT_SHARE`` of the budget, then the ``jobs``
+    seeds whose plans were best search again from the start until the budget ends (module doc). The plan's search record says which seed found it, how many searched
     at once and in how many heats. Raises what this process's first search raises where no search finds a plan."""
     start = time.monotonic()
     seeds = portfolio_seeds(seed, jobs * heats)
@@ -110,12 +113,13 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
         if heats > 1:
             lanes = [list(range(job, jobs * heats, jobs)) for job in range(jobs)]
             ends = [start + (k + 1) * HEAT_SHARE * budget_s / heats for k in range(heats)]
-            outcomes |= {(1, i): o for i, o in _run(pool, plan, seeds, lanes, ends, clock=clock, **kwargs)}
+            outcomes |= {(1, i): o for i, o in _run(pool, plan, seeds, lanes, ends, clock=clock, rounds=HEAT_ROUNDS,
+                                                     **kwargs)}
             ranked = sorted((o.predicted.batch_time_s, i) for (_, i), o in outcomes.items() if isinstance(o, Plan))
             finalists = [i for _, i in ranked[:jobs]]
         if finalists:
             outcomes |= {(0, i): o for i, o in _run(pool, plan, seeds, [[i] for i in finalists], [start + budget_s],
-                                                     clock=clock, **kwargs)}
+                                                     clock=clock, rounds=None, **kwargs)}
     found = [(o.predicted.batch_time_s, heat, i) for (heat, i), o in outcomes.items() if isinstance(o, Plan)]
     if not found:  # this process's first search's error
         raise next(o for o in outcomes.values() if isinstance(o, PlanningError))
@@ -128,26 +132,31 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
 
 
 def _run(pool: ProcessPoolExecutor | None, plan: Callable[..., Plan], seeds: list[int], lanes: list[list[int]],
-         ends: list[float], *, clock: Callable[[], float], **kwargs: Any) -> list[tuple[int, Plan | PlanningError]]:
-    """Each lane's seeds (by index) searched in turn, each until its end on ``time.monotonic``: the first lane in this
-    process on ``clock``, the others in ``pool``; each search's seed index and outcome, the first lane's first."""
-    others = [pool.submit(_lane, plan, seeds=[seeds[i] for i in lane], ends=ends, clock=time.monotonic, **kwargs)
-              for lane in lanes[1:]] if pool is not None else []
-    here = _lane(plan, seeds=[seeds[i] for i in lanes[0]], ends=ends, clock=clock, **kwargs)
+         ends: list[float], *, clock: Callable[[], float], rounds: int | None,
+         **kwargs: Any) -> list[tuple[int, Plan | PlanningError]]:
+    """Each lane's seeds (by index) searched in turn, each until its end on ``time.monotonic`` or ``rounds`` rounds:
+    the first lane in this process on ``clock``, the others in ``pool``; each search's seed index and outcome, the
+    first lane's first."""
+    others = [pool.submit(_lane, plan, seeds=[seeds[i] for i in lane], ends=ends, clock=time.monotonic,
+                          rounds=rounds, **kwargs) for lane in lanes[1:]] if pool is not None else []
+    here = _lane(plan, seeds=[seeds[i] for i in lanes[0]], ends=ends, clock=clock, rounds=rounds, **kwargs)
     return [(i, outcome) for lane, outcomes in zip(lanes, [here, *(future.result() for future in others)])
             for i, outcome in zip(lane, outcomes)]
 
 
 def _lane(plan: Callable[..., Plan], *, seeds: list[int], ends: list[float], clock: Callable[[], float],
-          **kwargs: Any) -> list[Plan | PlanningError]:
+          rounds: int | None, **kwargs: Any) -> list[Plan | PlanningError]:
     """One job's searches of the portfolio, in turn, each until its end on ``time.monotonic`` and each a single search
     (where heats are the default, ``plan`` would run heats of its own) (in a spawned process ``plan`` goes there by
     name, as pickle sends functions): each one's plan, or why it found none."""
     outcomes: list[Plan | PlanningError] = []
     for seed, end in zip(seeds, ends):
+        if rounds is not None and end <= time.monotonic():  # a heat's rounds alone would overrun the budget
+            outcomes.append(PlanningError("no time left for this heat"))
+            continue
         try:
-            outcomes.append(plan(seed=seed, budget_s=max(0.0, end - time.monotonic()), clock=clock, jobs=1, heats=1,
-                                 **kwargs))
+            outcomes.append(plan(seed=seed, budget_s=max(0.0, end - time.monotonic()), clock=clock, rounds=rounds,
+                                 jobs=1, heats=1, **kwargs))
         except PlanningError as error:  # no plan from this seed; another may find one
             outcomes.append(error)
     return outcomes
