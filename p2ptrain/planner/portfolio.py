@@ -31,17 +31,17 @@ seeds' basins, where one would have gone further, and ran 6% and 20% fewer round
 Which seed's search ends best shows early where the rounds are descents (``refine``): of 8 seeds of one job on
 geo-256-seed710 and 711 (44 s each), the seed with the best plan at 8 s ended best on both. So ``heats``: each job first
 searches several seeds in turn, each for ``HEAT_ROUNDS`` rounds of the anytime phase within a share of the first
-``HEAT_SHARE`` of the budget, and the best seeds (as many as jobs) search again from the start until the deadline; the best plan of all is kept, one seed's whole search, which
-its seed and rounds replay. On swarms 710, 711, 712 and 720 of 256 devices (planner seeds 0-2, 2 jobs, the default
-budget of 44 s; ``planner-gap-unseen-timed-r`` and ``-s`` in ``benchmarks/results``) 4 heats ended 1.036x the best
-known in the mean where one search a job ended 1.049x, the worst 1.060x where 1.074x, 11 of 12 within 5% where 4, and
-seed 0's plans 1.048, 1.036, 1.038 and 1.043x where 1.057, 1.061, 1.020 and 1.020x; each plan took 43.7-44.7 s as
-before. Run again with seed 0 (``-t``): 1.048, 1.036, 1.074 and 1.038x: heats of 5.5 s ran 10-25 rounds as the other
-job's load let them, so which seeds went on varied from run to run. So a heat runs ``HEAT_ROUNDS`` rounds (within its
-time, which it seldom needs at 256 devices): then (``-u``) 1.033x in the mean, the worst 1.060x, 10 of 12 within 5%,
-seed 0's plans 1.038, 1.036, 1.038 and 1.038x. Tried by hand, 2 seeds a job for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the
-rounds descend (``default_heats``): on smaller swarms one search walks far enough, and a race of cores replaces steps
-1-3 on larger ones.
+``HEAT_SHARE`` of the budget, and the best seeds (as many as jobs) search again from the start until the deadline; the
+best plan of all is kept, one seed's whole search, which its seed and rounds replay. On swarms 710, 711, 712 and 720 of
+256 devices (planner seeds 0-2, 2 jobs, the default budget of 44 s; ``planner-gap-unseen-timed-r`` and ``-s`` in
+``benchmarks/results``) 4 heats ended 1.036x the best known in the mean where one search a job ended 1.049x, the worst
+1.060x where 1.074x, 11 of 12 within 5% where 4, and seed 0's plans 1.048, 1.036, 1.038 and 1.043x where 1.057, 1.061,
+1.020 and 1.020x; each plan took 43.7-44.7 s as before. Run again with seed 0 (``-t``): 1.048, 1.036, 1.074 and 1.038x:
+heats of 5.5 s ran 10-25 rounds as the other job's load let them, so which seeds went on varied from run to run. So a
+heat runs ``HEAT_ROUNDS`` rounds (within its time, which it seldom needs at 256 devices): then (``-u``) 1.033x in the
+mean, the worst 1.060x, 10 of 12 within 5%, seed 0's plans 1.038, 1.036, 1.038 and 1.038x. Tried by hand, 2 seeds a job
+for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the rounds descend (``default_heats``): on
+smaller swarms one search walks far enough, and a race of cores replaces steps 1-3 on larger ones.
 Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
 geo-1024-seed710 two planning processes at once took 22 s to reach the large swarm's race (``refine``; 2.2 s with one
 thread each), and `python -m p2ptrain.plan` there (2 jobs, default budget) ran 102 rounds of the anytime phase, where
@@ -99,10 +99,11 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
                   plan: Callable[..., Plan], heats: int = 1, **kwargs: Any) -> Plan:
     """The best of ``plan(seed=s, budget_s=..., ...)`` over ``portfolio_seeds(seed, jobs * heats)``, ``jobs`` at once:
     the first of them in this process on ``clock``, the others in spawned processes until the same deadlines
-    (``time.monotonic``'s, which every process shares). With ``heats`` over one, each job first searches ``heats``
-    seeds in turn, each for ``HEAT_ROUNDS`` rounds within its share of ``HEAT_SHARE`` of the budget, then the ``jobs``
-    seeds whose plans were best search again from the start until the budget ends (module doc). The plan's search record says which seed found it, how many searched
-    at once and in how many heats. Raises what this process's first search raises where no search finds a plan."""
+    (``time.monotonic``'s, which every process shares). With ``heats`` over one, each job first searches ``heats`` seeds
+    in turn, each for ``HEAT_ROUNDS`` rounds within its share of ``HEAT_SHARE`` of the budget, then the ``jobs`` seeds
+    whose plans were best search again from the start until the budget ends (module doc). The plan's search record says
+    which seed found it, how many searched at once and in how many heats. Raises what this process's first search raises
+    where no search finds a plan."""
     start = time.monotonic()
     seeds = portfolio_seeds(seed, jobs * heats)
     outcomes: dict[tuple[int, int], Plan | PlanningError] = {}  # by heat (0: the last search) and seed's index
