@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "processes, and keeps the best plan, whose `search` records the seed that replays it "
                              f"(default: {DEFAULT_JOBS}, or the cores this process may use where fewer)")
     parser.add_argument("--heats", type=count, metavar="N",
-                        help="with a budget, each job first searches N seeds in turn for half the budget, then the "
-                             "best seeds search again from the start for the rest (default: "
+                        help="with a budget, each job first searches N seeds in turn (10 rounds each, within half "
+                             "the budget), then the best seeds search again from the start for the rest (default: "
                              f"{HEATS} from 167 to 500 devices, where the search descends; 1 elsewhere)")
     parser.add_argument("--json", type=writable_file, help="write the plan as JSON to this file")
     live = parser.add_argument_group("live planning (plan what the peers of a running swarm announced)")
