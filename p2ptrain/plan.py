@@ -23,7 +23,7 @@ from p2ptrain.models.configs import ModelConfig
 from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_config
 from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
-from p2ptrain.planner.portfolio import DEFAULT_JOBS, HEATS, default_jobs
+from p2ptrain.planner.portfolio import DEFAULT_JOBS, HEAT_ROUNDS, HEATS, default_jobs
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, config_spec, model_spec
 from p2ptrain.planner.refine import SEARCHES
 from p2ptrain.planner.swarmfile import SwarmFileError, load_swarm
@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "processes, and keeps the best plan, whose `search` records the seed that replays it "
                              f"(default: {DEFAULT_JOBS}, or the cores this process may use where fewer)")
     parser.add_argument("--heats", type=count, metavar="N",
-                        help="with a budget, each job first searches N seeds in turn (10 rounds each, within half "
-                             "the budget), then the best seeds search again from the start for the rest (default: "
+                        help="with a budget, each job first searches N seeds in turn "
+                             f"({HEAT_ROUNDS} rounds each, within half the budget), then the best seeds search again from the start for the rest (default: "
                              f"{HEATS} from 167 to 500 devices, where the search descends; 1 elsewhere)")
     parser.add_argument("--json", type=writable_file, help="write the plan as JSON to this file")
     live = parser.add_argument_group("live planning (plan what the peers of a running swarm announced)")
