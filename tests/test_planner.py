@@ -49,7 +49,7 @@ from p2ptrain.planner.generate import geo_swarm
 from p2ptrain.planner.paper import fiedler_vector, paper_plan, spectral_bisection
 from p2ptrain.planner.portfolio import SEARCHES_EACH, default_heats, plan_on_cores, portfolio_seeds
 from p2ptrain.planner.presets import ModelSpec, config_spec
-from p2ptrain.planner.refine import CORE_LAYERS, CORES, core, core_starts, race
+from p2ptrain.planner.refine import CORE_LAYERS, CORE_LEVELS, CORES, core, core_starts, race
 from p2ptrain.planner.search import Engine, Group, Score, allocate, merge_stages, partners
 from p2ptrain.planner.swarmfile import load_swarm
 from p2ptrain.protocol.messages import GroupMember, StageGroup
@@ -967,7 +967,7 @@ def test_a_large_swarm_races_cores_of_its_clusters_and_keeps_the_best_searched()
     layers = engine.layers
     most, fewest = CORE_LAYERS
     assert {len(groups) for groups, _ in starts} <= set(range(int(layers / most), int(np.ceil(layers / fewest)) + 1))
-    assert len({len(groups) for groups, _ in starts}) == 3
+    assert len({len(groups) for groups, _ in starts}) == CORE_LEVELS
     assert all(len(g.servers) <= max(CORES) for groups, _ in starts for g in groups)
     best_start = min(score.pt for _, score in starts)
     before = engine.scored

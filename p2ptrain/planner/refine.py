@@ -55,22 +55,26 @@ small starts. The clustering's stages hold every reliable device, but the good p
 to score while stages are large: on geo-1024-seed502, 12 s of local search from a level's full clusters (5 to 32
 stages) reached 169-402 s of PT, 4-6 s from the cores of 6, 12 or 24 servers of 12 clusters reached 118-138 s. And
 no early score told which start ends best (the 6-stage start screened first; 18 stages ended twice as fast). So the
-starts are each cluster's core (the ``CORES`` servers nearest its medoid; clients admitted as in step 1) at a few
-levels of 2 to 3.75 layers a stage (``CORE_LAYERS``), and successive halving picks one (``race``): every start gets a
-local search, the better half goes on with twice the budget, until one is left, which the anytime phase takes once
-idle devices joined it as in step 3. The starts hold about 140 devices, and the anytime phase's descents added a few
-at a time: on geo-1024-seed710 (planner seed 0) 140 in the race's winner, 296 in the plan at the default budget, 310
+starts are each cluster's core (the ``CORES`` servers nearest its medoid; clients admitted as in step 1) at a few levels
+of 2 to 4 layers a stage (``CORE_LAYERS``, ``CORE_LEVELS``), and successive halving picks one (``race``): every start
+gets a local search, the better half goes on with twice the budget, until one is left, which the anytime phase takes
+once idle devices joined it as in step 3. The starts hold about 140 devices, and the anytime phase's descents added a
+few at a time: on geo-1024-seed710 (planner seed 0) 140 in the race's winner, 296 in the plan at the default budget, 310
 after 95 s. Admitted at once (0.4 s there: 140 -> 371), measured as above, the plans ended 75.48 and 71.48 s of PT on
-swarm 710 (planner seeds 0 and 1) and 74.26 s on 720 (seed 0) where 87.07, 84.42 and 85.77 s: below the best of the
-long runs of before (75.76 and 76.19 s, 10 x the budget). The phase has no other start to go on from there, so no run
-of rounds without a better plan ends it: of 7 plans (swarms 710-712 and 720, planner seed 0; 710, seed 1), two had
-stalled (``PATIENCE`` rounds) at 22 and 30 s of the 44 and ended at 75.48 and 71.48 s of PT; going on, 74.67 and 71.44
-s; the other 5 the same. Going on instead from the race's runners-up, idle devices admitted, found nothing in the time
-left (they started at 160 and 189 s). Levels
-of up to 5 layers a stage (12 stages of a 60-layer model) lost: at the default budget (one job, 18 plans: swarms 711
-and 712 of 1,024 devices, planner seeds 10-15; 710 and 713, seeds 0-2) the race picked 12 stages in 6 and those
-ended at 89.9 s of PT in the mean, against 83.8 s for the 10 it took 16 stages in; without them the plans' PT was
-0.976x in the geometric mean (lower in 11, higher in 5, the same in 2; 0.794x to 1.102x, so seeds decide more).
+swarm 710 (planner seeds 0 and 1) and 74.26 s on 720 (seed 0) where 87.07, 84.42 and 85.77 s: below the best of the long
+runs of before (75.76 and 76.19 s, 10 x the budget). The phase has no other start to go on from there, so no run of
+rounds without a better plan ends it: of 7 plans (swarms 710-712 and 720, planner seed 0; 710, seed 1), two had stalled
+(``PATIENCE`` rounds) at 22 and 30 s of the 44 and ended at 75.48 and 71.48 s of PT; going on, 74.67 and 71.44 s; the
+other 5 the same. Going on instead from the race's runners-up, idle devices admitted, found nothing in the time left
+(they started at 160 and 189 s). Levels of up to 5 layers a stage (12 stages of a 60-layer model) lost: at the default
+budget (one job, 18 plans: swarms 711 and 712 of 1,024 devices, planner seeds 10-15; 710 and 713, seeds 0-2) the race
+picked 12 stages in 6 and those ended at 89.9 s of PT in the mean, against 83.8 s for the 10 it took 16 stages in;
+without them the plans' PT was 0.976x in the geometric mean (lower in 11, higher in 5, the same in 2; 0.794x to 1.102x,
+so seeds decide more). Four levels of 2 to 4 layers a stage (15, 19, 24 and 30 stages of a 60-layer model) where there
+were three of 2 to 3.75 (16, 22 and 30): at the default budget (2 jobs) on swarms 710-712 and 720 of 1,024 devices
+(planner seeds 0 and 1) and 500-502 (seed 0), PT 0.950x in the geometric mean, lower in 7 (by up to 17.9%: 87.21 ->
+71.64 s on 502; 70.76 -> 62.88 s on 710, seed 0), higher in 4 (by up to 8.7%: 64.59 -> 70.24 s on 712, seed 1). Three
+levels of 2 to 4 (15, 21 and 30 stages) and five lost (``planner-gap-history.md``).
 5. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
@@ -91,7 +95,8 @@ from p2ptrain.planner.search import Engine, Group, Score, merge_stages
 from p2ptrain.planner.shares import timed_layouts
 
 CORES = (8, 16)  # servers a large swarm's start keeps of each cluster (module doc)
-CORE_LAYERS = (3.75, 2.0)  # the most and fewest layers a stage of a large swarm's start holds (module doc)
+CORE_LAYERS = (4.0, 2.0)  # the most and fewest layers a stage of a large swarm's start holds (module doc)
+CORE_LEVELS = 4  # stage counts a large swarm's starts take, evenly apart on a log scale between those (module doc)
 SEARCHES = 3  # runs of steps 1-3, each from its own clustering, where the anytime phase descends (module doc)
 # the share of the budget after which no more of them start: at 480 devices one takes 6.7 s of the 22.75 s budget here,
 # and three left the anytime phase 7-13 rounds where one left it 41
@@ -179,10 +184,11 @@ def core(engine: Engine, members: np.ndarray, size: int) -> np.ndarray:
 
 
 def core_starts(engine: Engine, levels: list[list[np.ndarray]], seed: int) -> list[tuple[list[Group], Score]]:
-    """A large swarm's starts (module doc), scored with time-set shares: the cores of three levels of ``CORE_LAYERS``
-    layers a stage, ordered and split into FS/BS by the paper's rules, with clients admitted."""
+    """A large swarm's starts (module doc), scored with time-set shares: the cores of ``CORE_LEVELS`` levels of
+    ``CORE_LAYERS`` layers a stage, ordered and split into FS/BS by the paper's rules, with clients admitted."""
     most, fewest = CORE_LAYERS
-    counts = {int(round(k)) for k in np.geomspace(engine.layers / most, engine.layers / fewest, 3)}
+    spread = np.geomspace(engine.layers / most, engine.layers / fewest, CORE_LEVELS)
+    counts = {int(round(k)) for k in spread}
     starts: dict[tuple[Group, ...], Score] = {}
     for k in sorted(counts & set(range(1, len(levels) + 1))):
         clusters = order_clusters(engine, levels[k - 1], seed)
