@@ -671,6 +671,32 @@ def test_a_timed_score_reusing_the_last_plans_rows_is_the_score_of_a_fresh_engin
     assert infeasible and reshaped
 
 
+def test_a_timed_score_against_a_bar_rejects_exactly_the_moves_that_cannot_beat_it() -> None:
+    """``score(..., bar=)`` looks up only the rows a move changes and rejects a plan by their counts before its table
+    is built: along chained random moves and the search's own neighbours, a plan beats the bar exactly where a fresh
+    engine's score of it does, and every score it builds equals the fresh one to the last bit."""
+    engine = large_engine(96, seed=305)
+    groups, rng = swarm_groups(engine), np.random.default_rng(5)
+    assert groups is not None
+    bar = engine.score(groups, timed=True)
+    kept = rejected = built = 0
+    for step in range(300):
+        moves = [random_move(engine, groups, rng, False)] if step % 2 else \
+            list(itertools.islice(engine.neighbours(groups, rng, 3, 6, swaps=True), 20))
+        for moved in (m for m in moves if m is not None):
+            score = engine.score(moved, timed=True, bar=bar)
+            fresh = Engine(engine.net, engine.wl, engine.reliable).score(moved, timed=True)
+            assert score.better_than(bar) == fresh.better_than(bar)
+            if math.isfinite(score.pt):
+                built += 1
+                assert (score.pt, score.load) == (fresh.pt, fresh.load) and np.array_equal(score.table, fresh.table)
+            elif math.isfinite(fresh.pt):
+                rejected += 1
+            if score.better_than(bar) or (step % 2 and math.isfinite(fresh.pt)):
+                groups, bar, kept = moved, fresh, kept + 1
+    assert kept > 100 and rejected > 300 and built > 1000
+
+
 def test_idle_devices_join_a_near_stage_in_a_role_they_may_take_where_that_lowers_the_timed_score() -> None:
     """``Engine.admit`` of every idle device only adds: from 8 stages of one FS and one BS each, idle devices join
     (reliable ones as servers or clients, the others as clients), every member keeps its stage and role, PT falls, and

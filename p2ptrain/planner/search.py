@@ -172,6 +172,18 @@ class Score:
     total: int = 0
     table: np.ndarray | None = None  # stage x layer-count times the counts come from
     load: float | None = None   # timed scores: the mean of the ``total`` least entries of ``table``
+    groups: tuple[Group, ...] | None = None  # timed scores: the plan, whose moves ``Engine.score`` scores against it
+
+    @property
+    def reach(self) -> float:
+        """The highest PT that may still beat this score (``better_than``)."""
+        return self.pt * (1 + 1e-12)
+
+    @cached_property
+    def within(self) -> np.ndarray:
+        """Per stage, how many of its ``table``'s entries are at most ``reach``: a plan made from this one by a move
+        beats it only where the counts of its rows add up to ``total`` (``Engine.score``)."""
+        return (self.table <= self.reach).sum(axis=1)
 
     @cached_property
     def layers(self) -> tuple[int, ...]:
@@ -189,7 +201,7 @@ class Score:
     def better_than(self, other: "Score") -> bool:
         if self.pt < other.pt * (1 - 1e-9):
             return True
-        return self.pt <= other.pt * (1 + 1e-12) and self.smooth < other.smooth * (1 - 1e-9)
+        return self.pt <= other.reach and self.smooth < other.smooth * (1 - 1e-9)
 
 
 INFEASIBLE = Score(float("inf"))
@@ -470,18 +482,52 @@ class Engine:
         self._last = (tuple(groups), h)
         return h
 
-    def score(self, groups: Sequence[Group], *, timed: bool = False) -> Score:
+    def _timed_move(self, groups: Sequence[Group], bar: Score) -> Score:
+        """``score(groups, timed=True, bar=bar)`` where ``bar`` scored a plan of as many stages: only the rows of the
+        stages that differ from its plan, and of their neighbours where the servers between them differ, are looked
+        up, and the plan is rejected by their counts at ``bar.reach`` before its table is built, as most moves of a
+        search are."""
+        count, reach = len(groups), bar.reach
+        changed = [k for k, (group, was) in enumerate(zip(groups, bar.groups)) if group is not was]
+        if not all(groups[k].valid for k in changed):
+            return INFEASIBLE
+        stale = set(changed)
+        for k in changed:  # a neighbour's row changes with the edge between them: their BS and FS sets
+            if k and groups[k].fs != bar.groups[k].fs:
+                stale.add(k - 1)
+            if k < count - 1 and groups[k].bs != bar.groups[k].bs:
+                stale.add(k + 1)
+        within, rows = int(bar.within.sum()), {}
+        for k in stale:
+            row = rows[k] = self._timed_row(groups[k - 1] if k else None, groups[k],
+                                            groups[k + 1] if k < count - 1 else None)
+            if row[0] > reach:  # PT is at least every stage's one-layer time
+                return INFEASIBLE
+            within += int(np.searchsorted(row, reach, side="right")) - int(bar.within[k])  # rows never fall
+        if within < self.layers:
+            return INFEASIBLE
+        h = bar.table.copy()
+        for k, row in rows.items():
+            h[k] = row
+        pt, load = timed_time(h, self.layers)
+        return Score(pt, None, self.layers, h, load, tuple(groups)) if np.isfinite(pt) else INFEASIBLE
+
+    def score(self, groups: Sequence[Group], *, timed: bool = False, bar: Score | None = None) -> Score:
         """PT of the memberships with their best layer counts, under compute-proportional shares (the contract's)
-        or, ``timed``, shares set by time (what the refined plan ends with); the latter scores no ties."""
+        or, ``timed``, shares set by time (what the refined plan ends with); the latter scores no ties. ``bar``: a
+        score the plan is to beat (``Score.better_than``); a timed plan that cannot may score INFEASIBLE, its
+        table not built."""
         self.scored += 1
         if not groups or len(groups) > self.layers:
             return INFEASIBLE
         if timed and self.held is None:
+            if bar is not None and bar.groups is not None and len(bar.groups) == len(groups):
+                return self._timed_move(groups, bar)
             h = self._timed_table(groups)
             if h is None:
                 return INFEASIBLE
             pt, load = timed_time(h, self.layers)  # inf where a stage holds no layer or all of them too few
-            return Score(pt, None, self.layers, h, load) if np.isfinite(pt) else INFEASIBLE
+            return Score(pt, None, self.layers, h, load, tuple(groups)) if np.isfinite(pt) else INFEASIBLE
         if not all(g.valid for g in groups):
             return INFEASIBLE
         c = self.curves(groups)
@@ -622,7 +668,7 @@ class Engine:
         for _ in range(rounds):
             for candidate in self.neighbours(groups, rng, fan, sample, swaps):
                 budget -= 1
-                s = self.score(candidate, timed=timed)
+                s = self.score(candidate, timed=timed, bar=best)
                 if s.better_than(best):
                     groups, best = candidate, s
                     break
@@ -649,7 +695,7 @@ class Engine:
                 for role in (FS, BS, CLIENT) if self.reliable[device] else (CLIENT,):
                     moved = list(groups)
                     moved[k] = groups[k].adding(device, role)
-                    score = self.score(moved, timed=timed)
+                    score = self.score(moved, timed=timed, bar=best)
                     if score.better_than(best):
                         choice, best = moved, score
             if choice is not None:
