@@ -134,7 +134,7 @@ class SearchRecord:
 def default_budget_s(devices: int) -> float:
     """The CLI's budget: 4 s plus 40 s per 1,024 devices up to 64 (6.5 s), then growing with the log of the swarm's size
     to 44 s at 256 devices and no further, so that a whole planning process stays under 10 s at 64 devices and 60 s at
-    1,024 (the refined search before this phase takes about 0.7 s and 6.4 s there: one job, planner seed 0, swarms 900
+    1,024 (the refined search before this phase takes about 0.7 s and 5.2 s there: one job, planner seed 0, swarms 900
     and 901 of 64 devices, 710 and 720 of 1,024 two at once). Between them the phase gets the rounds it still gains
     from. Measured when it was set, before steps 2-3 of the refined search scored by time (b94ce1b): on swarms 700-704
     of 256 devices (planner seed 0, 2 jobs) 44 s ran 68-92 rounds and ended 1.013, 1.004, 1.037, 1.044 and 1.040x the
