@@ -462,6 +462,10 @@ class Engine:
             row = self._rows[key] = np.maximum(self.wl.microbatches * (edges + self.levels(group)), floor)
         return row
 
+    def _row_in(self, groups: Sequence[Group], k: int) -> np.ndarray:
+        """``_timed_row`` of stage ``k`` between its neighbours in ``groups``."""
+        return self._timed_row(groups[k - 1] if k else None, groups[k], groups[k + 1] if k < len(groups) - 1 else None)
+
     def _timed_table(self, groups: Sequence[Group]) -> np.ndarray | None:
         """The stages' ``_timed_row``s, one per row; None where a stage lacks a server role. A move changes a stage or
         two of the plan it was made from, and the search scores many moves of one plan in turn: so the rows of the
@@ -476,9 +480,9 @@ class Engine:
             return None
         kept = [same, *kept, same]  # the ends' missing neighbours are the same
         h = table.copy() if same else np.empty((count, self.layers))
-        for k, group in enumerate(groups):
+        for k in range(count):
             if not (kept[k] and kept[k + 1] and kept[k + 2]):
-                h[k] = self._timed_row(groups[k - 1] if k else None, group, groups[k + 1] if k < count - 1 else None)
+                h[k] = self._row_in(groups, k)
         self._last = (tuple(groups), h)
         return h
 
@@ -499,8 +503,7 @@ class Engine:
                 stale.add(k + 1)
         within, rows = int(bar.within.sum()), {}
         for k in stale:
-            row = rows[k] = self._timed_row(groups[k - 1] if k else None, groups[k],
-                                            groups[k + 1] if k < count - 1 else None)
+            row = rows[k] = self._row_in(groups, k)
             if row[0] > reach:  # PT is at least every stage's one-layer time
                 return INFEASIBLE
             within += int(np.searchsorted(row, reach, side="right")) - int(bar.within[k])  # rows never fall
@@ -509,7 +512,11 @@ class Engine:
         h = bar.table.copy()
         for k, row in rows.items():
             h[k] = row
-        pt, load = timed_time(h, self.layers)
+        return self._timed_score(groups, h)
+
+    def _timed_score(self, groups: Sequence[Group], h: np.ndarray) -> Score:
+        """The timed score of ``groups`` from their table ``h``."""
+        pt, load = timed_time(h, self.layers)  # inf where a stage holds no layer or all of them too few
         return Score(pt, None, self.layers, h, load, tuple(groups)) if np.isfinite(pt) else INFEASIBLE
 
     def score(self, groups: Sequence[Group], *, timed: bool = False, bar: Score | None = None) -> Score:
@@ -524,10 +531,7 @@ class Engine:
             if bar is not None and bar.groups is not None and len(bar.groups) == len(groups):
                 return self._timed_move(groups, bar)
             h = self._timed_table(groups)
-            if h is None:
-                return INFEASIBLE
-            pt, load = timed_time(h, self.layers)  # inf where a stage holds no layer or all of them too few
-            return Score(pt, None, self.layers, h, load, tuple(groups)) if np.isfinite(pt) else INFEASIBLE
+            return INFEASIBLE if h is None else self._timed_score(groups, h)
         if not all(g.valid for g in groups):
             return INFEASIBLE
         c = self.curves(groups)
