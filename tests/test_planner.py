@@ -20,6 +20,7 @@ from p2ptrain.models.llama import Block
 from p2ptrain.planner import Plan, PlanningError, cost, format_plan, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
 from p2ptrain.planner import paper as paper_module
+from p2ptrain.planner import planning as planning_module
 from p2ptrain.planner import portfolio as portfolio_module
 from p2ptrain.planner import refine as refine_module
 from p2ptrain.planner.anytime import (
@@ -588,6 +589,41 @@ def test_in_heats_each_job_searches_seeds_in_turn_then_the_best_search_again_for
     assert heats > 1 and [default_heats(n) for n in (32, 64, 128, 256, 480, 1024)] == [1, 1, 1, heats, heats, 1]
 
 
+def test_heats_that_resume_go_on_from_where_they_stopped_and_their_seed_and_rounds_replay_the_plan(
+        monkeypatch) -> None:
+    """``resume_heats``: each job's heats run ``HEAT_ROUNDS`` rounds each, and the search whose plan was best goes on
+    from where it stopped (no search starts again); the plan kept is the best of all, and its record's seed, rounds and
+    searches replay it on one core."""
+    swarm = load_swarm(PEERS / "paper-case3.toml")
+    assert swarm.model is not None
+    kwargs = {"batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
+    made: list[int] = []
+
+    class Counted(portfolio_module.Planning):
+        def __init__(self, *args, seed: int, **kw) -> None:
+            made.append(seed)
+            super().__init__(*args, seed=seed, **kw)
+
+    monkeypatch.setattr(portfolio_module, "Planning", Counted)
+    kept = plan_on_cores(jobs=1, heats=3, resume_heats=True, seed=0, budget_s=3.0, clock=time.monotonic,
+                         plan=make_plan, swarm=swarm, model=swarm.model, planner="refined", **kwargs)
+    assert made == portfolio_seeds(0, 3)  # one search a seed: the best heat's went on
+    s = kept.search
+    assert s is not None and (s.jobs, s.heats, s.resumed) == (1, 3, True) and s.seed in made
+    replayed = make_plan(swarm, swarm.model, seed=s.seed, rounds=s.rounds, searches=s.searches, **kwargs)
+    assert replace(replayed, search=None) == replace(kept, search=None)
+    monkeypatch.undo()
+
+    plan = make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, heats=2, resume_heats=True,
+                     **kwargs)
+    s = plan.search
+    assert s is not None and (s.jobs, s.heats, s.resumed) == (2, 2, True) and s.seed in portfolio_seeds(0, 4)
+    replayed = make_plan(swarm, swarm.model, seed=s.seed, rounds=s.rounds, searches=s.searches, **kwargs)
+    assert replace(replayed, search=None) == replace(plan, search=None)
+    assert Plan.from_json(plan.to_json()) == plan and Plan.from_json(plan.to_json()).search.resumed is True
+    assert "2 at once, each job's best going on from where it stopped" in format_plan(plan, title="")
+
+
 def blas_threads() -> list[int]:
     """The thread count of each BLAS library loaded in this process."""
     return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
@@ -605,7 +641,7 @@ def test_the_planner_runs_its_blas_on_one_thread_and_gives_the_callers_threads_b
         seen.append(blas_threads())
         return paper_plan(*args, **kwargs)
 
-    monkeypatch.setattr(planner_module, "paper_plan", clustering)
+    monkeypatch.setattr(planning_module, "paper_plan", clustering)
     make_plan(swarm, swarm.model, batch_tokens=swarm.batch_tokens, microbatches=swarm.microbatches, rounds=1)
     assert seen and all(threads == [1] * len(before) for threads in seen)
     assert blas_threads() == before
@@ -764,6 +800,28 @@ def test_on_a_large_swarm_the_anytime_search_descends_and_never_walks(devices: i
     assert thinly_walked(256, WALK_COVER) and not thinly_walked(128, WALK_COVER)
     per_round = (record.scored - before) / record.rounds
     assert per_round <= DESCENT_BUDGET + 2 if large else per_round > 4000
+
+
+@pytest.mark.parametrize("devices", [96, 640])
+def test_the_anytime_phase_run_in_pieces_ends_where_one_run_of_as_many_rounds_ends(devices: int) -> None:
+    """``Anytime.run`` goes on from the round the last run stopped before, a round the clock cut short runs again: so
+    a heat that goes on (``portfolio``) ends on the plan that its seed and rounds replay, walking or descending."""
+    engine = large_engine(devices, seed=312)
+    groups = swarm_groups(engine)
+    assert groups is not None
+    whole, whole_score, whole_record = anytime(engine, groups, seed=3, fixed_stages=False,
+                                               out_of_time=lambda: False, max_rounds=4)
+    phase = anytime_module.Anytime(engine, groups, seed=3, fixed_stages=False)
+    phase.run(out_of_time=lambda: False, max_rounds=1)
+    assert phase.record.rounds == 1
+    looks = itertools.count()
+    phase.run(out_of_time=lambda: next(looks) >= 2)
+    # a walk looks at the clock every CHECK_EVERY moves: cut within its second round; a descent before it starts
+    assert phase.record.rounds == (3 if thinly_walked(devices, WALK_COVER) else 1)
+    phase.run(out_of_time=lambda: False, max_rounds=4)
+    record = phase.record
+    assert (phase.best, phase.best_score.pt) == (whole, whole_score.pt)
+    assert (record.rounds, record.improved) == (whole_record.rounds, whole_record.improved) and record.rounds == 4
 
 
 def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kick(monkeypatch) -> None:
@@ -1044,19 +1102,20 @@ def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_
     found: list[tuple[list[Group], Score]] = []
     started: list[list[Group]] = []
     then: list[list[list[Group]]] = []
-    real_search, real_anytime = refine_module.local_optimum, refine_module.anytime
+    real_search = refine_module.local_optimum
 
     def local_optimum(*args, **kwargs):
         found.append(real_search(*args, **kwargs))
         return found[-1]
 
-    def anytime(engine: Engine, groups: list[Group], **kwargs):
-        started.append(groups)
-        then.append(kwargs["then"])
-        return real_anytime(engine, groups, **kwargs)
+    class Anytime(refine_module.Anytime):
+        def __init__(self, engine: Engine, groups: list[Group], **kwargs) -> None:
+            started.append(groups)
+            then.append(kwargs["then"])
+            super().__init__(engine, groups, **kwargs)
 
     monkeypatch.setattr(refine_module, "local_optimum", local_optimum)
-    monkeypatch.setattr(refine_module, "anytime", anytime)
+    monkeypatch.setattr(refine_module, "Anytime", Anytime)
 
     def searches(engine: Engine, **kwargs) -> int:
         found.clear()

@@ -129,6 +129,7 @@ class SearchRecord:
     seed: int | None = None  # the seed of the search that found the plan (``portfolio``); None in plans of before it
     jobs: int = 1  # searches that ran at once, from as many seeds (``portfolio``)
     heats: int = 1  # seeds each of them searched in turn before the best searched again (``portfolio``)
+    resumed: bool = False  # whether each job's best heat went on from where it stopped, not from the start
 
 
 def default_budget_s(devices: int) -> float:
@@ -168,47 +169,80 @@ def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: boo
     rounds; after ``patience`` rounds in a row found nothing better, from the next of ``then``, and the phase ends
     when none is left (module doc). The best plan found and what was done. With ``fixed_stages`` no move changes the
     stage count."""
-    rounds = improved = misses = restarts = 0
-    moves = round_moves(engine.net.size)
-    score = engine.score(groups, timed=True)
-    best, best_score = groups, score
-    pending = iter(then)  # drawn only once a start stalls: a large swarm's may be searched for then (``refine``)
-    large = thinly_walked(engine.net.size, WALK_COVER)
-    settle = 0 if thinly_walked(engine.net.size, CORE_COVER) else SETTLE  # where rounds are scarce, none (module doc)
-    kind = DESCENT if large else WALK
-    while max_rounds is None or rounds < max_rounds:
-        if misses >= patience:
-            other = next(pending, None)
-            if other is None:
+    phase = Anytime(engine, groups, seed=seed, fixed_stages=fixed_stages, patience=patience, then=then)
+    phase.run(out_of_time=out_of_time, max_rounds=max_rounds)
+    return phase.best, phase.best_score, phase.record
+
+
+class Anytime:
+    """The anytime phase (``anytime``) kept between runs: a run goes on from the round the last one stopped before,
+    and rounds run in several runs end where the same rounds run in one would (each round's draws are seeded by its
+    number, and a round the clock cuts short is run again), so a portfolio's heat goes on from where it stopped
+    (``portfolio``) and its seed and rounds still replay it."""
+
+    def __init__(self, engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
+                 patience: float = PATIENCE, then: Iterable[list[Group]] = ()) -> None:
+        self.engine, self.seed, self.fixed_stages, self.patience = engine, seed, fixed_stages, patience
+        self.rounds = self.improved = self.misses = self.restarts = 0
+        self.moves = round_moves(engine.net.size)
+        self.groups, self.score = groups, engine.score(groups, timed=True)
+        self.best, self.best_score = self.groups, self.score
+        # drawn only once a start stalls: a large swarm's may be searched for then (``refine``)
+        self.pending = iter(then)
+        self.large = thinly_walked(engine.net.size, WALK_COVER)
+        # where rounds are scarce, no settling (module doc)
+        self.settle = 0 if thinly_walked(engine.net.size, CORE_COVER) else SETTLE
+        self.kind = DESCENT if self.large else WALK
+        self.ended = False  # every start stalled
+
+    @property
+    def record(self) -> SearchRecord:
+        """What the phase did so far."""
+        return SearchRecord(rounds=self.rounds, scored=self.engine.scored, improved=self.improved,
+                            restarts=self.restarts)
+
+    def run(self, *, out_of_time: Callable[[], bool], max_rounds: int | None = None) -> None:
+        """Rounds until ``out_of_time()``, ``max_rounds`` rounds in all, or every start stalled."""
+        engine = self.engine
+        while not self.ended and (max_rounds is None or self.rounds < max_rounds):
+            if self.misses >= self.patience:
+                other = next(self.pending, None)
+                if other is None:
+                    self.ended = True
+                    break
+                self.groups, self.misses, self.restarts = other, 0, self.restarts + 1
+                self.score, self.kind = engine.score(other, timed=True), DESCENT if self.large else WALK
+            result = self._round(out_of_time)
+            if result is None:
                 break
-            groups, misses, restarts = other, 0, restarts + 1
-            score, kind = engine.score(groups, timed=True), DESCENT if large else WALK
-        rng = np.random.default_rng([seed, rounds])
+            self.rounds += 1
+            trial, trial_score = result
+            better = trial_score.better_than(self.score)
+            if self.kind != WALK:
+                self.kind = DESCENT if better else AFTER_A_MISS[self.kind]
+            if better:
+                self.groups, self.score, self.misses = trial, trial_score, 0
+            else:
+                self.misses += 1
+            # another start counts from its first completed round on, as in a replay of the rounds completed
+            if self.score.better_than(self.best_score):
+                self.best, self.best_score = self.groups, self.score
+                self.improved += int(better)
+
+    def _round(self, out_of_time: Callable[[], bool]) -> tuple[list[Group], Score] | None:
+        """The next round's plan and score; None if the budget ended first."""
+        engine, groups, kind = self.engine, self.groups, self.kind
+        rng = np.random.default_rng([self.seed, self.rounds])
         if kind == WALK:
-            result = _round(engine, groups, score, rng=rng, moves=moves, hot=HOTS[rounds % len(HOTS)],
-                            fixed_stages=fixed_stages, out_of_time=out_of_time)
-        elif out_of_time():
-            result = None
-        else:
-            start = groups if kind != KICKED else _kick(engine, groups, rng, fixed_stages)
-            result = _local_search(engine, start, rng, wide=kind != DESCENT)
-            if kind == KICKED and result[1].pt <= score.pt * (1 + SETTLE_SLACK):
-                result = _settle(engine, result, rng, out_of_time, settle)
-        if result is None:
-            break
-        rounds += 1
-        trial, trial_score = result
-        better = trial_score.better_than(score)
-        if kind != WALK:
-            kind = DESCENT if better else AFTER_A_MISS[kind]
-        if better:
-            groups, score, misses = trial, trial_score, 0
-        else:
-            misses += 1
-        # another start counts from its first completed round on, as in a replay of the rounds completed
-        if score.better_than(best_score):
-            best, best_score, improved = groups, score, improved + int(better)
-    return best, best_score, SearchRecord(rounds=rounds, scored=engine.scored, improved=improved, restarts=restarts)
+            return _round(engine, groups, self.score, rng=rng, moves=self.moves, hot=HOTS[self.rounds % len(HOTS)],
+                          fixed_stages=self.fixed_stages, out_of_time=out_of_time)
+        if out_of_time():
+            return None
+        start = groups if kind != KICKED else _kick(engine, groups, rng, self.fixed_stages)
+        result = _local_search(engine, start, rng, wide=kind != DESCENT)
+        if kind == KICKED and result[1].pt <= self.score.pt * (1 + SETTLE_SLACK):
+            return _settle(engine, result, rng, out_of_time, self.settle)
+        return result
 
 
 def _local_search(engine: Engine, groups: list[Group], rng: np.random.Generator, *,

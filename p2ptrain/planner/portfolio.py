@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from p2ptrain.planner.anytime import CORE_COVER, WALK_COVER, thinly_walked
+from p2ptrain.planner.planning import Planning, budget_checks
 from p2ptrain.planner.records import Plan, PlanningError
 
 DEFAULT_JOBS = 2  # searches at once by default, where there are the cores: the measured setting (module doc)
@@ -96,14 +97,15 @@ def default_heats(devices: int) -> int:
 
 
 def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], float],
-                  plan: Callable[..., Plan], heats: int = 1, **kwargs: Any) -> Plan:
+                  plan: Callable[..., Plan], heats: int = 1, resume_heats: bool = False, **kwargs: Any) -> Plan:
     """The best of ``plan(seed=s, budget_s=..., ...)`` over ``portfolio_seeds(seed, jobs * heats)``, ``jobs`` at once:
     the first of them in this process on ``clock``, the others in spawned processes until the same deadlines
     (``time.monotonic``'s, which every process shares). With ``heats`` over one, each job first searches ``heats`` seeds
     in turn, each for ``HEAT_ROUNDS`` rounds within its share of ``HEAT_SHARE`` of the budget, then the ``jobs`` seeds
-    whose plans were best search again from the start until the budget ends (module doc). The plan's search record says
-    which seed found it, how many searched at once and in how many heats. Raises what this process's first search raises
-    where no search finds a plan."""
+    whose plans were best search again from the start until the budget ends (module doc); with ``resume_heats``, each
+    job's best heat goes on from where it stopped instead (``_resumed_lane``; ``plan`` is not called). The plan's search
+    record says which seed found it, how many searched at once and in how many heats. Raises what this process's first
+    search raises where no search finds a plan."""
     start = time.monotonic()
     seeds = portfolio_seeds(seed, jobs * heats)
     outcomes: dict[tuple[int, int], Plan | PlanningError] = {}  # by heat (0: the last search) and seed's index
@@ -111,7 +113,17 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
             else None)
     with pool or contextlib.nullcontext():
         finalists = list(range(jobs))
-        if heats > 1:
+        if heats > 1 and resume_heats:
+            lanes = [list(range(job, jobs * heats, jobs)) for job in range(jobs)]
+            ends = [start + (k + 1) * HEAT_SHARE * budget_s / heats for k in range(heats)]
+            others = [pool.submit(_resumed_lane, seeds=[seeds[i] for i in lane], ends=ends, end=start + budget_s,
+                                  clock=time.monotonic, **kwargs) for lane in lanes[1:]] if pool is not None else []
+            here = _resumed_lane(seeds=[seeds[i] for i in lanes[0]], ends=ends, end=start + budget_s, clock=clock,
+                                 **kwargs)
+            for lane, (heated, (k, final)) in zip(lanes, [here, *(future.result() for future in others)]):
+                outcomes |= {(1, i): o for i, o in zip(lane, heated)} | {(0, lane[k]): final}
+            finalists = []
+        elif heats > 1:
             lanes = [list(range(job, jobs * heats, jobs)) for job in range(jobs)]
             ends = [start + (k + 1) * HEAT_SHARE * budget_s / heats for k in range(heats)]
             outcomes |= {(1, i): o for i, o in _run(pool, plan, seeds, lanes, ends, clock=clock, rounds=HEAT_ROUNDS,
@@ -129,7 +141,8 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
     assert isinstance(best, Plan)
     if best.search is None:
         return best
-    return dataclasses.replace(best, search=dataclasses.replace(best.search, seed=seeds[i], jobs=jobs, heats=heats))
+    return dataclasses.replace(best, search=dataclasses.replace(best.search, seed=seeds[i], jobs=jobs, heats=heats,
+                                                                resumed=resume_heats and heats > 1))
 
 
 def _run(pool: ProcessPoolExecutor | None, plan: Callable[..., Plan], seeds: list[int], lanes: list[list[int]],
@@ -161,3 +174,41 @@ def _lane(plan: Callable[..., Plan], *, seeds: list[int], ends: list[float], clo
         except PlanningError as error:  # no plan from this seed; another may find one
             outcomes.append(error)
     return outcomes
+
+
+def _resumed_lane(*, seeds: list[int], ends: list[float], end: float, clock: Callable[[], float],
+                  **kwargs: Any) -> tuple[list[Plan | PlanningError], tuple[int, Plan | PlanningError]]:
+    """One job's heats that go on (``plan_on_cores`` with ``resume_heats``): each seed's search (``Planning``, its
+    steps before the anytime phase bounded by ``end``) runs ``HEAT_ROUNDS`` rounds of the phase or until its heat's
+    end, all on ``time.monotonic``; then the search whose plan was best (the first on ties) goes on until ``end``.
+    Each heat's plan (or why it found none), and which heat went on with the plan it ended with. A search that goes on
+    ends where one search of its seed that ran all its rounds at once would (``anytime.Anytime``), so its seed and
+    rounds replay it."""
+    def on_clock(at: float) -> float:  # a time on time.monotonic, on ``clock``
+        return clock() + at - time.monotonic()
+
+    heated: list[Plan | PlanningError] = []
+    searches: list[Planning | None] = []
+    for seed, heat_end in zip(seeds, ends):
+        planning: Planning | None = None
+        if heat_end <= time.monotonic():  # a heat's rounds alone would overrun the budget
+            heated.append(PlanningError("no time left for this heat"))
+        else:
+            try:
+                planning = Planning(seed=seed, checks=budget_checks(clock, clock(), on_clock(end)), **kwargs)
+                planning.run(out_of_time=budget_checks(clock, clock(), on_clock(heat_end))[0],
+                             max_rounds=HEAT_ROUNDS)
+                heated.append(planning.plan())
+            except PlanningError as error:  # no plan from this seed; another may find one
+                planning = None
+                heated.append(error)
+        searches.append(planning)
+    ranked = sorted((o.predicted.batch_time_s, k) for k, o in enumerate(heated) if isinstance(o, Plan))
+    if not ranked:
+        return heated, (0, heated[0])
+    best = ranked[0][1]
+    finalist = searches[best]
+    assert finalist is not None
+    del searches  # the other heats' engines and caches
+    finalist.run(out_of_time=budget_checks(clock, clock(), on_clock(end))[0])
+    return heated, (best, finalist.plan())

@@ -115,7 +115,8 @@ class Plan:
         return cls(stages=stages, idle=tuple(data.get("idle", ())), predicted=predicted,
                    planner=str(data.get("planner", "")),
                    search=None if search is None else SearchRecord(**{
-                       f.name: int(search[f.name]) for f in dataclasses.fields(SearchRecord)
+                       f.name: (bool if f.type == "bool" else int)(search[f.name])
+                       for f in dataclasses.fields(SearchRecord)
                        if f.name in search or f.default is dataclasses.MISSING}))  # plans of before `searches`
 
     def layouts(self, ids: Sequence[str]) -> list[StageLayout]:
@@ -190,8 +191,9 @@ def _search_line(s: SearchRecord) -> str:
     if s.seed is not None:
         line += f"; seed {s.seed}"
         if s.heats > 1:
-            line += (f", the best of {s.jobs * s.heats} searches from as many seeds, {s.jobs} at once, the best "
-                     f"{s.jobs} again for the rest of the budget")
+            line += (f", the best of {s.jobs * s.heats} searches from as many seeds, {s.jobs} at once, "
+                     + ("each job's best going on from where it stopped" if s.resumed else f"the best {s.jobs} again")
+                     + " for the rest of the budget")
         elif s.jobs > 1:
             line += f", the best of {s.jobs} searches from as many seeds"
         line += f" (--seed {s.seed} --rounds {s.rounds} --searches {s.searches} replays it)"

@@ -89,7 +89,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from p2ptrain.planner.anytime import CORE_COVER, PATIENCE, WALK_COVER, SearchRecord, anytime, thinly_walked
+from p2ptrain.planner.anytime import CORE_COVER, PATIENCE, WALK_COVER, Anytime, SearchRecord, thinly_walked
 from p2ptrain.planner.baselines import swarm_groups
 from p2ptrain.planner.cost import StageLayout, evaluate
 from p2ptrain.planner.paper import PaperResult, divisive_levels, order_clusters, spectral_bisection, split_roles
@@ -222,56 +222,103 @@ def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, sta
                     out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
                     anytime_patience: int | None = None, searches: int = SEARCHES,
                     may_search: Callable[[], bool] | None = None, time_left: Callable[[], float] | None = None,
-                    rounds: int = 200, budget: int = 2000,
-                    starts: int = 3, screen: int = 3, kick_total: int = 2000, patience: int = 6,
-                    kick_budget: int = 200) -> tuple[list[StageLayout] | None, SearchRecord | None]:
+                    **search: int) -> tuple[list[StageLayout] | None, SearchRecord | None]:
     """The refined plan (module doc); with ``out_of_time``, the anytime phase runs until it says the budget is
     spent (or ``max_rounds`` rounds), from the best of up to ``searches`` runs of steps 1-3 where its rounds are
     descents, each after the first only while ``may_search()`` (none without it), and where the phase stalls there,
     from the optima of new clusterings while ``time_left()`` seconds are ``RESTART_ROOM`` times the first run's (none
     without it; ``math.inf``, as where ``max_rounds`` bounds the phase: no bound); what it did comes back beside the
     plan. ``anytime_patience``: rounds in a row without a better plan after which the phase goes on from another start
-    or ends (default: ``PATIENCE``, and no bound after a large swarm's race, module doc)."""
-    reliable = np.flatnonzero(engine.reliable)
-    most = min(len(reliable) // 2, engine.layers)
-    if paper is not None and len(paper.levels) >= (stages or most):
-        levels, chosen = paper.levels, paper.chosen
-    else:
-        levels, chosen = divisive_levels(engine, reliable, stages or most, seed, reach=stages is not None), 1
-    if out_of_time is not None and stages is None and thinly_walked(engine.net.size, CORE_COVER):
-        cores = core_starts(engine, levels, seed)
-        if cores:  # else the refined search's own starts (`starts` is their count)
-            winner, _ = race(engine, cores, seed=seed, out_of_time=out_of_time)
-            return _searched(engine, engine.admit(winner, engine.idle(winner), timed=True), seed=seed,
-                             fixed_stages=False, out_of_time=out_of_time, max_rounds=max_rounds,
-                             patience=math.inf if anytime_patience is None else anytime_patience)
-    search = dict(rounds=rounds, budget=budget, starts=starts, screen=screen, kick_total=kick_total,
-                  patience=patience, kick_budget=kick_budget)
-    left = time_left() if time_left is not None else math.inf
-    optima = [local_optimum(engine, paper, levels, chosen, seed=seed, stages=stages, **search)]
-    took = left - time_left() if time_left is not None and math.isfinite(left) else 0.0  # a quick search's time
-    # where the anytime phase only descends (a large swarm), it seldom leaves the basin it starts in
-    descends = may_search is not None and thinly_walked(engine.net.size, WALK_COVER)
-    for i in range(1, searches if descends else 1):
-        if not may_search():
-            break
-        optima.append(_other_optimum(engine, paper, i, seed=seed, stages=stages, **search))
-    found = [o for o in optima if o is not None]
-    if not found:
-        return None, None
-    best = found[0]
-    for optimum in found[1:]:
-        best = optimum if optimum[1].better_than(best[1]) else best
-    # where the phase stalls, it goes on from the others, the better first, then (where it descends) from the optima
-    # of new clusterings while the budget has room for them
-    rest = [groups for groups, _ in sorted((o for o in found if o is not best), key=ranked)]
-    room = (lambda: False) if time_left is None else (lambda: time_left() >= RESTART_ROOM * took)
-    then = _restarts(engine, paper, rest, first=len(optima), room=room, seed=seed, stages=stages,
-                     **search) if descends else rest
-    layouts, record = _searched(engine, best, then=then, seed=seed, fixed_stages=stages is not None,
-                                out_of_time=out_of_time, max_rounds=max_rounds,
-                                patience=PATIENCE if anytime_patience is None else anytime_patience)
-    return layouts, None if record is None else dataclasses.replace(record, searches=len(optima))
+    or ends (default: ``PATIENCE``, and no bound after a large swarm's race, module doc). ``search``: the counts that
+    bound steps 1-3 (``local_optimum``)."""
+    searched = RefinedSearch(engine, paper, seed=seed, stages=stages, anytime=out_of_time is not None,
+                             out_of_time=out_of_time or (lambda: False), anytime_patience=anytime_patience,
+                             searches=searches, may_search=may_search, time_left=time_left, **search)
+    if out_of_time is not None:
+        searched.run(out_of_time=out_of_time, max_rounds=max_rounds)
+    return searched.layouts()
+
+
+class RefinedSearch:
+    """The refined search of one seed (``refined_layouts``), kept between runs of its anytime phase: steps 1-3 (or a
+    large swarm's race) when made, then each ``run`` goes on with the phase's rounds (``anytime.Anytime``), so that a
+    portfolio's heat goes on from where it stopped (``portfolio``)."""
+
+    def __init__(self, engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None, anytime: bool,
+                 out_of_time: Callable[[], bool], anytime_patience: int | None, searches: int,
+                 may_search: Callable[[], bool] | None, time_left: Callable[[], float] | None,
+                 rounds: int = 200, budget: int = 2000, starts: int = 3, screen: int = 3, kick_total: int = 2000,
+                 patience: int = 6, kick_budget: int = 200) -> None:
+        """``anytime``: whether the phase follows (else ``run`` may not be called); ``out_of_time`` bounds a large
+        swarm's race."""
+        self.engine, self.searches = engine, 1
+        self.start: tuple[list[Group], Score] | None = None
+        self.phase: Anytime | None = None
+        reliable = np.flatnonzero(engine.reliable)
+        most = min(len(reliable) // 2, engine.layers)
+        if paper is not None and len(paper.levels) >= (stages or most):
+            levels, chosen = paper.levels, paper.chosen
+        else:
+            levels, chosen = divisive_levels(engine, reliable, stages or most, seed, reach=stages is not None), 1
+        if anytime and stages is None and thinly_walked(engine.net.size, CORE_COVER):
+            cores = core_starts(engine, levels, seed)
+            if cores:  # else the refined search's own starts (`starts` is their count)
+                winner, _ = race(engine, cores, seed=seed, out_of_time=out_of_time)
+                self._begin(engine.admit(winner, engine.idle(winner), timed=True), seed=seed, fixed_stages=False,
+                            anytime=anytime, patience=math.inf if anytime_patience is None else anytime_patience)
+                return
+        search = dict(rounds=rounds, budget=budget, starts=starts, screen=screen, kick_total=kick_total,
+                      patience=patience, kick_budget=kick_budget)
+        left = time_left() if time_left is not None else math.inf
+        optima = [local_optimum(engine, paper, levels, chosen, seed=seed, stages=stages, **search)]
+        took = left - time_left() if time_left is not None and math.isfinite(left) else 0.0  # a quick search's time
+        # where the anytime phase only descends (a large swarm), it seldom leaves the basin it starts in
+        descends = may_search is not None and thinly_walked(engine.net.size, WALK_COVER)
+        for i in range(1, searches if descends else 1):
+            if not may_search():
+                break
+            optima.append(_other_optimum(engine, paper, i, seed=seed, stages=stages, **search))
+        self.searches = len(optima)
+        found = [o for o in optima if o is not None]
+        if not found:
+            return
+        best = found[0]
+        for optimum in found[1:]:
+            best = optimum if optimum[1].better_than(best[1]) else best
+        # where the phase stalls, it goes on from the others, the better first, then (where it descends) from the
+        # optima of new clusterings while the budget has room for them
+        rest = [groups for groups, _ in sorted((o for o in found if o is not best), key=ranked)]
+        room = (lambda: False) if time_left is None else (lambda: time_left() >= RESTART_ROOM * took)
+        then = _restarts(engine, paper, rest, first=len(optima), room=room, seed=seed, stages=stages,
+                         **search) if descends else rest
+        self._begin(best, seed=seed, fixed_stages=stages is not None, anytime=anytime, then=then,
+                    patience=PATIENCE if anytime_patience is None else anytime_patience)
+
+    def _begin(self, start: tuple[list[Group], Score], *, seed: int, fixed_stages: bool, anytime: bool,
+               patience: float, then: Iterable[list[Group]] = ()) -> None:
+        self.start = start
+        if anytime:
+            self.phase = Anytime(self.engine, start[0], seed=seed, fixed_stages=fixed_stages, patience=patience,
+                                 then=then)
+
+    def run(self, *, out_of_time: Callable[[], bool], max_rounds: int | None = None) -> None:
+        """The anytime phase's rounds until ``out_of_time()`` or ``max_rounds`` in all (``Anytime.run``)."""
+        if self.phase is not None:
+            self.phase.run(out_of_time=out_of_time, max_rounds=max_rounds)
+
+    def layouts(self) -> tuple[list[StageLayout] | None, SearchRecord | None]:
+        """The better layout of what the anytime phase started and ended with (the start's without the phase), and
+        what the phase did."""
+        if self.start is None:
+            return None, None
+        engine, finalists, record = self.engine, [self.start], None
+        if self.phase is not None:
+            finalists.append((self.phase.best, self.phase.best_score))
+            record = dataclasses.replace(self.phase.record, searches=self.searches)
+        # the engine's score prices shares by compute and some shared tensors by a bound: the exact cost model decides
+        options = [o for groups, score in finalists
+                   for o in (engine.layouts(groups, score), timed_layouts(engine, groups))]
+        return better(engine, *options), record
 
 
 def _other_optimum(engine: Engine, paper: PaperResult | None, i: int, *, seed: int, stages: int | None,
@@ -335,21 +382,6 @@ def local_optimum(engine: Engine, paper: PaperResult | None, levels: list[list[n
     searched, _ = perturb(engine, *best, rng=rng, budget=kick_total, patience=patience, rounds=rounds,
                           kick_budget=kick_budget)
     return engine.admit(searched, engine.idle(searched), timed=True)
-
-
-def _searched(engine: Engine, best: tuple[list[Group], Score], *, seed: int, fixed_stages: bool,
-              out_of_time: Callable[[], bool] | None, max_rounds: int | None, patience: float,
-              then: Iterable[list[Group]] = ()) -> tuple[list[StageLayout] | None, SearchRecord | None]:
-    """The anytime phase from ``best``, then ``then`` (given a budget), and the better layout of what it started and
-    ended with."""
-    finalists, record = [best], None
-    if out_of_time is not None:
-        *searched, record = anytime(engine, best[0], seed=seed, fixed_stages=fixed_stages, out_of_time=out_of_time,
-                                    max_rounds=max_rounds, patience=patience, then=then)
-        finalists.append(searched)
-    # the engine's score prices shares by compute and some shared tensors by a bound: the exact cost model decides
-    options = [o for groups, score in finalists for o in (engine.layouts(groups, score), timed_layouts(engine, groups))]
-    return better(engine, *options), record
 
 
 def better(engine: Engine, *options: Sequence[StageLayout] | None) -> list[StageLayout] | None:
