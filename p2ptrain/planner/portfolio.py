@@ -113,23 +113,22 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
             else None)
     with pool or contextlib.nullcontext():
         finalists = list(range(jobs))
-        if heats > 1 and resume_heats:
+        if heats > 1:
             lanes = [list(range(job, jobs * heats, jobs)) for job in range(jobs)]
             ends = [start + (k + 1) * HEAT_SHARE * budget_s / heats for k in range(heats)]
-            others = [pool.submit(_resumed_lane, seeds=[seeds[i] for i in lane], ends=ends, end=start + budget_s,
-                                  clock=time.monotonic, **kwargs) for lane in lanes[1:]] if pool is not None else []
-            here = _resumed_lane(seeds=[seeds[i] for i in lanes[0]], ends=ends, end=start + budget_s, clock=clock,
-                                 **kwargs)
-            for lane, (heated, (k, final)) in zip(lanes, [here, *(future.result() for future in others)]):
-                outcomes |= {(1, i): o for i, o in zip(lane, heated)} | {(0, lane[k]): final}
-            finalists = []
-        elif heats > 1:
-            lanes = [list(range(job, jobs * heats, jobs)) for job in range(jobs)]
-            ends = [start + (k + 1) * HEAT_SHARE * budget_s / heats for k in range(heats)]
-            outcomes |= {(1, i): o for i, o in _run(pool, plan, seeds, lanes, ends, clock=clock, rounds=HEAT_ROUNDS,
-                                                     **kwargs)}
-            ranked = sorted((o.predicted.batch_time_s, i) for (_, i), o in outcomes.items() if isinstance(o, Plan))
-            finalists = [i for _, i in ranked[:jobs]]
+            if resume_heats:
+                others = [pool.submit(_resumed_lane, seeds=[seeds[i] for i in lane], ends=ends, end=start + budget_s,
+                                      clock=time.monotonic, **kwargs) for lane in lanes[1:]] if pool else []
+                here = _resumed_lane(seeds=[seeds[i] for i in lanes[0]], ends=ends, end=start + budget_s, clock=clock,
+                                     **kwargs)
+                for lane, (heated, (k, final)) in zip(lanes, [here, *(future.result() for future in others)]):
+                    outcomes |= {(1, i): o for i, o in zip(lane, heated)} | {(0, lane[k]): final}
+                finalists = []
+            else:
+                outcomes |= {(1, i): o for i, o in _run(pool, plan, seeds, lanes, ends, clock=clock,
+                                                         rounds=HEAT_ROUNDS, **kwargs)}
+                ranked = sorted((o.predicted.batch_time_s, i) for (_, i), o in outcomes.items() if isinstance(o, Plan))
+                finalists = [i for _, i in ranked[:jobs]]
         if finalists:
             outcomes |= {(0, i): o for i, o in _run(pool, plan, seeds, [[i] for i in finalists], [start + budget_s],
                                                      clock=clock, rounds=None, **kwargs)}
