@@ -42,6 +42,15 @@ heat runs ``HEAT_ROUNDS`` rounds (within its time, which it seldom needs at 256 
 mean, the worst 1.060x, 10 of 12 within 5%, seed 0's plans 1.038, 1.036, 1.038 and 1.038x. Tried by hand, 2 seeds a job
 for 30% of the budget ended 1.042x, 1.068x and 5 of 12. ``HEATS`` holds where the rounds descend (``default_heats``): on
 smaller swarms one search walks far enough, and a race of cores replaces steps 1-3 on larger ones.
+Heats that resume (``resume_heats``, not the default): each job's best heat goes on from where it stopped (its search
+kept in the job, ``planning.Planning``), so a finalist keeps its heat's rounds and does not run its steps before the
+anytime phase again, which at 1,024 devices take 5.2 s of the 44 s. Measured there (2 jobs, the default budget, planner
+seeds 0 and 1, one run after the other per plan; swarms 710-712, 720, 500 and 501, then 713, 721, 502, 503, 600 and
+601), 2 heats a job against one search a job: PT 0.985x in the geometric mean on the first 12 plans (lower on 5, higher
+on 3), 1.005x on the next 11 (lower on 2, higher on 7), 0.994x on all 23 (0.851x to 1.123x); 3 heats (first 12 only)
+0.980x (lower on 4, higher on 6). Against the best plan of each swarm among these runs, the worst fell from 1.31x to
+1.155x, but 15 of 23 ended within 5% where 17: the heats find the better seeds where one is far better, and the
+finalist's fewer rounds (108-171 where 133-205) cost it elsewhere. So it stays off by default.
 Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
 geo-1024-seed710 two planning processes at once took 22 s to reach the large swarm's race (``refine``; 2.2 s with one
 thread each), and `python -m p2ptrain.plan` there (2 jobs, default budget) ran 102 rounds of the anytime phase, where
