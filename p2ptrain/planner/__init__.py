@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from p2ptrain.planner.planning import RANDOM_SAMPLES, UNBOUNDED, Planning, budget_checks
+from p2ptrain.planner.planning import RANDOM_SAMPLES, UNBOUNDED, Planning, budget
 from p2ptrain.planner.portfolio import SEARCHES_EACH, default_heats, plan_on_cores
 from p2ptrain.planner.presets import ModelSpec, config_spec, model_spec
 from p2ptrain.planner.records import Plan, PlanningError, Prediction, StagePlan, format_plan
@@ -44,21 +44,21 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     """
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
-    checks = None
+    limit = None
     if budget_s > 0:
         if clock is None:
             raise ValueError("a planning budget needs a clock")
         start = clock()
-        checks = budget_checks(clock, start, start + budget_s)
+        limit = budget(clock, start, start + budget_s)
     elif rounds is not None:
-        checks = UNBOUNDED
+        limit = UNBOUNDED
     reliable = swarm.reliable
     if stages is not None and not 1 <= stages <= min(int(reliable.sum()) // 2, model.layers):
         raise PlanningError(f"--stages {stages} needs 2 reliable devices per stage and a layer per stage: this swarm "
                             f"has {int(reliable.sum())} reliable devices and the model {model.layers} layers")
     if heats is None:
         heats = default_heats(len(swarm.devices))
-    portfolio = (jobs > 1 or heats > 1) and planner == "refined" and rounds is None and checks is not None
+    portfolio = (jobs > 1 or heats > 1) and planner == "refined" and rounds is None and limit is not None
     if searches is None:
         searches = SEARCHES_EACH if portfolio else SEARCHES
     if portfolio:
@@ -73,7 +73,6 @@ def make_plan(swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches
     # (``portfolio``); and a replay on one core (``jobs`` 1) runs the same BLAS as the portfolio's search it replays
     planning = Planning(swarm, model, batch_tokens=batch_tokens, microbatches=microbatches, planner=planner,
                         stages=stages, seed=seed, random_samples=random_samples, average_every=average_every,
-                        searches=searches, patience=patience, checks=checks)
-    if checks is not None:
-        planning.run(out_of_time=checks[0], max_rounds=rounds)
+                        searches=searches, patience=patience, limit=limit)
+    planning.run(max_rounds=rounds)
     return planning.plan()

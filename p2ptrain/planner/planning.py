@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from threadpoolctl import threadpool_limits
 
@@ -17,30 +18,36 @@ from p2ptrain.planner.refine import SEARCH_SHARE, SEARCHES, RefinedSearch, bette
 from p2ptrain.planner.search import Engine
 from p2ptrain.planner.swarmfile import Swarm
 
-Checks = tuple[Callable[[], bool], Callable[[], bool], Callable[[], float]]
+
+class Budget(NamedTuple):
+    """What the refined search asks of its time budget (``budget``)."""
+
+    out_of_time: Callable[[], bool]  # whether it is spent
+    may_search: Callable[[], bool]  # whether its first ``SEARCH_SHARE`` lasts (``refine``)
+    time_left: Callable[[], float]  # seconds
 
 
-def budget_checks(clock: Callable[[], float], start: float, end: float) -> Checks:
-    """What the refined search asks of a budget from ``start`` to ``end`` on ``clock``: whether it is spent, whether
-    its first ``SEARCH_SHARE`` lasts (``refine``), and the seconds left."""
-    return (lambda: clock() >= end, lambda: clock() < start + SEARCH_SHARE * (end - start),
-            lambda: end - clock())
+def budget(clock: Callable[[], float], start: float, end: float) -> Budget:
+    """The budget from ``start`` to ``end`` on ``clock``."""
+    return Budget(out_of_time=lambda: clock() >= end, may_search=lambda: clock() < start + SEARCH_SHARE * (end - start),
+                  time_left=lambda: end - clock())
 
 
-UNBOUNDED: Checks = (lambda: False, lambda: True, lambda: math.inf)  # a replay's: its rounds bound it
+UNBOUNDED = Budget(out_of_time=lambda: False, may_search=lambda: True, time_left=lambda: math.inf)  # a replay's
 RANDOM_SAMPLES = 2000  # the random baseline's plans
 
 
 class Planning:
     """``planner``'s plan for one seed: made up to the refined planner's anytime phase when constructed, which each
     ``run`` goes on with (``refine.RefinedSearch``); ``plan`` is the plan so far. One BLAS thread throughout
-    (``make_plan``). ``checks``: the budget's (``budget_checks``), where the refined planner has one."""
+    (``make_plan``). ``limit``: the refined planner's budget, where it has one (``UNBOUNDED`` where rounds bound it).
+    """
 
     def __init__(self, swarm: Swarm, model: ModelSpec, *, batch_tokens: int, microbatches: int, seed: int,
                  planner: str = "refined", stages: int | None = None, random_samples: int = RANDOM_SAMPLES,
                  average_every: int = 1, searches: int = SEARCHES, patience: int | None = None,
-                 checks: Checks | None = None) -> None:
-        self.swarm, self.planner, self.seed = swarm, planner, seed
+                 limit: Budget | None = None) -> None:
+        self.swarm, self.planner, self.seed, self.limit = swarm, planner, seed, limit
         self.refined: RefinedSearch | None = None
         self.layouts: list[StageLayout] | None = None
         with threadpool_limits(limits=1, user_api="blas"):
@@ -51,11 +58,11 @@ class Planning:
                 paper = paper_plan(self.engine, seed=seed, stages=stages)
                 self.layouts = None if paper is None else [g.layout(n) for g, n in zip(paper.groups, paper.layers)]
                 if planner == "refined":
-                    out_of_time, may_search, time_left = checks or (None, None, None)
-                    self.refined = RefinedSearch(self.engine, paper, seed=seed, stages=stages,
-                                                 anytime=checks is not None, out_of_time=out_of_time or UNBOUNDED[0],
-                                                 anytime_patience=patience, searches=searches,
-                                                 may_search=may_search, time_left=time_left)
+                    self.refined = RefinedSearch(
+                        self.engine, paper, seed=seed, stages=stages, anytime=limit is not None,
+                        anytime_patience=patience, searches=searches, out_of_time=(limit or UNBOUNDED).out_of_time,
+                        may_search=None if limit is None else limit.may_search,
+                        time_left=None if limit is None else limit.time_left)
             elif stages is not None:
                 raise ValueError(f"--stages applies to the paper and refined planners, not {planner}")
             elif planner == "random":
@@ -65,12 +72,12 @@ class Planning:
             else:
                 self.layouts = dtfm_layouts(self.engine, seed=seed)
 
-    def run(self, *, out_of_time: Callable[[], bool], max_rounds: int | None = None) -> None:
-        """The refined planner's anytime rounds until ``out_of_time()`` or ``max_rounds`` in all (none for the other
-        planners, or without a budget)."""
-        if self.refined is not None:
+    def run(self, *, out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None) -> None:
+        """The refined planner's anytime rounds until ``out_of_time()`` (default: the budget's end) or ``max_rounds``
+        in all (none for the other planners, or without a budget)."""
+        if self.refined is not None and self.limit is not None:
             with threadpool_limits(limits=1, user_api="blas"):
-                self.refined.run(out_of_time=out_of_time, max_rounds=max_rounds)
+                self.refined.run(out_of_time=out_of_time or self.limit.out_of_time, max_rounds=max_rounds)
 
     def plan(self) -> Plan:
         """The plan so far (the refined planner's: the better of its search's and the paper's); raises

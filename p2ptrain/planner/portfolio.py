@@ -65,12 +65,12 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from p2ptrain.planner.anytime import CORE_COVER, WALK_COVER, thinly_walked
-from p2ptrain.planner.planning import Planning, budget_checks
+from p2ptrain.planner.planning import Planning, budget
 from p2ptrain.planner.records import Plan, PlanningError
 
 DEFAULT_JOBS = 2  # searches at once by default, where there are the cores: the measured setting (module doc)
@@ -171,52 +171,48 @@ def _lane(plan: Callable[..., Plan], *, seeds: list[int], ends: list[float], clo
     """One job's searches of the portfolio, in turn, each until its end on ``time.monotonic`` and each a single search
     (where heats are the default, ``plan`` would run heats of its own) (in a spawned process ``plan`` goes there by
     name, as pickle sends functions): each one's plan, or why it found none."""
-    outcomes: list[Plan | PlanningError] = []
-    for seed, end in zip(seeds, ends):
-        if rounds is not None and end <= time.monotonic():  # a heat's rounds alone would overrun the budget
-            outcomes.append(PlanningError("no time left for this heat"))
-            continue
-        try:
-            outcomes.append(plan(seed=seed, budget_s=max(0.0, end - time.monotonic()), clock=clock, rounds=rounds,
-                                 jobs=1, heats=1, **kwargs))
-        except PlanningError as error:  # no plan from this seed; another may find one
-            outcomes.append(error)
-    return outcomes
+    return [_heat(lambda: plan(seed=seed, budget_s=max(0.0, end - time.monotonic()), clock=clock, rounds=rounds,
+                               jobs=1, heats=1, **kwargs), end=end if rounds is not None else None)
+            for seed, end in zip(seeds, ends)]
 
 
 def _resumed_lane(*, seeds: list[int], ends: list[float], end: float, clock: Callable[[], float],
                   **kwargs: Any) -> tuple[list[Plan | PlanningError], tuple[int, Plan | PlanningError]]:
     """One job's heats that go on (``plan_on_cores`` with ``resume_heats``): each seed's search (``Planning``, its
-    steps before the anytime phase bounded by ``end``) runs ``HEAT_ROUNDS`` rounds of the phase or until its heat's
-    end, all on ``time.monotonic``; then the search whose plan was best (the first on ties) goes on until ``end``.
-    Each heat's plan (or why it found none), and which heat went on with the plan it ended with. A search that goes on
-    ends where one search of its seed that ran all its rounds at once would (``anytime.Anytime``), so its seed and
-    rounds replay it."""
+    budget ending at ``end``) runs ``HEAT_ROUNDS`` rounds of the anytime phase or until its heat's end, all on
+    ``time.monotonic``; then the search whose plan was best (the first on ties) goes on until ``end``. Each heat's plan
+    (or why it found none), and which heat went on with the plan it ended with. A search that goes on ends where one
+    search of its seed that ran all its rounds at once would (``anytime.Anytime``), so its seed and rounds replay it."""
     def on_clock(at: float) -> float:  # a time on time.monotonic, on ``clock``
         return clock() + at - time.monotonic()
 
-    heated: list[Plan | PlanningError] = []
-    searches: list[Planning | None] = []
-    for seed, heat_end in zip(seeds, ends):
-        planning: Planning | None = None
-        if heat_end <= time.monotonic():  # a heat's rounds alone would overrun the budget
-            heated.append(PlanningError("no time left for this heat"))
-        else:
-            try:
-                planning = Planning(seed=seed, checks=budget_checks(clock, clock(), on_clock(end)), **kwargs)
-                planning.run(out_of_time=budget_checks(clock, clock(), on_clock(heat_end))[0],
-                             max_rounds=HEAT_ROUNDS)
-                heated.append(planning.plan())
-            except PlanningError as error:  # no plan from this seed; another may find one
-                planning = None
-                heated.append(error)
-        searches.append(planning)
+    def heat(seed: int, heat_end: float) -> tuple[Planning, Plan]:
+        planning = Planning(seed=seed, limit=budget(clock, clock(), on_clock(end)), **kwargs)
+        planning.run(out_of_time=budget(clock, clock(), on_clock(heat_end)).out_of_time, max_rounds=HEAT_ROUNDS)
+        return planning, planning.plan()
+
+    heats = [_heat(lambda: heat(seed, heat_end), end=heat_end) for seed, heat_end in zip(seeds, ends)]
+    heated = [o if isinstance(o, PlanningError) else o[1] for o in heats]
     ranked = sorted((o.predicted.batch_time_s, k) for k, o in enumerate(heated) if isinstance(o, Plan))
     if not ranked:
         return heated, (0, heated[0])
     best = ranked[0][1]
-    finalist = searches[best]
-    assert finalist is not None
-    del searches  # the other heats' engines and caches
-    finalist.run(out_of_time=budget_checks(clock, clock(), on_clock(end))[0])
-    return heated, (best, finalist.plan())
+    finalist = heats[best]
+    assert not isinstance(finalist, PlanningError)
+    del heats  # the other heats' engines and caches
+    finalist[0].run()
+    return heated, (best, finalist[0].plan())
+
+
+Outcome = TypeVar("Outcome")
+
+
+def _heat(search: Callable[[], Outcome], *, end: float | None) -> Outcome | PlanningError:
+    """``search()``, or why it found no plan: it raised ``PlanningError`` (another seed may find one), or ``end`` on
+    ``time.monotonic`` has passed (a heat's rounds alone would overrun the budget)."""
+    if end is not None and end <= time.monotonic():
+        return PlanningError("no time left for this heat")
+    try:
+        return search()
+    except PlanningError as error:
+        return error
