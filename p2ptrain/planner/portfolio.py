@@ -50,7 +50,9 @@ seeds 0 and 1, one run after the other per plan; swarms 710-712, 720, 500 and 50
 on 3), 1.005x on the next 11 (lower on 2, higher on 7), 0.994x on all 23 (0.851x to 1.123x); 3 heats (first 12 only)
 0.980x (lower on 4, higher on 6). Against the best plan of each swarm among these runs, the worst fell from 1.31x to
 1.155x, but 15 of 23 ended within 5% where 17: the heats find the better seeds where one is far better, and the
-finalist's fewer rounds (108-171 where 133-205) cost it elsewhere. So it stays off by default.
+finalist's fewer rounds (108-171 where 133-205) cost it elsewhere. So it stays off by default. Heats of 20 rounds
+(resumed, the same 23 plans) measured no better: 0.997x one search a job's PT, the worst 1.202x the best, 12 of 23
+within 5% (``benchmarks/results/planner-gap-history.md``).
 Each search runs its BLAS on one thread (``make_plan``). With OpenBLAS's thread per core in each job, on
 geo-1024-seed710 two planning processes at once took 22 s to reach the large swarm's race (``refine``; 2.2 s with one
 thread each), and `python -m p2ptrain.plan` there (2 jobs, default budget) ran 102 rounds of the anytime phase, where
