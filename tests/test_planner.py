@@ -5,6 +5,7 @@ import inspect
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from p2ptrain.planner.anytime import (
     DESCENT_BUDGET,
     PATIENCE,
     WALK_COVER,
-    anytime,
+    Anytime,
     default_budget_s,
     random_move,
     thinly_walked,
@@ -783,6 +784,14 @@ def large_engine(devices: int, seed: int) -> Engine:
                                                  batch_tokens=2048 * 512, microbatches=64), swarm.reliable)
 
 
+def ran(engine: Engine, groups: list[Group], *, seed: int = 0, out_of_time: Callable[[], bool] = lambda: False,
+        max_rounds: int | None = None, **kwargs) -> Anytime:
+    """The anytime phase from ``groups`` after one run (``Anytime.run``), moves free to change the stage count."""
+    phase = Anytime(engine, groups, seed=seed, fixed_stages=False, **kwargs)
+    phase.run(out_of_time=out_of_time, max_rounds=max_rounds)
+    return phase
+
+
 @pytest.mark.parametrize("devices", [96, 640])
 def test_on_a_large_swarm_the_anytime_search_descends_and_never_walks(devices: int) -> None:
     """Where a walk would move each device fewer than WALK_COVER times, rounds are local searches alone: a descent
@@ -793,7 +802,8 @@ def test_on_a_large_swarm_the_anytime_search_descends_and_never_walks(devices: i
     assert groups is not None
     start = engine.score(groups, timed=True)
     before = engine.scored
-    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=2)
+    phase = ran(engine, groups, max_rounds=2)
+    score, record = phase.best_score, phase.record
     assert record.rounds == 2 and score.better_than(start)
     large = thinly_walked(devices, WALK_COVER)
     assert large == (devices == 640) and not thinly_walked(256, CORE_COVER)
@@ -809,9 +819,8 @@ def test_the_anytime_phase_run_in_pieces_ends_where_one_run_of_as_many_rounds_en
     engine = large_engine(devices, seed=312)
     groups = swarm_groups(engine)
     assert groups is not None
-    whole, whole_score, whole_record = anytime(engine, groups, seed=3, fixed_stages=False,
-                                               out_of_time=lambda: False, max_rounds=4)
-    phase = anytime_module.Anytime(engine, groups, seed=3, fixed_stages=False)
+    whole = ran(engine, groups, seed=3, max_rounds=4)
+    phase = Anytime(engine, groups, seed=3, fixed_stages=False)
     phase.run(out_of_time=lambda: False, max_rounds=1)
     assert phase.record.rounds == 1
     looks = itertools.count()
@@ -820,8 +829,8 @@ def test_the_anytime_phase_run_in_pieces_ends_where_one_run_of_as_many_rounds_en
     assert phase.record.rounds == (3 if thinly_walked(devices, WALK_COVER) else 1)
     phase.run(out_of_time=lambda: False, max_rounds=4)
     record = phase.record
-    assert (phase.best, phase.best_score.pt) == (whole, whole_score.pt)
-    assert (record.rounds, record.improved) == (whole_record.rounds, whole_record.improved) and record.rounds == 4
+    assert (phase.best, phase.best_score.pt) == (whole.best, whole.best_score.pt)
+    assert (record.rounds, record.improved) == (whole.record.rounds, whole.record.improved) and record.rounds == 4
 
 
 def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kick(monkeypatch) -> None:
@@ -855,7 +864,8 @@ def test_a_large_swarms_rounds_widen_after_a_descent_that_finds_nothing_then_kic
     monkeypatch.setattr(anytime_module, "_local_search", search)
     monkeypatch.setattr(anytime_module, "_kick", kick)
     monkeypatch.setattr(anytime_module, "SETTLE", 0)  # a kick's later descents: the next test
-    found, _, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=6)
+    phase = ran(engine, groups, max_rounds=6)
+    found, record = phase.best, phase.record
     kinds = [kind for kind, _, _ in rounds]
     assert record.rounds == 6 and found == best[0]
     assert rounds[0][2] and kinds[:5] == ["descent", "descent", "wide", "kick", "kick"]
@@ -890,14 +900,16 @@ def test_a_kicks_wide_descent_goes_on_while_it_finds_better_plans(monkeypatch) -
     # a descent and a wide one find nothing; a kick's wide descent finds 0.9, two more 0.8 and 0.7, the third nothing
     monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, 0.9 * start, 0.8 * start,
                                                                     0.7 * start, 0.7 * start, None]))
-    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=4)
+    phase = ran(engine, groups, max_rounds=4)
+    score, record = phase.best_score, phase.record
     assert calls == [False, True, True, True, True, True, False]
     assert (record.rounds, record.improved, score.pt) == (4, 1, 0.7 * start)
     calls.clear()
     monkeypatch.setattr(anytime_module, "SETTLE", 2)
     monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, 0.9 * start, 0.8 * start,
                                                                     0.7 * start, 0.6 * start]))
-    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=4)
+    phase = ran(engine, groups, max_rounds=4)
+    score, record = phase.best_score, phase.record
     assert calls == [False, True, True, True, True, False]
     assert (record.rounds, score.pt) == (4, 0.6 * start)
     calls.clear()
@@ -905,12 +917,14 @@ def test_a_kicks_wide_descent_goes_on_while_it_finds_better_plans(monkeypatch) -
     far, near = 1.01 * (1 + anytime_module.SETTLE_SLACK), 1.0 + anytime_module.SETTLE_SLACK / 2
     monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, far * start, near * start,
                                                                     0.95 * start, 0.95 * start]))
-    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=4)
+    phase = ran(engine, groups, max_rounds=4)
+    score, record = phase.best_score, phase.record
     assert calls == [False, True, True, True, True, True]
     assert (record.rounds, record.improved, score.pt) == (4, 1, 0.95 * start)
     calls.clear()
     monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, 0.9 * start, 0.8 * start]))
-    _, score, record = anytime(engine, groups, seed=0, fixed_stages=False, out_of_time=lambda: len(calls) == 4)
+    phase = ran(engine, groups, out_of_time=lambda: len(calls) == 4)
+    score, record = phase.best_score, phase.record
     assert calls == [False, True, True, True]
     assert (record.rounds, score.pt) == (2, start)
     calls.clear()
@@ -919,7 +933,7 @@ def test_a_kicks_wide_descent_goes_on_while_it_finds_better_plans(monkeypatch) -
     assert first is not None and thinly_walked(640, CORE_COVER)
     better = 0.9 * raced.score(first, timed=True).pt
     monkeypatch.setattr(anytime_module, "_local_search", searches([None, None, better, None]))
-    _, score, _ = anytime(raced, first, seed=0, fixed_stages=False, out_of_time=lambda: False, max_rounds=4)
+    score = ran(raced, first, max_rounds=4).best_score
     assert calls == [False, True, True, False] and score.pt == better
 
 
@@ -941,14 +955,13 @@ def test_where_the_anytime_phase_stalls_it_goes_on_from_its_other_starts(monkeyp
         return start, engine.score(start, timed=True)
 
     monkeypatch.setattr(anytime_module, "_local_search", search)
-    found, score, record = anytime(engine, worst_first[0], seed=0, fixed_stages=False, out_of_time=lambda: False,
-                                   patience=2, then=worst_first[1:])
+    phase = ran(engine, worst_first[0], patience=2, then=worst_first[1:])
+    found, score, record = phase.best, phase.best_score, phase.record
     assert seen == [(start, wide) for start in worst_first for wide in (False, True)]
     assert (record.rounds, record.restarts, record.improved) == (6, 2, 0)
     assert found == worst_first[-1] and not engine.score(worst_first[-2], timed=True).better_than(score)
     seen.clear()
-    _, _, record = anytime(engine, worst_first[0], seed=0, fixed_stages=False, out_of_time=lambda: False,
-                           patience=2, then=worst_first[1:], max_rounds=3)
+    record = ran(engine, worst_first[0], patience=2, then=worst_first[1:], max_rounds=3).record
     assert (record.rounds, record.restarts) == (3, 1)
     assert [start for start, _ in seen] == [worst_first[0], worst_first[0], worst_first[1]]
 
@@ -981,7 +994,9 @@ def test_a_large_swarm_whose_cores_give_no_feasible_start_is_searched_from_the_r
     engine = large_engine(640, seed=313)
     paper = paper_plan(engine, seed=0)
     monkeypatch.setattr(refine_module, "core_starts", lambda *args, **kwargs: [])
-    layouts, record = refine_module.refined_layouts(engine, paper, seed=0, out_of_time=lambda: False, max_rounds=1)
+    searched = refine_module.RefinedSearch(engine, paper, seed=0, anytime=True)
+    searched.run(out_of_time=lambda: False, max_rounds=1)
+    layouts, record = searched.layouts()
     assert layouts and record is not None and record.rounds == 1
 
 
@@ -1117,21 +1132,23 @@ def test_where_rounds_descend_the_anytime_phase_starts_from_the_best_of_several_
     monkeypatch.setattr(refine_module, "local_optimum", local_optimum)
     monkeypatch.setattr(refine_module, "Anytime", Anytime)
 
-    def searches(engine: Engine, **kwargs) -> int:
+    def searches(engine: Engine, *, anytime: bool = True, **kwargs) -> int:
         found.clear()
-        _, record = refine_module.refined_layouts(engine, paper_plan(engine, seed=0), seed=0, **kwargs)
-        assert record is None if "out_of_time" not in kwargs else record.searches == len(found)
+        searched = refine_module.RefinedSearch(engine, paper_plan(engine, seed=0), seed=0, anytime=anytime, **kwargs)
+        searched.run(out_of_time=lambda: False, max_rounds=0)
+        _, record = searched.layouts()
+        assert record is None if not anytime else record.searches == len(found)
         return len(found)
 
     engine = large_engine(200, seed=317)
     assert thinly_walked(engine.net.size, WALK_COVER)
-    every = {"out_of_time": lambda: False, "may_search": lambda: True, "max_rounds": 0}
+    every = {"may_search": lambda: True}
     assert searches(engine, **every) == refine_module.SEARCHES == 3
     best = min(found, key=refine_module.ranked)
     assert started[-1] == best[0] and len({refine_module.ranked(f) for f in found}) == 3  # each its own plan
     assert list(then[-1]) == [groups for groups, _ in sorted(found, key=refine_module.ranked)[1:]]  # where it stalls
-    assert searches(engine, out_of_time=lambda: False, max_rounds=0) == 1  # no more allowed
-    assert searches(engine) == 1
+    assert searches(engine) == 1  # no more allowed
+    assert searches(engine, anytime=False) == 1
     assert searches(engine, **every, searches=2) == 2
     assert searches(engine, **{**every, "may_search": iter([True, False]).__next__}) == 2
     assert searches(small := large_engine(96, seed=317), **every) == 1 and not thinly_walked(small.net.size, WALK_COVER)
@@ -1156,10 +1173,12 @@ def test_where_a_large_swarms_phase_stalls_on_every_start_it_goes_on_from_new_cl
     monkeypatch.setattr(anytime_module, "_local_search",
                         lambda engine, start, rng, wide=False: (start, engine.score(start, timed=True)))
 
-    def run(**kwargs) -> tuple[int, int, int]:
+    def run(*, max_rounds: int | None = None, **kwargs) -> tuple[int, int, int]:
         found.clear()
-        _, record = refine_module.refined_layouts(engine, paper, seed=0, out_of_time=lambda: False,
-                                                  may_search=lambda: True, anytime_patience=2, **kwargs)
+        searched = refine_module.RefinedSearch(engine, paper, seed=0, anytime=True, may_search=lambda: True,
+                                               anytime_patience=2, **kwargs)
+        searched.run(out_of_time=lambda: False, max_rounds=max_rounds)
+        _, record = searched.layouts()
         assert record is not None and record.searches == refine_module.SEARCHES
         return len(found), record.restarts, record.rounds
 

@@ -162,23 +162,14 @@ def thinly_walked(devices: int, cover: int) -> bool:
     return round_moves(devices) < cover * devices
 
 
-def anytime(engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
-            out_of_time: Callable[[], bool], patience: float = PATIENCE, max_rounds: int | None = None,
-            then: Iterable[list[Group]] = ()) -> tuple[list[Group], Score, SearchRecord]:
-    """Anneal in rounds from ``groups`` (scored with time-set shares) until ``out_of_time()`` or ``max_rounds``
-    rounds; after ``patience`` rounds in a row found nothing better, from the next of ``then``, and the phase ends
-    when none is left (module doc). The best plan found and what was done. With ``fixed_stages`` no move changes the
-    stage count."""
-    phase = Anytime(engine, groups, seed=seed, fixed_stages=fixed_stages, patience=patience, then=then)
-    phase.run(out_of_time=out_of_time, max_rounds=max_rounds)
-    return phase.best, phase.best_score, phase.record
-
-
 class Anytime:
-    """The anytime phase (``anytime``) kept between runs: a run goes on from the round the last one stopped before,
-    and rounds run in several runs end where the same rounds run in one would (each round's draws are seeded by its
-    number, and a round the clock cuts short is run again), so a portfolio's heat goes on from where it stopped
-    (``portfolio``) and its seed and rounds still replay it."""
+    """The anytime phase (module doc) from ``groups`` (scored with time-set shares), kept between runs: after
+    ``patience`` rounds in a row found nothing better it goes on from the next of ``then``, and ends when none is left;
+    with ``fixed_stages`` no move changes the stage count. ``best`` and ``best_score`` are the best plan found so far,
+    ``record`` what was done. A run goes on from the round the last one stopped before, and rounds run in several runs
+    end where the same rounds run in one would (each round's draws are seeded by its number, and a round the clock
+    cuts short is run again), so a portfolio's heat goes on from where it stopped (``portfolio``) and its seed and
+    rounds still replay it."""
 
     def __init__(self, engine: Engine, groups: list[Group], *, seed: int, fixed_stages: bool,
                  patience: float = PATIENCE, then: Iterable[list[Group]] = ()) -> None:
@@ -192,8 +183,12 @@ class Anytime:
         self.large = thinly_walked(engine.net.size, WALK_COVER)
         # where rounds are scarce, no settling (module doc)
         self.settle = 0 if thinly_walked(engine.net.size, CORE_COVER) else SETTLE
-        self.kind = DESCENT if self.large else WALK
+        self.kind = self._first_kind()
         self.ended = False  # every start stalled
+
+    def _first_kind(self) -> str:
+        """A start's first round: a descent on a large swarm, a walk on a small one (module doc)."""
+        return DESCENT if self.large else WALK
 
     @property
     def record(self) -> SearchRecord:
@@ -211,7 +206,7 @@ class Anytime:
                     self.ended = True
                     break
                 self.groups, self.misses, self.restarts = other, 0, self.restarts + 1
-                self.score, self.kind = engine.score(other, timed=True), DESCENT if self.large else WALK
+                self.score, self.kind = engine.score(other, timed=True), self._first_kind()
             result = self._round(out_of_time)
             if result is None:
                 break

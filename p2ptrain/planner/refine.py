@@ -218,39 +218,25 @@ def race(engine: Engine, starts: list[tuple[list[Group], Score]], *, seed: int,
     return runners[0]
 
 
-def refined_layouts(engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
-                    out_of_time: Callable[[], bool] | None = None, max_rounds: int | None = None,
-                    anytime_patience: int | None = None, searches: int = SEARCHES,
-                    may_search: Callable[[], bool] | None = None, time_left: Callable[[], float] | None = None,
-                    **search: int) -> tuple[list[StageLayout] | None, SearchRecord | None]:
-    """The refined plan (module doc); with ``out_of_time``, the anytime phase runs until it says the budget is
-    spent (or ``max_rounds`` rounds), from the best of up to ``searches`` runs of steps 1-3 where its rounds are
-    descents, each after the first only while ``may_search()`` (none without it), and where the phase stalls there,
-    from the optima of new clusterings while ``time_left()`` seconds are ``RESTART_ROOM`` times the first run's (none
-    without it; ``math.inf``, as where ``max_rounds`` bounds the phase: no bound); what it did comes back beside the
-    plan. ``anytime_patience``: rounds in a row without a better plan after which the phase goes on from another start
-    or ends (default: ``PATIENCE``, and no bound after a large swarm's race, module doc). ``search``: the counts that
-    bound steps 1-3 (``local_optimum``)."""
-    searched = RefinedSearch(engine, paper, seed=seed, stages=stages, anytime=out_of_time is not None,
-                             out_of_time=out_of_time or (lambda: False), anytime_patience=anytime_patience,
-                             searches=searches, may_search=may_search, time_left=time_left, **search)
-    if out_of_time is not None:
-        searched.run(out_of_time=out_of_time, max_rounds=max_rounds)
-    return searched.layouts()
-
-
 class RefinedSearch:
-    """The refined search of one seed (``refined_layouts``), kept between runs of its anytime phase: steps 1-3 (or a
-    large swarm's race) when made, then each ``run`` goes on with the phase's rounds (``anytime.Anytime``), so that a
-    portfolio's heat goes on from where it stopped (``portfolio``)."""
+    """The refined plan of one seed (module doc), kept between runs of its anytime phase: steps 1-3 (or a large
+    swarm's race) when made, then each ``run`` goes on with the phase's rounds (``anytime.Anytime``), so that a
+    portfolio's heat goes on from where it stopped (``portfolio``); ``layouts`` is the plan so far."""
 
-    def __init__(self, engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None, anytime: bool,
-                 out_of_time: Callable[[], bool], anytime_patience: int | None, searches: int,
-                 may_search: Callable[[], bool] | None, time_left: Callable[[], float] | None,
+    def __init__(self, engine: Engine, paper: PaperResult | None, *, seed: int, stages: int | None = None,
+                 anytime: bool = False, out_of_time: Callable[[], bool] = lambda: False,
+                 anytime_patience: int | None = None, searches: int = SEARCHES,
+                 may_search: Callable[[], bool] | None = None, time_left: Callable[[], float] | None = None,
                  rounds: int = 200, budget: int = 2000, starts: int = 3, screen: int = 3, kick_total: int = 2000,
                  patience: int = 6, kick_budget: int = 200) -> None:
-        """``anytime``: whether the phase follows (else ``run`` may not be called); ``out_of_time`` bounds a large
-        swarm's race."""
+        """``anytime``: whether the anytime phase follows (else ``run`` does nothing); it starts from the best of up to
+        ``searches`` runs of steps 1-3 where its rounds are descents, each after the first only while ``may_search()``
+        (none without it), and where it stalls there, goes on from the optima of new clusterings while ``time_left()``
+        seconds are ``RESTART_ROOM`` times the first run's (none without it; ``math.inf``, as where rounds bound the
+        phase: no bound). ``out_of_time`` bounds a large swarm's race. ``anytime_patience``: rounds in a row without a
+        better plan after which the phase goes on from another start or ends (default: ``PATIENCE``, and no bound
+        after a large swarm's race, module doc). ``rounds`` to ``kick_budget``: the counts that bound steps 1-3
+        (``local_optimum``)."""
         self.engine, self.searches = engine, 1
         self.start: tuple[list[Group], Score] | None = None
         self.phase: Anytime | None = None
@@ -302,7 +288,8 @@ class RefinedSearch:
                                  then=then)
 
     def run(self, *, out_of_time: Callable[[], bool], max_rounds: int | None = None) -> None:
-        """The anytime phase's rounds until ``out_of_time()`` or ``max_rounds`` in all (``Anytime.run``)."""
+        """The anytime phase's rounds until ``out_of_time()`` or ``max_rounds`` in all (``Anytime.run``); none where
+        it was not asked for."""
         if self.phase is not None:
             self.phase.run(out_of_time=out_of_time, max_rounds=max_rounds)
 
