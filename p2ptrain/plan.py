@@ -21,7 +21,7 @@ from p2ptrain.cli import check_maddrs, count, index, non_negative, positive, run
 from p2ptrain.config import AVERAGING_CODECS, OPTIMIZERS, RunConfig, RuntimeConfig
 from p2ptrain.models.configs import ModelConfig
 from p2ptrain.models.hf_config import CheckpointError, checkpoint_name, read_config
-from p2ptrain.planner import PLANNERS, PlanningError, format_plan, make_plan
+from p2ptrain.planner import PLANNERS, Donor, PlanningError, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
 from p2ptrain.planner.portfolio import DEFAULT_JOBS, HEAT_ROUNDS, HEATS, default_jobs
 from p2ptrain.planner.presets import OFFLOADS, PRECISIONS, PRESETS, ModelSpec, config_spec, model_spec
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --rounds: on a large swarm, start the anytime search from the best of N runs of "
                              "the refined search's first steps, as the plan a budget gave did (its `search` says "
                              f"how many; default {SEARCHES})")
+    parser.add_argument("--donor", type=donor, metavar="SEED:ROUNDS:AT",
+                        help="with --rounds: before round AT the search goes on from the best plan of seed SEED's "
+                             "search after ROUNDS rounds, as a plan whose jobs shared their plans did (its `search` "
+                             "says donor_seed, donor_rounds and adopted_at)")
     parser.add_argument("--jobs", type=count, metavar="N",
                         help="with a budget, the refined planner searches from N seeds at once, in as many "
                              "processes, and keeps the best plan, whose `search` records the seed that replays it "
@@ -102,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"rows per microbatch (default: {PEER_DEFAULTS.rows_per_microbatch})")
     live.add_argument("--seq-len", type=count, help=f"tokens per row (default: {PEER_DEFAULTS.seq_len})")
     return parser
+
+
+def donor(text: str) -> Donor:
+    """``--donor SEED:ROUNDS:AT``: three whole numbers of 0 or more."""
+    parts = text.split(":")
+    if len(parts) != 3 or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give SEED:ROUNDS:AT, three whole numbers of 0 or more, as a "
+                                         "plan's search line prints them")
+    seed, rounds, at = (int(part) for part in parts)
+    return Donor(seed=seed, rounds=rounds, at=at)
 
 
 LIVE_HELP = """live planning:
@@ -130,13 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give either a swarm file or --initial-peers, not both")
     if args.budget_s is not None and args.rounds is not None:
         parser.error("--budget-s and --rounds both bound the refined planner's search; give one")
-    if args.searches is not None and args.rounds is None:
-        parser.error("--searches replays a plan's search with --rounds N; give --rounds too")
+    for flag in ("searches", "donor"):
+        if getattr(args, flag) is not None and args.rounds is None:
+            parser.error(f"--{flag} replays a plan's search with --rounds N; give --rounds too")
     for flag in ("jobs", "heats"):
         if getattr(args, flag) is not None and args.rounds is not None:
             parser.error(f"--rounds replays one search (give --seed the plan's `search.seed`); --{flag} applies to a "
                          "budget")
-    searching = {"budget-s": args.budget_s, "rounds": args.rounds, "jobs": args.jobs, "heats": args.heats}
+    searching = {"budget-s": args.budget_s, "rounds": args.rounds, "jobs": args.jobs, "heats": args.heats,
+                 "donor": args.donor}
     if args.planner != "refined" and any(value is not None for value in searching.values()):
         flag = next(name for name, value in searching.items() if value is not None)
         parser.error(f"--{flag} applies to the refined planner, not {args.planner}")
@@ -194,7 +210,7 @@ def offline_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             budget_s = 0.0
         plan = make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=args.planner,
                          stages=stages, seed=args.seed, average_every=args.average_every, budget_s=budget_s,
-                         clock=time.monotonic, rounds=args.rounds, searches=args.searches,
+                         clock=time.monotonic, rounds=args.rounds, searches=args.searches, donor=args.donor,
                          jobs=args.jobs or default_jobs(), heats=args.heats)
     except PlanningError as error:
         print(f"{args.swarm}: {error}", file=sys.stderr)
@@ -275,7 +291,8 @@ def _plan_live(args: argparse.Namespace, *, dht: hivemind.DHT, signer: RSASignat
         plan = plan_swarm(dht, run_id=run_id, model=model, tokens=tokens, microbatches=microbatches,
                           planner=args.planner, stages=args.stages, seed=args.seed, expect=expect, settings=settings,
                           stop=stop, average_every=args.average_every, budget_s=args.budget_s, rounds=args.rounds,
-                          searches=args.searches, jobs=args.jobs or default_jobs(), heats=args.heats)
+                          searches=args.searches, donor=args.donor, jobs=args.jobs or default_jobs(),
+                          heats=args.heats)
     except (SwarmFileError, PlanningError) as error:
         print(f"run {run_id}: {error}", file=sys.stderr)
         return 1

@@ -18,7 +18,7 @@ import p2ptrain.planner as planner_module
 from p2ptrain.models import build_stage, model_config
 from p2ptrain.models.configs import AlbertConfig, LlamaConfig
 from p2ptrain.models.llama import Block
-from p2ptrain.planner import Plan, PlanningError, cost, format_plan, make_plan, model_spec
+from p2ptrain.planner import Donor, Plan, PlanningError, cost, format_plan, make_plan, model_spec
 from p2ptrain.planner import anytime as anytime_module
 from p2ptrain.planner import paper as paper_module
 from p2ptrain.planner import planning as planning_module
@@ -529,7 +529,7 @@ def test_with_jobs_the_refined_planner_keeps_the_best_plan_of_as_many_seeds_and_
     assert [kw["searches"] for kw in given] == [SEARCHES_EACH, 3] and SEARCHES_EACH < refine_module.SEARCHES
     # every parameter reaches the spawned searches (a new one left out there would be dropped silently), but
     # `rounds`: a replay is one job
-    assert set(given[0]) == set(inspect.signature(make_plan).parameters) - {"rounds"} | {"plan"}
+    assert set(given[0]) == set(inspect.signature(make_plan).parameters) - {"rounds", "donor"} | {"plan"}
     monkeypatch.undo()
 
     # this process's search ends worse (a random plan), or finds none: the other seed's plan is kept
@@ -553,24 +553,29 @@ def test_in_heats_each_job_searches_seeds_in_turn_then_the_best_search_again_for
     kwargs = {"model": swarm.model, "batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
     seeds = portfolio_seeds(0, 3)
     calls: list[tuple[int, float]] = []
+    called_at: list[float] = []
     singles: list[tuple[int, int, int | None]] = []
 
     def ranked_by_seed(*, seed: int, budget_s: float, jobs: int, heats: int, rounds: int | None, **kw) -> Plan:
         """A real plan whose batch time says which seed it came from: the last of `seeds` is the best."""
         calls.append((seed, budget_s))
+        called_at.append(time.monotonic())
         singles.append((jobs, heats, rounds))
         plan = make_plan(seed=seed, budget_s=budget_s, jobs=jobs, heats=heats, rounds=rounds, **kw)
         pt = 100.0 - seeds.index(seed)
         return replace(plan, predicted=replace(plan.predicted, batch_time_s=pt))
 
-    kept = plan_on_cores(jobs=1, heats=3, seed=0, budget_s=3.0, clock=time.monotonic, plan=ranked_by_seed,
+    began = time.monotonic()
+    # heats of 1 s: a heat's steps before its rounds (about 0.6 s here) fit in its share, or a late heat would not run
+    kept = plan_on_cores(jobs=1, heats=3, seed=0, budget_s=6.0, clock=time.monotonic, plan=ranked_by_seed,
                          swarm=swarm, planner="refined", **kwargs)
     assert [seed for seed, _ in calls] == [*seeds, seeds[2]]
     # each a single search (where heats are the default too: a swarm of 167 to 500), a heat of HEAT_ROUNDS rounds
     assert singles == [(1, 1, portfolio_module.HEAT_ROUNDS)] * 3 + [(1, 1, None)]
-    heat_s = portfolio_module.HEAT_SHARE * 3.0 / 3
+    heat_s = portfolio_module.HEAT_SHARE * 6.0 / 3
     assert all(budget <= (k + 1) * heat_s + 1e-6 for k, (_, budget) in enumerate(calls[:3]))
-    assert 3.0 - 3 * heat_s - 0.5 < calls[3][1] < 3.0  # the rest of the budget, from the start
+    rest = began + 6.0 - called_at[3]  # the rest of the budget, counted from the start
+    assert 0 < rest <= calls[3][1] < rest + 0.1
     assert kept.search is not None and (kept.search.seed, kept.search.jobs, kept.search.heats) == (seeds[2], 1, 3)
     assert kept.predicted.batch_time_s == 98.0
 
@@ -606,7 +611,8 @@ def test_heats_that_resume_go_on_from_where_they_stopped_and_their_seed_and_roun
             super().__init__(*args, seed=seed, **kw)
 
     monkeypatch.setattr(portfolio_module, "Planning", Counted)
-    kept = plan_on_cores(jobs=1, heats=3, resume_heats=True, seed=0, budget_s=3.0, clock=time.monotonic,
+    # heats of 1 s, which a heat's steps before its rounds (about 0.6 s here) fit in: a late heat would not run
+    kept = plan_on_cores(jobs=1, heats=3, resume_heats=True, seed=0, budget_s=6.0, clock=time.monotonic,
                          plan=make_plan, swarm=swarm, model=swarm.model, planner="refined", **kwargs)
     assert made == portfolio_seeds(0, 3)  # one search a seed: the best heat's went on
     s = kept.search
@@ -623,6 +629,57 @@ def test_heats_that_resume_go_on_from_where_they_stopped_and_their_seed_and_roun
     assert replace(replayed, search=None) == replace(plan, search=None)
     assert Plan.from_json(plan.to_json()) == plan and Plan.from_json(plan.to_json()).search.resumed is True
     assert "2 at once, each job's best going on from where it stopped" in format_plan(plan, title="")
+
+
+def test_jobs_that_share_go_on_from_the_best_posted_plan_and_the_donor_replays_it() -> None:
+    """``share``: at ``SHARE_AT`` of the budget each job posts its best plan and goes on from a better one posted by
+    another; the record names the donor's seed and rounds and the round of the adoption, which replay the plan on one
+    core (``make_plan``'s ``donor``, the CLI's ``--donor``); a worse post is not taken."""
+    swarm = load_swarm(PEERS / "paper-case3.toml")
+    assert swarm.model is not None
+    kwargs = {"batch_tokens": swarm.batch_tokens, "microbatches": swarm.microbatches}
+    settings = {"swarm": swarm, "model": swarm.model, "planner": "refined", "stages": None, "random_samples": 1,
+                "average_every": 1, "searches": 1, "patience": None, **kwargs}
+    giver = planning_module.Planning(seed=1, limit=planning_module.UNBOUNDED, **settings)
+    giver.run(max_rounds=6)
+    post = giver.best
+    assert post is not None and post[2] == 6
+    start = planning_module.Planning(seed=0, limit=planning_module.UNBOUNDED, **settings).best
+    assert start is not None and post[0] < start[0]  # the donor's plan is better than seed 0's start
+
+    def lane(board: dict) -> Plan:
+        now = time.monotonic()  # the share is due at once: seed 0 posts its start
+        plan = portfolio_module._shared_lane(seed=0, share_at=now, end=now + 2.0, clock=time.monotonic, board=board,
+                                             jobs=2, **settings)
+        assert isinstance(plan, Plan) and plan.search is not None and 0 in board
+        return plan
+
+    plan = lane({1: post})
+    s = plan.search
+    assert (s.seed, s.donor_seed, s.donor_rounds, s.adopted_at) == (0, 1, 6, 0)
+    replayed = make_plan(swarm, swarm.model, seed=0, rounds=s.rounds, searches=s.searches,
+                         donor=Donor(seed=1, rounds=6, at=0), **kwargs)
+    assert replace(replayed, search=None) == replace(plan, search=None)
+    assert replayed.search is not None and replace(replayed.search, scored=s.scored) == s
+    assert Plan.from_json(plan.to_json()) == plan
+    assert f"--seed 0 --rounds {s.rounds} --searches {s.searches} --donor 1:6:0 replays it" in format_plan(plan,
+                                                                                                       title="")
+    kept = lane({1: (math.inf, post[1], 6)})  # a worse post: seed 0 goes on alone
+    assert kept.search is not None and kept.search.donor_seed is None
+    with pytest.raises(ValueError, match="no fewer than the round"):
+        make_plan(swarm, swarm.model, rounds=2, donor=Donor(seed=1, rounds=6, at=3), **kwargs)
+
+    plan = make_plan(swarm, swarm.model, budget_s=4.0, clock=time.monotonic, jobs=2, share=True, **kwargs)
+    s = plan.search
+    assert s is not None and (s.jobs, s.heats, s.shared) == (2, 1, True) and s.seed in portfolio_seeds(0, 2)
+    donor = None if s.donor_seed is None else Donor(seed=s.donor_seed, rounds=s.donor_rounds, at=s.adopted_at)
+    replayed = make_plan(swarm, swarm.model, seed=s.seed, rounds=s.rounds, searches=s.searches, donor=donor,
+                         **kwargs)
+    assert replace(replayed, search=None) == replace(plan, search=None)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "which shared their best plans once" in format_plan(plan, title="")
+    # by default where the refined search races cores, and only with one heat
+    assert [portfolio_module.default_share(n) for n in (64, 256, 500, 501, 1024)] == [False] * 3 + [True] * 2
 
 
 def blas_threads() -> list[int]:

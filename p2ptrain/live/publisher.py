@@ -16,7 +16,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from p2ptrain.config import RunConfig, RuntimeConfig
 from p2ptrain.dht import Announcer, PeerInfo, PlanRecord, get_peers
 from p2ptrain.live.swarm import planning_peers, swarm_from_peers
-from p2ptrain.planner import Plan, format_plan, make_plan
+from p2ptrain.planner import Donor, Plan, format_plan, make_plan
 from p2ptrain.planner.anytime import default_budget_s
 from p2ptrain.planner.presets import ModelSpec, run_spec
 
@@ -50,7 +50,8 @@ def wait_for_peers(dht: hivemind.DHT, *, run_id: str, expect: int, settings: Run
 def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int, microbatches: int, planner: str,
                stages: int | None, seed: int, expect: int, settings: RuntimeConfig, stop: threading.Event,
                average_every: int = 1, budget_s: float | None = 0.0, rounds: int | None = None,
-               searches: int | None = None, jobs: int = 1, heats: int | None = None) -> Plan | None:
+               searches: int | None = None, jobs: int = 1, heats: int | None = None,
+               donor: Donor | None = None) -> Plan | None:
     """Wait for `expect` measured servers, then plan what the DHT holds; None if stopped or out of time. The
     refined planner's anytime search runs for `budget_s` (None: `default_budget_s` of the peers found) or `rounds`,
     from `jobs` seeds at once, each first in `heats` (`planner.portfolio`).
@@ -67,7 +68,7 @@ def plan_swarm(dht: hivemind.DHT, *, run_id: str, model: ModelSpec, tokens: int,
         budget_s = default_budget_s(len(swarm.devices))
     return make_plan(swarm, model, batch_tokens=tokens, microbatches=microbatches, planner=planner, stages=stages,
                      seed=seed, average_every=average_every, budget_s=budget_s, clock=time.monotonic, rounds=rounds,
-                     searches=searches, jobs=jobs, heats=heats)
+                     searches=searches, donor=donor, jobs=jobs, heats=heats)
 
 
 def publish(dht: hivemind.DHT, *, signer: RSASignatureValidator, run_id: str, plan: dict,

@@ -87,6 +87,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -130,6 +131,19 @@ class SearchRecord:
     jobs: int = 1  # searches that ran at once, from as many seeds (``portfolio``)
     heats: int = 1  # seeds each of them searched in turn before the best searched again (``portfolio``)
     resumed: bool = False  # whether each job's best heat went on from where it stopped, not from the start
+    shared: bool = False  # whether the jobs shared their best plans once (``portfolio``)
+    donor_seed: int | None = None  # the search whose best plan this one went on from (``Anytime.adopt``), if any
+    donor_rounds: int = 0  # ... after that many of its rounds
+    adopted_at: int = 0  # ... before this search's round of that number
+
+
+class Donor(NamedTuple):
+    """Another search's best plan that a search went on from (``Anytime.adopt``): the search's seed, its rounds then,
+    and the adopter's round before which it did (the fields a ``SearchRecord`` keeps, for a replay)."""
+
+    seed: int
+    rounds: int
+    at: int
 
 
 def default_budget_s(devices: int) -> float:
@@ -185,6 +199,7 @@ class Anytime:
         self.settle = 0 if thinly_walked(engine.net.size, CORE_COVER) else SETTLE
         self.kind = self._first_kind()
         self.ended = False  # every start stalled
+        self.donor: Donor | None = None  # the other search's plan it went on from (``adopt``)
 
     def _first_kind(self) -> str:
         """A start's first round: a descent on a large swarm, a walk on a small one (module doc)."""
@@ -193,8 +208,24 @@ class Anytime:
     @property
     def record(self) -> SearchRecord:
         """What the phase did so far."""
+        donor = self.donor or Donor(seed=-1, rounds=0, at=0)
         return SearchRecord(rounds=self.rounds, scored=self.engine.scored, improved=self.improved,
-                            restarts=self.restarts)
+                            restarts=self.restarts, donor_seed=None if self.donor is None else donor.seed,
+                            donor_rounds=donor.rounds, adopted_at=donor.at)
+
+    def adopt(self, groups: list[Group], *, seed: int, rounds: int) -> bool:
+        """Go on from ``groups``, the best plan of another search (of ``seed``, after ``rounds`` rounds), where it is
+        better than this phase's best: as from a start of its own (no misses, a start's first kind of round), its
+        rounds numbered on. Whether it was; once only."""
+        assert self.donor is None, "a search adopts one plan at most"
+        score = self.engine.score(groups, timed=True)
+        if not score.better_than(self.best_score):
+            return False
+        self.groups = self.best = groups
+        self.score = self.best_score = score
+        self.misses, self.kind, self.ended = 0, self._first_kind(), False
+        self.donor = Donor(seed=seed, rounds=rounds, at=self.rounds)
+        return True
 
     def run(self, *, out_of_time: Callable[[], bool], max_rounds: int | None = None) -> None:
         """Rounds until ``out_of_time()``, ``max_rounds`` rounds in all, or every start stalled."""

@@ -15,7 +15,7 @@ from p2ptrain.planner.paper import paper_plan
 from p2ptrain.planner.presets import ModelSpec
 from p2ptrain.planner.records import Plan, PlanningError, build_plan
 from p2ptrain.planner.refine import SEARCH_SHARE, SEARCHES, RefinedSearch, better
-from p2ptrain.planner.search import Engine
+from p2ptrain.planner.search import Engine, Group
 from p2ptrain.planner.swarmfile import Swarm
 
 
@@ -78,6 +78,22 @@ class Planning:
         if self.refined is not None and self.limit is not None:
             with threadpool_limits(limits=1, user_api="blas"):
                 self.refined.run(out_of_time=out_of_time or self.limit.out_of_time, max_rounds=max_rounds)
+
+    @property
+    def best(self) -> tuple[float, list[Group], int] | None:
+        """The refined planner's anytime phase's best plan so far: its PT, its stages and the rounds run; None where
+        there is no such phase."""
+        phase = None if self.refined is None else self.refined.phase
+        return None if phase is None else (phase.best_score.pt, phase.best, phase.rounds)
+
+    def adopt(self, groups: list[Group], *, seed: int, rounds: int) -> bool:
+        """The anytime phase goes on from ``groups``, another search's best plan (of ``seed`` after ``rounds``
+        rounds), where it is better than its own (``Anytime.adopt``); whether it was."""
+        phase = None if self.refined is None else self.refined.phase
+        if phase is None:
+            return False
+        with threadpool_limits(limits=1, user_api="blas"):
+            return phase.adopt(groups, seed=seed, rounds=rounds)
 
     def plan(self) -> Plan:
         """The plan so far (the refined planner's: the better of its search's and the paper's); raises

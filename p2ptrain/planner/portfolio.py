@@ -22,12 +22,24 @@ plans with 2 jobs the mean was 1.032x (1 quick search each), 1.031x (2) and 1.04
 At the default budget of then (25.25 s at 256 devices) 2 each again measured no better than 1: on 22 plans (swarms
 500-503, 600 and 700-704, planner seeds 0-2, 2 jobs) the PT of 2 over 1's was 1.002 in the geometric mean, lower on 4
 (by up to 6.9%), higher on 10 (by up to 5.3%) and the same on 8.
-The jobs share nothing while they search. Sharing the best plan (each job, between rounds of its anytime phase, going
-on from another's plan where that is better, so that every job kicks the best plan found) measured no better at the
-default budget (44 s; swarms 600 and 700-704 of 256 devices, planner seed 0, a board in a manager process): shared from
-half the budget on, PT 0.994x in the geometric mean (lower on 3, by up to 3.5%; higher on 1, by 2.1%; the same on 2);
-shared from the start, 0.999x (lower on 2, by up to 2.9%; higher on 3, by up to 1.2%). The jobs give up the other
-seeds' basins, where one would have gone further, and ran 6% and 20% fewer rounds in all.
+Where the refined search races cores (over 500 devices, ``refine``), the jobs share their best plans once
+(``default_share``): at ``SHARE_AT`` of the budget each job's anytime phase stops (the round cut short dropped), posts
+its best plan on a board (a manager process's dict), waits for the others' (``SHARE_WAIT_S`` at most), and a job whose
+plan is worse goes on from the best, with its own seed and round numbers (``anytime.Anytime.adopt``). The plan's
+record names the donor's seed, its rounds then and the round of the adoption, which replay it (``make_plan``'s
+``donor``). There a seed's search seldom leaves the basin its race picked, and a bad one stalls
+(``benchmarks/results/planner-gap-history.md``). Measured at 1,024 devices (2 jobs, the default budget; before it was
+built, by a patch of the same steps): PT 0.9915x one search a job's in the geometric mean over 23 plans (swarms
+710-713, 720, 721, 500-503 and 600 with planner seeds 0 and 1, 601 with 0; lower on 9, higher on 3; 0.933x to 1.049x),
+and all 23 within 5% of each swarm's best of these runs where 20; shared at 0.3 of the budget, 1.001x. As built, on 8
+plans not used before (722-725 with seed 1, 726-729 with seed 0): 0.988x (lower on 4, by up to 4.8%; higher on 1, by
+1.2%; the same on 3). It loses where the ranking at the share reverses later (720:1, 78.24 -> 82.07 s).
+Elsewhere the jobs share nothing while they search. Sharing the best plan (each job, between rounds of its anytime
+phase, going on from another's plan where that is better, so that every job kicks the best plan found) measured no
+better at the default budget (44 s; swarms 600 and 700-704 of 256 devices, planner seed 0, a board in a manager
+process): shared from half the budget on, PT 0.994x in the geometric mean (lower on 3, by up to 3.5%; higher on 1, by
+2.1%; the same on 2); shared from the start, 0.999x (lower on 2, by up to 2.9%; higher on 3, by up to 1.2%). The jobs
+give up the other seeds' basins, where one would have gone further, and ran 6% and 20% fewer rounds in all.
 Which seed's search ends best shows early where the rounds are descents (``refine``): of 8 seeds of one job on
 geo-256-seed710 and 711 (44 s each), the seed with the best plan at 8 s ended best on both. So ``heats``: each job first
 searches several seeds in turn, each for ``HEAT_ROUNDS`` rounds of the anytime phase within a share of the first
@@ -65,7 +77,7 @@ import dataclasses
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
@@ -80,6 +92,9 @@ SEARCHES_EACH = 1  # runs of the refined search's first steps in each of several
 HEATS = 4  # seeds each job searches in turn before the best search again, where rounds descend (module doc)
 HEAT_SHARE = 0.5  # the budget's share the heats take at most
 HEAT_ROUNDS = 10  # rounds of the anytime phase a heat runs, so that the other job's load moves no heat's plan
+SHARE_AT = 0.5  # the budget's share after which jobs that share post their best plans (module doc)
+SHARE_WAIT_S = 3.0  # how long a job waits for the others' plans at most
+POLL_S = 0.02  # between looks at the board while it waits
 
 
 def default_jobs() -> int:
@@ -100,6 +115,12 @@ def portfolio_seeds(seed: int, jobs: int) -> list[int]:
     return seeds
 
 
+def default_share(devices: int) -> bool:
+    """Whether several jobs share their best plans (``SHARE_AT``): where the refined search races cores (over 500
+    devices, ``refine``), whose seeds' searches stay in the basins their races picked (module doc)."""
+    return thinly_walked(devices, CORE_COVER)
+
+
 def default_heats(devices: int) -> int:
     """``HEATS`` where the refined search's rounds are descents and no race of cores replaces its first steps (from
     167 to 500 devices: ``refine``), one elsewhere."""
@@ -108,13 +129,16 @@ def default_heats(devices: int) -> int:
 
 
 def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], float],
-                  plan: Callable[..., Plan], heats: int = 1, resume_heats: bool = False, **kwargs: Any) -> Plan:
+                  plan: Callable[..., Plan], heats: int = 1, resume_heats: bool = False, share: bool = False,
+                  **kwargs: Any) -> Plan:
     """The best of ``plan(seed=s, budget_s=..., ...)`` over ``portfolio_seeds(seed, jobs * heats)``, ``jobs`` at once:
     the first of them in this process on ``clock``, the others in spawned processes until the same deadlines
     (``time.monotonic``'s, which every process shares). With ``heats`` over one, each job first searches ``heats`` seeds
     in turn, each for ``HEAT_ROUNDS`` rounds within its share of ``HEAT_SHARE`` of the budget, then the ``jobs`` seeds
     whose plans were best search again from the start until the budget ends (module doc); with ``resume_heats``, each
-    job's best heat goes on from where it stopped instead (``_resumed_lane``; ``plan`` is not called). The plan's search
+    job's best heat goes on from where it stopped instead (``_resumed_lane``; ``plan`` is not called). With ``share``
+    (and one heat), the jobs post their best plans at ``SHARE_AT`` of the budget and the worse go on from the best
+    (``_shared_lane``; ``plan`` is not called). The plan's search
     record says which seed found it, how many searched at once and in how many heats. Raises what this process's first
     search raises where no search finds a plan."""
     start = time.monotonic()
@@ -124,7 +148,17 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
             else None)
     with pool or contextlib.nullcontext():
         finalists = list(range(jobs))
-        if heats > 1:
+        if share and heats == 1 and jobs > 1:
+            assert pool is not None
+            with multiprocessing.get_context("spawn").Manager() as manager:
+                board, share_at, end = manager.dict(), start + SHARE_AT * budget_s, start + budget_s
+                others = [pool.submit(_shared_lane, seed=s, share_at=share_at, end=end, clock=time.monotonic,
+                                      board=board, jobs=jobs, **kwargs) for s in seeds[1:]]
+                here = _shared_lane(seed=seeds[0], share_at=share_at, end=end, clock=clock, board=board, jobs=jobs,
+                                    **kwargs)
+                outcomes |= {(0, i): o for i, o in enumerate([here, *(future.result() for future in others)])}
+            finalists = []
+        elif heats > 1:
             lanes = [list(range(job, jobs * heats, jobs)) for job in range(jobs)]
             ends = [start + (k + 1) * HEAT_SHARE * budget_s / heats for k in range(heats)]
             if resume_heats:
@@ -151,8 +185,9 @@ def plan_on_cores(*, jobs: int, seed: int, budget_s: float, clock: Callable[[], 
     assert isinstance(best, Plan)
     if best.search is None:
         return best
-    return dataclasses.replace(best, search=dataclasses.replace(best.search, seed=seeds[i], jobs=jobs, heats=heats,
-                                                                resumed=resume_heats and heats > 1))
+    return dataclasses.replace(best, search=dataclasses.replace(
+        best.search, seed=seeds[i], jobs=jobs, heats=heats, resumed=resume_heats and heats > 1,
+        shared=share and heats == 1 and jobs > 1))
 
 
 def _run(pool: ProcessPoolExecutor | None, plan: Callable[..., Plan], seeds: list[int], lanes: list[list[int]],
@@ -204,6 +239,37 @@ def _resumed_lane(*, seeds: list[int], ends: list[float], end: float, clock: Cal
     del heats  # the other heats' engines and caches
     finalist[0].run()
     return heated, (best, finalist[0].plan())
+
+
+def _shared_lane(*, seed: int, share_at: float, end: float, clock: Callable[[], float], board: MutableMapping[int, Any],
+                 jobs: int, **kwargs: Any) -> Plan | PlanningError:
+    """One job's search when the jobs share (``plan_on_cores`` with ``share``): its rounds (``Planning``, its budget
+    ending at ``end``) until ``share_at``, then it posts its best plan on ``board`` (by seed: PT, stages, rounds),
+    waits for the other jobs' (``SHARE_WAIT_S`` at most) and goes on from the best of theirs where better than its
+    own (``Planning.adopt``), until ``end``; times on ``time.monotonic``. Its plan, or why it found none. The plan's
+    record names the search it went on from, so ``make_plan``'s ``donor`` replays it."""
+    def on_clock(at: float) -> float:  # a time on time.monotonic, on ``clock``
+        return clock() + at - time.monotonic()
+
+    def search() -> Plan:
+        planning = Planning(seed=seed, limit=budget(clock, clock(), on_clock(end)), **kwargs)
+        planning.run(out_of_time=budget(clock, clock(), on_clock(share_at)).out_of_time)
+        own = planning.best
+        if own is not None:
+            board[seed] = own
+            deadline = time.monotonic() + SHARE_WAIT_S
+            while len(board) < jobs and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            posts = [(pt, rounds, other, groups) for other, (pt, groups, rounds) in dict(board).items()
+                     if other != seed]
+            if posts:
+                pt, rounds, other, groups = min(posts, key=lambda post: post[0])
+                if pt < own[0]:
+                    planning.adopt(groups, seed=other, rounds=rounds)
+        planning.run()
+        return planning.plan()
+
+    return _heat(search, end=None)
 
 
 Outcome = TypeVar("Outcome")

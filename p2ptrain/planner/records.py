@@ -115,7 +115,7 @@ class Plan:
         return cls(stages=stages, idle=tuple(data.get("idle", ())), predicted=predicted,
                    planner=str(data.get("planner", "")),
                    search=None if search is None else SearchRecord(**{
-                       f.name: (bool if f.type == "bool" else int)(search[f.name])
+                       f.name: None if search[f.name] is None else (bool if f.type == "bool" else int)(search[f.name])
                        for f in dataclasses.fields(SearchRecord)
                        if f.name in search or f.default is dataclasses.MISSING}))  # plans of before `searches`
 
@@ -196,5 +196,12 @@ def _search_line(s: SearchRecord) -> str:
                      + " for the rest of the budget")
         elif s.jobs > 1:
             line += f", the best of {s.jobs} searches from as many seeds"
-        line += f" (--seed {s.seed} --rounds {s.rounds} --searches {s.searches} replays it)"
+            if s.shared:
+                line += ", which shared their best plans once"
+        replay = f"--seed {s.seed} --rounds {s.rounds} --searches {s.searches}"
+        if s.donor_seed is not None:
+            line += (f", going on before its round {s.adopted_at} from seed {s.donor_seed}'s best plan after "
+                     f"{s.donor_rounds} rounds")
+            replay += f" --donor {s.donor_seed}:{s.donor_rounds}:{s.adopted_at}"
+        line += f" ({replay} replays it)"
     return line
