@@ -169,14 +169,14 @@ def _final_loss(tmp_path: Path, precision: str, epochs: int) -> tuple[float, flo
     out = subprocess.run([sys.executable, "-m", "p2ptrain.launch", "--model", "llama-small", "--epochs", str(epochs),
                           "--precision", precision, "--device", "cpu", "--run-id", f"precision-{precision}",
                           "--workdir", str(tmp_path / precision), "--report", str(report)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=600)  # bf16 without native support: 330 s
     assert out.returncode == 0, out.stderr[-3000:]
     status = json.loads(report.read_text())
     assert status["recipe"]["config"]["precision"] == precision  # what the swarm carried and trained in
     return status["epochs"][0]["loss"], status["loss"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(1300)
 def test_a_bf16_swarm_trains_llama_small_within_3_percent_of_the_fp32_swarm(tmp_path) -> None:
     """Two local swarms (launcher: 2 stages, FS, BS and a client each) train llama-small on the same batches, one
     in fp32 and one in bf16: the loss after 8 epochs is within 3% of each other, and it fell."""
