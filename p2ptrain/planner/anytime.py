@@ -208,10 +208,11 @@ class Anytime:
     @property
     def record(self) -> SearchRecord:
         """What the phase did so far."""
-        donor = self.donor or Donor(seed=-1, rounds=0, at=0)
+        donor = self.donor
+        adopted = {} if donor is None else {"donor_seed": donor.seed, "donor_rounds": donor.rounds,
+                                            "adopted_at": donor.at}
         return SearchRecord(rounds=self.rounds, scored=self.engine.scored, improved=self.improved,
-                            restarts=self.restarts, donor_seed=None if self.donor is None else donor.seed,
-                            donor_rounds=donor.rounds, adopted_at=donor.at)
+                            restarts=self.restarts, **adopted)
 
     def adopt(self, groups: list[Group], *, seed: int, rounds: int) -> bool:
         """Go on from ``groups``, the best plan of another search (of ``seed``, after ``rounds`` rounds), where it is

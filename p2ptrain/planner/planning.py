@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from threadpoolctl import threadpool_limits
 
+from p2ptrain.planner.anytime import Anytime
 from p2ptrain.planner.baselines import dtfm_layouts, random_layouts, swarm_layouts
 from p2ptrain.planner.cost import StageLayout, Workload
 from p2ptrain.planner.paper import paper_plan
@@ -80,16 +81,21 @@ class Planning:
                 self.refined.run(out_of_time=out_of_time or self.limit.out_of_time, max_rounds=max_rounds)
 
     @property
+    def _phase(self) -> Anytime | None:
+        """The refined planner's anytime phase, where there is one."""
+        return None if self.refined is None else self.refined.phase
+
+    @property
     def best(self) -> tuple[float, list[Group], int] | None:
         """The refined planner's anytime phase's best plan so far: its PT, its stages and the rounds run; None where
         there is no such phase."""
-        phase = None if self.refined is None else self.refined.phase
+        phase = self._phase
         return None if phase is None else (phase.best_score.pt, phase.best, phase.rounds)
 
     def adopt(self, groups: list[Group], *, seed: int, rounds: int) -> bool:
         """The anytime phase goes on from ``groups``, another search's best plan (of ``seed`` after ``rounds``
         rounds), where it is better than its own (``Anytime.adopt``); whether it was."""
-        phase = None if self.refined is None else self.refined.phase
+        phase = self._phase
         if phase is None:
             return False
         with threadpool_limits(limits=1, user_api="blas"):

@@ -220,12 +220,9 @@ def _resumed_lane(*, seeds: list[int], ends: list[float], end: float, clock: Cal
     ``time.monotonic``; then the search whose plan was best (the first on ties) goes on until ``end``. Each heat's plan
     (or why it found none), and which heat went on with the plan it ended with. A search that goes on ends where one
     search of its seed that ran all its rounds at once would (``anytime.Anytime``), so its seed and rounds replay it."""
-    def on_clock(at: float) -> float:  # a time on time.monotonic, on ``clock``
-        return clock() + at - time.monotonic()
-
     def heat(seed: int, heat_end: float) -> tuple[Planning, Plan]:
-        planning = Planning(seed=seed, limit=budget(clock, clock(), on_clock(end)), **kwargs)
-        planning.run(out_of_time=budget(clock, clock(), on_clock(heat_end)).out_of_time, max_rounds=HEAT_ROUNDS)
+        planning = Planning(seed=seed, limit=budget(clock, clock(), _on_clock(clock, end)), **kwargs)
+        planning.run(out_of_time=budget(clock, clock(), _on_clock(clock, heat_end)).out_of_time, max_rounds=HEAT_ROUNDS)
         return planning, planning.plan()
 
     heats = [_heat(lambda: heat(seed, heat_end), end=heat_end) for seed, heat_end in zip(seeds, ends)]
@@ -248,12 +245,9 @@ def _shared_lane(*, seed: int, share_at: float, end: float, clock: Callable[[], 
     waits for the other jobs' (``SHARE_WAIT_S`` at most) and goes on from the best of theirs where better than its
     own (``Planning.adopt``), until ``end``; times on ``time.monotonic``. Its plan, or why it found none. The plan's
     record names the search it went on from, so ``make_plan``'s ``donor`` replays it."""
-    def on_clock(at: float) -> float:  # a time on time.monotonic, on ``clock``
-        return clock() + at - time.monotonic()
-
     def search() -> Plan:
-        planning = Planning(seed=seed, limit=budget(clock, clock(), on_clock(end)), **kwargs)
-        planning.run(out_of_time=budget(clock, clock(), on_clock(share_at)).out_of_time)
+        planning = Planning(seed=seed, limit=budget(clock, clock(), _on_clock(clock, end)), **kwargs)
+        planning.run(out_of_time=budget(clock, clock(), _on_clock(clock, share_at)).out_of_time)
         own = planning.best
         if own is not None:
             board[seed] = own
@@ -270,6 +264,11 @@ def _shared_lane(*, seed: int, share_at: float, end: float, clock: Callable[[], 
         return planning.plan()
 
     return _heat(search, end=None)
+
+
+def _on_clock(clock: Callable[[], float], at: float) -> float:
+    """``at``, a time on ``time.monotonic``, on ``clock``."""
+    return clock() + at - time.monotonic()
 
 
 Outcome = TypeVar("Outcome")
