@@ -56,7 +56,7 @@ to score while stages are large: on geo-1024-seed502, 12 s of local search from 
 stages) reached 169-402 s of PT, 4-6 s from the cores of 6, 12 or 24 servers of 12 clusters reached 118-138 s. And
 no early score told which start ends best (the 6-stage start screened first; 18 stages ended twice as fast). So the
 starts are each cluster's core (the ``CORES`` servers nearest its medoid; clients admitted as in step 1) at a few levels
-of 2 to 4 layers a stage (``CORE_LAYERS``, ``CORE_LEVELS``), and successive halving picks one (``race``): every start
+of 2.5 to 4 layers a stage (``CORE_LAYERS``, ``CORE_LEVELS``), and successive halving picks one (``race``): every start
 gets a local search, the better half goes on with twice the budget, until one is left, which the anytime phase takes
 once idle devices joined it as in step 3. The starts hold about 140 devices, and the anytime phase's descents added a
 few at a time: on geo-1024-seed710 (planner seed 0) 140 in the race's winner, 296 in the plan at the default budget, 310
@@ -76,7 +76,11 @@ were three of 2 to 3.75 (16, 22 and 30): at the default budget (2 jobs) on swarm
 71.64 s on 502; 70.76 -> 62.88 s on 710, seed 0), higher in 4 (by up to 8.7%: 64.59 -> 70.24 s on 712, seed 1). Three
 levels of 2 to 4 (15, 21 and 30 stages; one job a plan, planner seeds 0 and 1) measured 0.961x in the geometric mean,
 but the better of each swarm's two plans, what two jobs keep, higher on all 4; five (15, 18, 21, 25 and 30; 2 jobs, seed
-0) higher on all 4 (``planner-gap-history.md``).
+0) higher on all 4. Four levels of 2.5 to 4 layers a stage (15, 18, 21 and 24 stages) where 2 to 4: at the default
+budget (2 jobs) on 16 plans no run used before (swarms 746-761 of 1,024 devices, planner seeds 0 and 1 in turn), PT
+0.955x in the geometric mean, lower on 9 (by up to 23.1%: 84.83 -> 65.25 s on 748), higher on 7 (by up to 6.4%), the
+worst plan 79.64 s where 84.83 s: the 30-stage starts took race rounds from the 15-17 stages most plans end at
+(``planner-gap-history.md``).
 5. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
@@ -97,7 +101,7 @@ from p2ptrain.planner.search import Engine, Group, Score, merge_stages
 from p2ptrain.planner.shares import timed_layouts
 
 CORES = (8, 16)  # servers a large swarm's start keeps of each cluster (module doc)
-CORE_LAYERS = (4.0, 2.0)  # the most and fewest layers a stage of a large swarm's start holds (module doc)
+CORE_LAYERS = (4.0, 2.5)  # the most and fewest layers a stage of a large swarm's start holds (module doc)
 CORE_LEVELS = 4  # stage counts a large swarm's starts take, evenly apart on a log scale between those (module doc)
 SEARCHES = 3  # runs of steps 1-3, each from its own clustering, where the anytime phase descends (module doc)
 # the share of the budget after which no more of them start: at 480 devices one takes 6.7 s of the 22.75 s budget here,
