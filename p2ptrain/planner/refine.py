@@ -79,8 +79,9 @@ but the better of each swarm's two plans, what two jobs keep, higher on all 4; f
 0) higher on all 4. Four levels of 2.5 to 4 layers a stage (15, 18, 21 and 24 stages) where 2 to 4: at the default
 budget (2 jobs) on 16 plans no run used before (swarms 746-761 of 1,024 devices, planner seeds 0 and 1 in turn), PT
 0.955x in the geometric mean, lower on 9 (by up to 23.1%: 84.83 -> 65.25 s on 748), higher on 7 (by up to 6.4%), the
-worst plan 79.64 s where 84.83 s: the 30-stage starts took race rounds from the 15-17 stages most plans end at
-(``planner-gap-history.md``).
+worst plan 79.64 s where 84.83 s (the level of 30 stages not measured apart from the spacing); at 600 and 768 devices
+(swarms 762-767, planner seeds 0 and 1) 1.013x, lower on 4, higher on 5 (by up to 20.3%: 78.45 -> 94.38 s on 766, seed
+0), the worst 94.38 s where 94.06 s: no gain there, and no loss beyond what seeds decide (``planner-gap-history.md``).
 5. Row shares and layer counts by time (``shares.timed_layouts``).
 The result is compared with the paper's plan under ``cost.evaluate`` and the better one is returned, so the
 refined plan is never worse than the paper's.
